@@ -1,0 +1,3 @@
+from parity_cli.cli import main
+
+main()

@@ -1,0 +1,245 @@
+"""The library API: one function per command, called by the CLI and directly by tests.
+
+check() wires the stages: checkpoint -> layers -> probes -> implementations -> comparison
+-> diagnosis -> report."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from parity_cli import __version__
+from parity_cli.checkpoint import Checkpoint, open_checkpoint, resolve_eps
+from parity_cli.errors import InputError
+from parity_cli.families import Family, family_by_name, family_for_model_type
+
+DTYPES = {
+    "float32": "float32", "fp32": "float32", "f32": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float64": "float64", "fp64": "float64", "double": "float64", "f64": "float64",
+}
+
+
+@dataclass
+class CheckOptions:
+    candidate: str = "torch"
+    reference: str = "oracle"
+    dtype: str | None = None  # candidate input/weight dtype; None: the checkpoint's stored dtype
+    device: str = "cpu"
+    family: str | None = None
+    eps: float | None = None  # overrides the checkpoint's eps for both sides
+    candidate_eps: float | None = None  # the candidate alone (simulates a deployment config)
+    atol: float | None = None
+    rtol: float | None = None
+    strata: list[str] | None = None
+    seed: int = 0
+    layers: str | None = None
+    max_violation_fraction: float = 0.0
+
+
+def dtype_name(name: str) -> str:
+    key = name.lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise InputError(f"--dtype: unknown dtype '{name}'; use float32, bfloat16, float16 or float64")
+    return DTYPES[key]
+
+
+def check_device(device: str) -> str:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise InputError(f"--device: '{device}' is not a device (cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: no CUDA device is available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise InputError(f"--device: '{device}' is not supported (cpu, cuda, cuda:N)")
+    return str(dev)
+
+
+def load(path: str | Path, family: str | None = None, eps: float | None = None):
+    """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share)."""
+    ckpt = open_checkpoint(path)
+    fam = family_by_name(family) if family else family_for_model_type(ckpt.model_type, str(Path(path) / "config.json"))
+    return ckpt, fam, resolve_eps(ckpt, fam, eps)
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "device_name": "cpu",
+        "cuda": torch.version.cuda,
+    }
+    if device.startswith("cuda"):
+        env["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+    return env
+
+
+def _weight_stats(weight) -> dict:
+    import torch
+
+    w = weight.to(torch.float64)
+    finite = w[torch.isfinite(w)]
+    return {
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "min": float(finite.min()) if finite.numel() else None,
+        "max": float(finite.max()) if finite.numel() else None,
+        "mean": float(finite.mean()) if finite.numel() else None,
+        "nonfinite": int(w.numel() - finite.numel()),
+    }
+
+
+def _stored_dtype(layers) -> str:
+    counts: dict[str, int] = {}
+    for layer in layers:
+        counts[layer.stored_dtype] = counts.get(layer.stored_dtype, 0) + 1
+    name = max(counts, key=counts.get)
+    return name if name in DTYPES.values() else "float32"
+
+
+def _call(fn, x):
+    """Runs one side; a fault in the implementation is returned as a message, not raised."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            y = fn(x)
+        if not isinstance(y, torch.Tensor):
+            return None, f"returned {type(y).__name__}, not a tensor"
+        return y.detach().to("cpu", torch.float64), None
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+
+
+def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
+    """Runs the whole check and returns a Report; raises InputError for bad input."""
+    import torch
+
+    from parity_cli import implementations as impls
+    from parity_cli.comparison import ZERO_REFERENCE_RULE, compare, errored, tolerance_for
+    from parity_cli.diagnosis import diagnose
+    from parity_cli.layers import discover_layers
+    from parity_cli.probes import build_probes, load_strata, select_strata
+    from parity_cli.report import LayerResult, Report
+
+    opts = options or CheckOptions(**kwargs)
+    if not 0.0 <= opts.max_violation_fraction <= 1.0:
+        raise InputError("--max-violation-fraction must be between 0 and 1")
+    for flag, value in (("--eps", opts.eps), ("--candidate-eps", opts.candidate_eps),
+                        ("--atol", opts.atol), ("--rtol", opts.rtol)):
+        if value is not None and not (value >= 0 and value != float("inf")):
+            raise InputError(f"{flag} must be a finite number >= 0, got {value}")
+    strata = select_strata(opts.strata)
+    device = check_device(opts.device)
+    candidate = impls.resolve(opts.candidate)
+    reference = impls.resolve(opts.reference)
+
+    ckpt, fam, eps = load(path, opts.family, opts.eps)
+    found = discover_layers(ckpt, fam, eps, opts.layers)
+    cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else _stored_dtype(found.layers)
+    cand_dtype = getattr(torch, cand_dtype_name)
+    ref_dtype = torch.float64
+    tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol)
+
+    warnings = list(found.warnings)
+    if eps.source == "family-default":
+        warnings.append(
+            f"eps is not in {ckpt.path / 'config.json'} (looked for {', '.join(fam.eps_keys)}); "
+            f"using the family default {fam.eps_default:g}"
+        )
+    if found.unmatched:
+        warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
+                        f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
+
+    results = []
+    for layer in found.layers:
+        cand_eps = opts.candidate_eps if opts.candidate_eps is not None else layer.eps.value
+        # Both sides see the weight as the candidate receives it (rounded to its dtype).
+        w_cand = layer.weight.to(cand_dtype)
+        b_cand = None if layer.bias is None else layer.bias.to(cand_dtype)
+        w_ref = w_cand.to(ref_dtype)
+        b_ref = None if b_cand is None else b_cand.to(ref_dtype)
+        gain = layer.gain_offset + w_ref
+        layer_error = None
+        try:
+            ref_fn = reference.prepare(layer, w_ref, b_ref, layer.eps.value)
+        except Exception as exc:
+            raise InputError(f"--reference {opts.reference}: cannot build layer {layer.name}: {type(exc).__name__}: {exc}") from None
+        try:
+            cand_fn = candidate.prepare(layer, w_cand.to(device), None if b_cand is None else b_cand.to(device), cand_eps)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            cand_fn, layer_error = None, f"building the candidate failed: {type(exc).__name__}: {exc}".splitlines()[0][:500]
+
+        stratum_results = []
+        for probe in build_probes(strata, layer.dim, layer.eps.value, cand_dtype, opts.seed):
+            ref, ref_err = _call(ref_fn, probe.x.to(ref_dtype))
+            if ref_err:
+                raise InputError(f"--reference {opts.reference} failed on layer {layer.name}, stratum {probe.stratum}: {ref_err}")
+            if cand_fn is None:
+                stratum_results.append(errored(probe.stratum, probe.x, layer.eps.value, layer.kind, layer_error))
+                continue
+            cand, cand_err = _call(cand_fn, probe.x.to(cand_dtype).to(device))
+            if cand_err:
+                stratum_results.append(errored(probe.stratum, probe.x, layer.eps.value, layer.kind, cand_err))
+                continue
+            stratum_results.append(compare(probe.stratum, probe.x, ref, cand, layer.eps.value, layer.kind,
+                                           tol, opts.max_violation_fraction))
+        result = LayerResult(
+            name=layer.name, kind=layer.kind, dim=layer.dim,
+            eps={"value": layer.eps.value, "source": layer.eps.source},
+            weight=_weight_stats(layer.weight),
+            strata=stratum_results, error=layer_error, warnings=layer.warnings,
+        )
+        result.diagnoses = diagnose(layer, stratum_results, gain, tol.rtol)
+        for s in stratum_results:  # the raw tensors served diagnosis; drop them
+            s.x = s.ref = s.cand = None
+        results.append(result)
+
+    header = {
+        "tool": {"name": "parity-cli", "version": __version__},
+        "environment": environment(device),
+        "checkpoint": {
+            "path": str(ckpt.path),
+            "format": ckpt.format,
+            "family": fam.name,
+            "model_type": ckpt.model_type,
+            "files": [f.name for f in ckpt.files],
+            "unmatched": found.unmatched,
+        },
+        "eps": {"value": eps.value, "source": eps.source},
+        "reference": {"impl": reference.name, "source": reference.source, "dtype": "float64",
+                      "device": "cpu", "eps": eps.value},
+        "candidate": {"impl": candidate.name, "source": candidate.source, "dtype": cand_dtype_name,
+                      "device": device,
+                      "eps": opts.candidate_eps if opts.candidate_eps is not None else eps.value,
+                      "eps_source": "option:--candidate-eps" if opts.candidate_eps is not None else eps.source},
+        "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "source": tol.source,
+                      "max_violation_fraction": opts.max_violation_fraction,
+                      "zero_reference": ZERO_REFERENCE_RULE,
+                      "nonfinite": "a non-finite candidate value where the reference is finite is always a violation"},
+        "probes": {
+            "seed": opts.seed,
+            "strata": [s.name for s in strata],
+            "not_covered": [n for n in load_strata() if n not in {s.name for s in strata}],
+            "descriptions": {s.name: s.description for s in strata},
+            "rounding": f"probes are rounded to {cand_dtype_name}; the reference sees the rounded values",
+        },
+    }
+    return Report(header=header, layers=results, warnings=warnings)

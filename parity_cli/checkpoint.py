@@ -1,0 +1,222 @@
+"""Stage 1: a Hugging Face checkpoint directory -> config, tensor index, lazily read tensors.
+
+Only safetensors headers are parsed up front; a tensor's bytes are read when a norm layer
+asks for it. Pickle files (*.bin, *.pt) are never opened: a checkpoint must not execute code."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity_cli.errors import InputError
+from parity_cli.families import Family
+
+# safetensors dtype code -> (torch dtype name, bytes per element)
+SAFETENSORS_DTYPES = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Eps:
+    """The eps a layer is built with, and where that value came from."""
+
+    value: float
+    source: str  # "config:rms_norm_eps", "family-default", "override", ...
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parses and validates the header against the file size (catches truncated files)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise InputError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise InputError(f"{path}: not a safetensors file or truncated (header length {n} exceeds the file)")
+            raw = fh.read(n)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: corrupt safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data_size = size - 8 - n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_code, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise InputError(f"{path}: corrupt safetensors header entry for '{name}'") from None
+        if dtype_code not in SAFETENSORS_DTYPES:
+            dtype, itemsize = dtype_code.lower(), None
+        else:
+            dtype, itemsize = SAFETENSORS_DTYPES[dtype_code]
+        if end > data_size or begin > end:
+            raise InputError(
+                f"{path}: truncated or corrupt: tensor '{name}' needs bytes {begin}..{end} "
+                f"but the file holds {data_size} data bytes"
+            )
+        if itemsize is not None and end - begin != math.prod(shape) * itemsize:
+            raise InputError(f"{path}: corrupt: tensor '{name}' size does not match its shape {list(shape)}")
+        out[name] = TensorInfo(name=name, file=path, dtype=dtype, shape=shape)
+    return out
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    format: str  # "safetensors" | "safetensors-sharded"
+    config: dict
+    files: tuple[Path, ...]
+    _weight_map: dict[str, Path]
+    _headers: dict[Path, dict[str, TensorInfo]] = field(default_factory=dict, repr=False)
+    _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._weight_map)
+
+    def has(self, name: str) -> bool:
+        return name in self._weight_map
+
+    def info(self, name: str) -> TensorInfo:
+        file = self._weight_map[name]
+        if file not in self._headers:
+            self._headers[file] = read_safetensors_header(file)
+        infos = self._headers[file]
+        if name not in infos:
+            raise InputError(f"{file}: tensor '{name}' is listed in the index but missing from the shard")
+        return infos[name]
+
+    def read(self, name: str):
+        """The tensor as stored (dtype untouched), read through safetensors' lazy reader."""
+        from safetensors import SafetensorError, safe_open
+
+        info = self.info(name)
+        try:
+            if info.file not in self._handles:
+                self._handles[info.file] = safe_open(str(info.file), framework="pt", device="cpu")
+            return self._handles[info.file].get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise InputError(f"{info.file}: cannot read tensor '{name}': {exc}") from None
+
+    def config_value(self, key: str):
+        """A config value and the path it was found at; multimodal configs nest it in text_config."""
+        if key in self.config:
+            return self.config[key], key
+        text = self.config.get("text_config")
+        if isinstance(text, dict) and key in text:
+            return text[key], f"text_config.{key}"
+        return None, None
+
+
+def _load_json(path: Path) -> object:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: invalid JSON: {exc}") from None
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise InputError(f"{path}: not a checkpoint directory (expected a Hugging Face model directory)")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise InputError(f"{path}: no config.json in the checkpoint directory")
+    config = _load_json(config_path)
+    if not isinstance(config, dict):
+        raise InputError(f"{config_path}: expected a JSON object")
+
+    index_path = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index_path.is_file():
+        index = _load_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise InputError(f"{index_path}: no valid 'weight_map' object")
+        files = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = path / shard
+            if Path(shard).is_absolute() or ".." in Path(shard).parts:
+                raise InputError(f"{index_path}: shard '{shard}' points outside the checkpoint directory")
+            if not shard_path.is_file():
+                raise InputError(f"{index_path}: names shard '{shard}', which does not exist")
+            files[shard] = shard_path
+        return Checkpoint(
+            path=path,
+            format="safetensors-sharded",
+            config=config,
+            files=tuple(files.values()),
+            _weight_map={k: files[v] for k, v in weight_map.items()},
+        )
+    if single.is_file():
+        headers = read_safetensors_header(single)
+        ckpt = Checkpoint(
+            path=path,
+            format="safetensors",
+            config=config,
+            files=(single,),
+            _weight_map={k: single for k in headers},
+        )
+        ckpt._headers[single] = headers
+        return ckpt
+    pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    if pickles:
+        raise InputError(
+            f"{path}: only pickle weights ({', '.join(sorted(pickles))}); they are never unpickled, "
+            "convert the checkpoint to safetensors"
+        )
+    raise InputError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None) -> Eps:
+    """The checkpoint's own eps wins over the family default; a defaulted eps is a warning."""
+    if override is not None:
+        return Eps(float(override), "override")
+    for key in family.eps_keys:
+        value, where = ckpt.config_value(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise InputError(f"{ckpt.path / 'config.json'}: '{where}' must be a finite number >= 0, got {value!r}")
+        return Eps(float(value), f"config:{where}")
+    return Eps(family.eps_default, "family-default")

@@ -1,0 +1,122 @@
+"""Stage 8: the `parity` command line, a thin shell over parity_cli.api.
+
+Imports nothing heavy at module level: `parity --help` must not load torch. Every error the
+input causes is one line on stderr and exit code 2; Ctrl-C is 130; no partial report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from parity_cli import __version__
+from parity_cli.errors import InputError
+
+EXIT_PASS, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT = 0, 1, 2, 130
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def _check_json_target(path: str | None) -> None:
+    if path and not Path(path).resolve().parent.is_dir():
+        raise InputError(f"--json {path}: directory {Path(path).resolve().parent} does not exist")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="parity")
+def cli():
+    """Check that a model's norm layers (RMSNorm, LayerNorm) compute the same thing in a new
+    implementation as in the checkpoint's own semantics. Exit 0 parity, 1 violated, 2 bad input."""
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
+@click.option("--candidate", default="torch", show_default=True,
+              help="Implementation under test: oracle, torch, hf, MODULE:ATTR or FILE.py:ATTR.")
+@click.option("--reference", default="oracle", show_default=True, help="Implementation to compare against.")
+@click.option("--dtype", default=None, help="Candidate input/weight dtype (float32, bfloat16, float16, float64); default: as stored.")
+@click.option("--device", default="cpu", show_default=True, help="Candidate device: cpu, cuda, cuda:N.")
+@click.option("--family", default=None, help="Force a model family instead of config.json's model_type.")
+@click.option("--eps", type=float, default=None, help="Override the checkpoint's eps (both sides).")
+@click.option("--candidate-eps", type=float, default=None, help="eps the candidate is built with (simulates a deployment config).")
+@click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the dtype's profile).")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance (default: the dtype's profile).")
+@click.option("--strata", default=None, help="Comma-separated probe strata (default: all default strata; 'extreme' is opt-in).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Probe seed.")
+@click.option("--layers", "layers_glob", default=None, help="Only layers whose name matches this glob.")
+@click.option("--max-violation-fraction", type=float, default=0.0, show_default=True,
+              help="Share of elements allowed outside tolerance before a stratum fails.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--quiet", "-q", is_flag=True, help="No terminal table; the exit code says it all.")
+def check(checkpoint, candidate, reference, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
+          seed, layers_glob, max_violation_fraction, json_path, quiet):
+    """Replay stratified probes through the reference and the candidate, layer by layer."""
+    from parity_cli.api import CheckOptions
+    from parity_cli.api import check as run_check
+    from parity_cli.report import render, write_json
+
+    _check_json_target(json_path)
+    report = run_check(checkpoint, CheckOptions(
+        candidate=candidate, reference=reference, dtype=dtype, device=device, family=family, eps=eps,
+        candidate_eps=candidate_eps, atol=atol, rtol=rtol,
+        strata=[s.strip() for s in strata.split(",") if s.strip()] if strata else None,
+        seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
+    ))
+    if json_path:
+        write_json(report.to_dict(), json_path)
+    if not quiet:
+        render(report, _console())
+    return report.exit_code
+
+
+@cli.command()
+def demo():
+    """Check the bundled tiny checkpoint twice: a matching candidate, then a planted eps fault."""
+    from parity_cli.api import CheckOptions
+    from parity_cli.api import check as run_check
+    from parity_cli.report import render
+    from parity_cli.resources import demo_checkpoint
+
+    console = _console()
+    path = demo_checkpoint()
+    console.rule("1. torch's fused rms_norm with the checkpoint's eps")
+    good = run_check(path, CheckOptions(candidate="torch"))
+    render(good, console)
+    eps = good.header["eps"]["value"]
+    console.rule(f"2. the same kernel built with eps 1e-6 instead of {eps:g} (llama.cpp #2373)")
+    bad = run_check(path, CheckOptions(candidate="torch", candidate_eps=1e-6))
+    render(bad, console)
+    console.print(
+        "\nWhy: RMSNorm computes y = x / sqrt(q + eps) * g with q = mean(x^2). Against the eps-free "
+        "result every component is scaled by A = sqrt(q / (q + eps)), so what matters is q/eps: "
+        "A = 0.995 at q/eps = 100, 0.707 at 1, 0.0995 at 0.01. Normal activations have q/eps ~ 1e5 "
+        "and hide a wrong eps; the 'tiny' stratum puts q/eps at 0.01..100 and exposes it."
+    )
+    ok = good.passed and not bad.passed
+    return EXIT_PASS if ok else EXIT_FAIL
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = cli.main(args=argv, prog_name="parity", standalone_mode=False)
+    except InputError as exc:
+        click.echo(f"parity: error: {exc}", err=True)
+        code = EXIT_INPUT
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except click.ClickException as exc:
+        click.echo(f"parity: error: {' '.join(exc.format_message().split())}", err=True)
+        code = EXIT_INPUT
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("parity: interrupted", err=True)
+        code = EXIT_INTERRUPT
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Stage 5: reference vs candidate -> a result per stratum, every violation counted.
+
+Tolerances are a plain table (configs/tolerances.toml) keyed by candidate dtype; results are
+values that know whether they passed; turning them into words is report.py's job."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from parity_cli.errors import InputError
+from parity_cli.resources import configs_dir, load_toml
+
+ZERO_REFERENCE_RULE = (
+    "relative error is computed only where the reference is nonzero; where it is zero the "
+    "element is judged by atol alone"
+)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    source: str  # "profile:float16", "option", ...
+
+
+def tolerance_for(dtype_name: str, atol: float | None = None, rtol: float | None = None) -> Tolerance:
+    path = configs_dir() / "tolerances.toml"
+    table = load_toml(path)
+    if dtype_name not in table:
+        if atol is None or rtol is None:
+            raise InputError(f"{path}: no tolerance profile for dtype {dtype_name}; pass --atol and --rtol")
+        profile = {}
+    else:
+        profile = table[dtype_name]
+    source = f"profile:{dtype_name}" if atol is None and rtol is None else (
+        "option" if atol is not None and rtol is not None else f"option+profile:{dtype_name}"
+    )
+    return Tolerance(
+        atol=float(profile["atol"] if atol is None else atol),
+        rtol=float(profile["rtol"] if rtol is None else rtol),
+        source=source,
+    )
+
+
+@dataclass
+class Worst:
+    """The element furthest outside (or closest to) its tolerance."""
+
+    vector: int
+    index: int
+    input: float
+    reference: float
+    candidate: float
+    allowed: float
+
+
+@dataclass
+class StratumResult:
+    name: str
+    status: str  # "pass" | "fail" | "error"
+    vectors: int
+    q_over_eps: tuple[float, float]
+    attenuation: tuple[float, float]
+    elements: int = 0
+    violations: int = 0
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    nonfinite_reference: int = 0
+    nonfinite_candidate: int = 0
+    worst: Worst | None = None
+    error: str | None = None
+    # Kept for diagnosis, not serialised: float64 input, reference and candidate outputs.
+    x: object = field(default=None, repr=False)
+    ref: object = field(default=None, repr=False)
+    cand: object = field(default=None, repr=False)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    @property
+    def violation_fraction(self) -> float:
+        return self.violations / self.elements if self.elements else 0.0
+
+
+def q_over_eps_stats(x, eps: float, kind: str):
+    """(min, max) of q/eps and of the attenuation A = sqrt(q / (q + eps)) over the rows."""
+    from parity_cli.implementations import mean_square
+
+    q = mean_square(x, kind)
+    ratios = [float(v) / eps if eps > 0 else math.inf for v in q]
+    ratios = [0.0 if q_ == 0 else r for q_, r in zip(q.tolist(), ratios)]
+    att = [attenuation(r) for r in ratios]
+    return (min(ratios), max(ratios)), (min(att), max(att))
+
+
+def attenuation(q_over_eps: float) -> float:
+    """A = sqrt(q/(q+eps)) = 1/sqrt(1 + eps/q): the factor eps puts on every component."""
+    if q_over_eps <= 0:
+        return 0.0
+    if math.isinf(q_over_eps):
+        return 1.0
+    return 1.0 / math.sqrt(1.0 + 1.0 / q_over_eps)
+
+
+def errored(name: str, x, eps: float, kind: str, message: str) -> StratumResult:
+    qe, att = q_over_eps_stats(x, eps, kind)
+    return StratumResult(name=name, status="error", vectors=x.shape[0], q_over_eps=qe, attenuation=att,
+                         elements=x.numel(), error=message, x=x)
+
+
+def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
+            max_violation_fraction: float = 0.0) -> StratumResult:
+    """Elementwise |cand - ref| <= atol + rtol*|ref|; a non-finite candidate value where the
+    reference is finite is always a violation (NaN fails every comparison)."""
+    import torch
+
+    qe, att = q_over_eps_stats(x, eps, kind)
+    if tuple(cand.shape) != tuple(ref.shape):
+        return errored(name, x, eps, kind, f"candidate returned shape {list(cand.shape)}, expected {list(ref.shape)}")
+    ref = ref.to(torch.float64)
+    cand = cand.to(torch.float64)
+    finite = torch.isfinite(ref) & torch.isfinite(cand)
+    diff = torch.where(finite, (cand - ref).abs(), torch.zeros_like(ref))
+    allowed = tol.atol + tol.rtol * ref.abs()
+    ok = (finite & (diff <= allowed)) | (cand == ref) | (torch.isnan(cand) & torch.isnan(ref))
+    violations = int((~ok).sum())
+    nonzero = finite & (ref != 0)
+    rel = torch.where(nonzero, diff / torch.where(nonzero, ref.abs(), torch.ones_like(ref)), torch.zeros_like(ref))
+    # Worst element: largest error relative to its allowance; a violating non-finite value beats all.
+    score = torch.where(finite, diff / allowed.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(ref))
+    score = torch.where(ok, score, torch.where(finite, score, torch.full_like(ref, math.inf)))
+    flat = int(torch.argmax(score.reshape(-1)))
+    v, i = divmod(flat, ref.shape[-1])
+    elements = ref.numel()
+    fraction = violations / elements if elements else 0.0
+    return StratumResult(
+        name=name,
+        status="fail" if violations and fraction > max_violation_fraction else "pass",
+        vectors=ref.shape[0],
+        q_over_eps=qe,
+        attenuation=att,
+        elements=elements,
+        violations=violations,
+        max_abs_err=float(diff.max()) if elements else 0.0,
+        max_rel_err=float(rel.max()) if elements else 0.0,
+        nonfinite_reference=int((~torch.isfinite(ref)).sum()),
+        nonfinite_candidate=int((~torch.isfinite(cand)).sum()),
+        worst=Worst(vector=v, index=i, input=float(x[v, i]), reference=float(ref[v, i]),
+                    candidate=float(cand[v, i]), allowed=float(allowed[v, i])),
+        x=x,
+        ref=ref,
+        cand=cand,
+    )

@@ -1,0 +1,196 @@
+"""Stage 4: implementations of a norm layer — the float64 oracle, built-ins and user plugins.
+
+Every implementation is a factory: ``prepare(layer, weight, bias, eps)`` returns a function
+of the probe batch. ``weight``/``bias`` arrive already at the side's dtype and device,
+exactly as stored (no gain offset applied): applying the family's offset is part of what an
+implementation must get right."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from parity_cli.errors import InputError
+from parity_cli.layers import NormLayer
+
+Prepared = Callable[[object], object]  # x -> y, both torch tensors
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    source: str  # "built-in" or where the plugin was loaded from
+    prepare: Callable[..., Prepared]  # (layer, weight, bias, eps) -> Prepared
+    description: str = ""
+
+
+# --- the float64 oracle -----------------------------------------------------------------
+
+
+def _row_scaled(x, kind: str):
+    """Rows divided by their max |x| (m, 1 for zero rows), mean removed for LayerNorm."""
+    import torch
+
+    x = x.to(torch.float64)
+    m = x.abs().amax(dim=-1, keepdim=True)
+    safe_m = torch.where(m > 0, m, torch.ones_like(m))
+    xs = x / safe_m
+    if kind == "layer_norm":
+        xs = xs - xs.mean(dim=-1, keepdim=True)
+    return xs, safe_m
+
+
+def oracle_normalize(x, eps: float, kind: str = "rms_norm"):
+    """x / sqrt(q + eps) in float64 with no overflow for any finite input.
+
+    Dividing each row by its max |x| (m) turns q + eps into (q/m^2 + eps/m^2) * m^2:
+    nothing squared exceeds 1, so [1e200, -1e200] normalises to [1, -1], and a zero row
+    gives zeros. For "layer_norm" the row mean is removed first and q is the variance."""
+    import torch
+
+    xs, m = _row_scaled(x, kind)
+    qs = (xs * xs).mean(dim=-1, keepdim=True)
+    denom = torch.sqrt(qs + eps / (m * m))
+    return torch.where(denom > 0, xs / denom, torch.zeros_like(xs))
+
+
+def mean_square(x, kind: str = "rms_norm"):
+    """q per row in float64 (what eps is compared against); inf only past float64's range."""
+    xs, m = _row_scaled(x, kind)
+    return (xs * xs).mean(dim=-1) * (m * m).squeeze(-1)
+
+
+def _oracle(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    import torch
+
+    gain = layer.gain_offset + weight.to(torch.float64)
+    shift = None if bias is None else bias.to(torch.float64)
+
+    def run(x):
+        y = oracle_normalize(x, eps, layer.kind) * gain.to(x.device)
+        return y if shift is None else y + shift.to(x.device)
+
+    return run
+
+
+# --- built-ins at the candidate dtype -----------------------------------------------------
+
+
+def _torch(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """torch.nn.functional's fused norm with the checkpoint's eps passed explicitly."""
+    import torch.nn.functional as F
+
+    gain = weight + layer.gain_offset if layer.gain_offset else weight
+    if layer.kind == "layer_norm":
+        return lambda x: F.layer_norm(x, (layer.dim,), gain, bias, eps)
+    return lambda x: F.rms_norm(x, (layer.dim,), gain, eps)
+
+
+def _hf(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """A transcription of the family's Hugging Face forward: its upcasts and cast order."""
+    import torch
+    import torch.nn.functional as F
+
+    if layer.kind == "layer_norm":
+        # nn.LayerNorm runs at the parameter dtype.
+        return lambda x: F.layer_norm(x, (layer.dim,), weight, bias, eps)
+    if layer.order == "llama":
+
+        def llama(x):
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return weight * h.to(x.dtype)
+
+        return llama
+    if layer.order == "gemma":
+
+        def gemma(x):
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            h = h * (layer.gain_offset + weight.float())
+            return h.type_as(x)
+
+        return gemma
+    raise InputError(f"hf: no transcription for numerics order '{layer.order}'")
+
+
+BUILTINS = {
+    "oracle": Implementation("oracle", "built-in", _oracle, "float64 reference of the family's exact math"),
+    "torch": Implementation("torch", "built-in", _torch, "torch.nn.functional rms_norm/layer_norm at the candidate dtype"),
+    "hf": Implementation("hf", "built-in", _hf, "transcription of the family's Hugging Face numerics"),
+}
+
+
+# --- plugins: MODULE:ATTR or path/to/file.py:ATTR ------------------------------------------
+
+
+def _load_attr(spec: str):
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise InputError(f"implementation '{spec}': expected a built-in name ({', '.join(BUILTINS)}), MODULE:ATTR or FILE.py:ATTR")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise InputError(f"implementation '{spec}': no such file {path}")
+        mod_name = f"parity_plugin_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise InputError(f"implementation '{spec}': cannot load {path} as Python")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # user code: report it, never crash
+            raise InputError(f"implementation '{spec}': {path} raised on import: {type(exc).__name__}: {exc}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as exc:
+            raise InputError(f"implementation '{spec}': cannot import module '{target}': {type(exc).__name__}: {exc}") from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise InputError(f"implementation '{spec}': '{target}' has no attribute '{attr}'") from None
+    if not callable(obj):
+        raise InputError(f"implementation '{spec}': '{attr}' is not callable")
+    return obj
+
+
+def _plugin(spec: str, obj) -> Implementation:
+    import torch
+
+    if inspect.isclass(obj) and issubclass(obj, torch.nn.Module):
+
+        def prepare_module(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+            module = obj(layer.dim, eps=eps)
+            if not isinstance(getattr(module, "weight", None), torch.Tensor):
+                raise TypeError(f"{obj.__name__} has no weight tensor to fill")
+            module = module.to(device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                module.weight.copy_(weight)  # as stored: a Gemma module adds its own 1
+                if bias is not None and isinstance(getattr(module, "bias", None), torch.Tensor):
+                    module.bias.copy_(bias)
+            module.eval()
+            return module
+
+        return Implementation(spec, f"plugin module class {obj.__module__}.{obj.__qualname__}", prepare_module)
+
+    def prepare_function(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+        if layer.kind == "layer_norm":
+            return lambda x: obj(x, weight, eps, bias=bias)
+        return lambda x: obj(x, weight, eps)
+
+    return Implementation(spec, f"plugin function {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', spec)}", prepare_function)
+
+
+def resolve(spec: str) -> Implementation:
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    if ":" not in spec:
+        raise InputError(f"unknown implementation '{spec}'; built-ins: {', '.join(BUILTINS)}; or MODULE:ATTR, FILE.py:ATTR")
+    return _plugin(spec, _load_attr(spec))

@@ -1,0 +1,152 @@
+"""Stage 3: stratified probe inputs, sized to each layer and deterministic for a seed.
+
+Each stratum targets one way implementations disagree (eps dominating small inputs, x^2
+overflowing on large ones, a gain hidden by outlier channels). Probes are generated in
+float64 and rounded to the candidate dtype; the reference is fed exactly the rounded
+values, so input rounding never counts against a candidate."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from parity_cli.errors import InputError
+from parity_cli.resources import configs_dir, load_toml
+
+
+@dataclass(frozen=True)
+class StratumSpec:
+    name: str
+    generator: str
+    description: str
+    default: bool
+    params: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass
+class Probe:
+    stratum: str
+    x: object  # torch.float64 tensor (vectors, dim), values exactly representable in the candidate dtype
+
+
+@lru_cache(maxsize=None)
+def load_strata() -> dict[str, StratumSpec]:
+    path = configs_dir() / "probes.toml"
+    data = load_toml(path)
+    strata = {}
+    for name, table in data.items():
+        if not isinstance(table, dict) or "generator" not in table:
+            raise InputError(f"{path}: stratum '{name}' has no generator")
+        if table["generator"] not in GENERATORS:
+            raise InputError(f"{path}: stratum '{name}': unknown generator '{table['generator']}'")
+        params = {k: v for k, v in table.items() if k not in ("generator", "description", "default")}
+        strata[name] = StratumSpec(
+            name=name,
+            generator=table["generator"],
+            description=table.get("description", ""),
+            default=bool(table.get("default", True)),
+            params=params,
+        )
+    return strata
+
+
+def select_strata(names: list[str] | None) -> list[StratumSpec]:
+    strata = load_strata()
+    if not names:
+        return [s for s in strata.values() if s.default]
+    unknown = [n for n in names if n not in strata]
+    if unknown:
+        raise InputError(f"--strata: unknown stratum '{unknown[0]}'; known: {', '.join(strata)}")
+    return [strata[n] for n in dict.fromkeys(names)]
+
+
+# --- generators: (params, dim, eps, dtype, rng) -> float64 tensor (vectors, dim) -------------
+
+def _zero(p, dim, eps, dtype, rng):
+    import torch
+
+    return torch.zeros(int(p.get("vectors", 1)), dim, dtype=torch.float64)
+
+
+def _q_over_eps(p, dim, eps, dtype, rng):
+    """Rows rescaled so that mean(x^2) = level * eps exactly (before rounding to the dtype)."""
+    import torch
+
+    levels = [float(v) for v in p["q_over_eps"]]
+    per = int(p.get("vectors_per_level", 1))
+    rows = []
+    for level in levels:
+        for _ in range(per):
+            z = torch.randn(dim, dtype=torch.float64, generator=rng)
+            q = float((z * z).mean())
+            rows.append(z * math.sqrt(level * max(eps, 0.0) / q) if eps > 0 else z * 1e-6 * math.sqrt(level))
+    return torch.stack(rows)
+
+
+def _gaussian(p, dim, eps, dtype, rng):
+    import torch
+
+    return torch.randn(int(p.get("vectors", 4)), dim, dtype=torch.float64, generator=rng) * float(p.get("scale", 1.0))
+
+
+def _constant(p, dim, eps, dtype, rng):
+    import torch
+
+    return torch.tensor([[float(v)] * dim for v in p["values"]], dtype=torch.float64)
+
+
+def _signed_log_uniform(n, dim, lo, hi, rng):
+    import torch
+
+    u = torch.rand(n, dim, dtype=torch.float64, generator=rng)
+    mag = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
+    sign = torch.where(torch.rand(n, dim, generator=rng) < 0.5, -1.0, 1.0).to(torch.float64)
+    return mag * sign
+
+
+def _log_uniform(p, dim, eps, dtype, rng):
+    return _signed_log_uniform(int(p.get("vectors", 4)), dim, float(p["min_magnitude"]), float(p["max_magnitude"]), rng)
+
+
+def _outlier(p, dim, eps, dtype, rng):
+    import torch
+
+    n = int(p.get("vectors", 4))
+    x = torch.randn(n, dim, dtype=torch.float64, generator=rng)
+    k = min(int(p.get("channels", 2)), dim)
+    for row in range(n):
+        channels = torch.randperm(dim, generator=rng)[:k]
+        x[row, channels] = _signed_log_uniform(1, k, float(p["min_magnitude"]), float(p["max_magnitude"]), rng)[0]
+    return x
+
+
+def _dtype_extreme(p, dim, eps, dtype, rng):
+    import torch
+
+    top = torch.finfo(dtype).max
+    return _signed_log_uniform(int(p.get("vectors", 2)), dim, math.sqrt(top), top / 4, rng)
+
+
+GENERATORS = {
+    "zero": _zero,
+    "q_over_eps": _q_over_eps,
+    "gaussian": _gaussian,
+    "constant": _constant,
+    "log_uniform": _log_uniform,
+    "outlier": _outlier,
+    "dtype_extreme": _dtype_extreme,
+}
+
+
+def build_probes(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
+    """One Probe per stratum; each stratum has its own stream, so adding one changes no other."""
+    import torch
+
+    probes = []
+    for spec in strata:
+        rng = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{spec.name}:{dim}".encode()))
+        x = GENERATORS[spec.generator](spec.params, dim, eps, dtype, rng)
+        probes.append(Probe(stratum=spec.name, x=x.to(dtype).to(torch.float64)))
+    return probes

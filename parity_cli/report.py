@@ -1,0 +1,209 @@
+"""Stage 7: results -> the JSON report (a contract, see BRIEF §3) and the terminal table.
+
+Checking produced values; this module only turns them into words and files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity_cli.comparison import StratumResult
+from parity_cli.diagnosis import Diagnosis
+
+SCHEMA_VERSION = 1
+
+
+def jfloat(value: float):
+    """JSON has no inf/nan: non-finite numbers become the strings "inf", "-inf", "nan"."""
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+@dataclass
+class LayerResult:
+    name: str
+    kind: str
+    dim: int
+    eps: dict
+    weight: dict
+    strata: list[StratumResult]
+    diagnoses: list[Diagnosis] = field(default_factory=list)
+    error: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        if self.error is not None or any(s.status == "error" for s in self.strata):
+            return "error"
+        return "fail" if any(s.status == "fail" for s in self.strata) else "pass"
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+
+@dataclass
+class Report:
+    header: dict  # tool, environment, checkpoint, eps, reference, candidate, tolerance, probes
+    layers: list[LayerResult]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(layer.passed for layer in self.layers)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def summary(self) -> dict:
+        statuses = [layer.status for layer in self.layers]
+        return {
+            "layers": len(statuses),
+            "passed": statuses.count("pass"),
+            "failed": statuses.count("fail"),
+            "errors": statuses.count("error"),
+            "verdict": "pass" if self.passed else "fail",
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            **self.header,
+            "layers": [_layer_dict(layer) for layer in self.layers],
+            "warnings": list(self.warnings),
+            "summary": self.summary(),
+        }
+
+
+def _stratum_dict(s: StratumResult) -> dict:
+    return {
+        "name": s.name,
+        "status": s.status,
+        "error": s.error,
+        "vectors": s.vectors,
+        "elements": s.elements,
+        "q_over_eps": {"min": jfloat(s.q_over_eps[0]), "max": jfloat(s.q_over_eps[1])},
+        "attenuation": {"min": jfloat(s.attenuation[0]), "max": jfloat(s.attenuation[1])},
+        "max_abs_err": jfloat(s.max_abs_err),
+        "max_rel_err": jfloat(s.max_rel_err),
+        "violations": s.violations,
+        "violation_fraction": s.violation_fraction,
+        "nonfinite": {"reference": s.nonfinite_reference, "candidate": s.nonfinite_candidate},
+        "worst": None if s.worst is None else {
+            "vector": s.worst.vector,
+            "index": s.worst.index,
+            "input": jfloat(s.worst.input),
+            "reference": jfloat(s.worst.reference),
+            "candidate": jfloat(s.worst.candidate),
+            "allowed": jfloat(s.worst.allowed),
+        },
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, float):
+        return jfloat(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _layer_dict(layer: LayerResult) -> dict:
+    return {
+        "name": layer.name,
+        "kind": layer.kind,
+        "dim": layer.dim,
+        "status": layer.status,
+        "error": layer.error or next((f"{s.name}: {s.error}" for s in layer.strata if s.error), None),
+        "eps": layer.eps,
+        "weight": _jsonable(layer.weight),
+        "strata": [_stratum_dict(s) for s in layer.strata],
+        "diagnoses": [{"code": d.code, "message": d.message, **_jsonable(d.evidence)} for d in layer.diagnoses],
+        "warnings": list(layer.warnings),
+    }
+
+
+def write_json(data: dict, path: str | Path) -> None:
+    """Atomic: a temporary file in the same directory, then rename; never a partial report."""
+    path = Path(path)
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# --- terminal ----------------------------------------------------------------------------
+
+def _fmt(value) -> str:
+    if isinstance(value, str):
+        return value
+    if value == 0:
+        return "0"
+    return f"{value:.3g}"
+
+
+def render(report: Report, console) -> None:
+    """A row per layer, then one line per diagnosis of each failing layer."""
+    from rich.table import Table
+
+    d = report.to_dict()
+    cand, ref, tol = d["candidate"], d["reference"], d["tolerance"]
+    console.print(
+        f"[bold]{d['checkpoint']['path']}[/] family [bold]{d['checkpoint']['family']}[/], "
+        f"eps {d['eps']['value']:.3g} ({d['eps']['source']})"
+    )
+    console.print(
+        f"candidate [bold]{cand['impl']}[/] {cand['dtype']} on {cand['device']} eps {cand['eps']:.3g}  vs  "
+        f"reference {ref['impl']} {ref['dtype']} eps {ref['eps']:.3g}   atol {tol['atol']:g} rtol {tol['rtol']:g}"
+    )
+    table = Table(show_edge=False, header_style="bold")
+    for col in ("layer", "dim", "status", "failing strata", "max abs err", "max rel err", "q/eps range"):
+        table.add_column(col, justify="right" if col in ("dim", "max abs err", "max rel err") else "left",
+                         no_wrap=col in ("layer", "q/eps range", "status"))
+    colours = {"pass": "green", "fail": "red", "error": "magenta"}
+    for layer in d["layers"]:
+        strata = layer["strata"]
+        failing = [s["name"] for s in strata if s["status"] != "pass"]
+        finite = [s for s in strata if s["status"] != "error"]
+        qmin = min((s["q_over_eps"]["min"] for s in finite if not isinstance(s["q_over_eps"]["min"], str)), default=0)
+        qmax = max((s["q_over_eps"]["max"] for s in finite if not isinstance(s["q_over_eps"]["max"], str)), default=0)
+        table.add_row(
+            layer["name"],
+            str(layer["dim"]),
+            f"[{colours[layer['status']]}]{layer['status']}[/]",
+            ", ".join(failing) or "-",
+            _fmt(max((s["max_abs_err"] for s in finite), default=0)),
+            _fmt(max((s["max_rel_err"] for s in finite), default=0)),
+            f"{_fmt(qmin)} .. {_fmt(qmax)}",
+        )
+    console.print(table)
+    for layer in d["layers"]:
+        if layer["error"]:
+            console.print(f"  [magenta]{layer['name']}[/]: candidate error: {layer['error']}")
+        for diag in layer["diagnoses"]:
+            console.print(f"  [red]{layer['name']}[/] [bold]{diag['code']}[/]: {diag['message']}")
+    for warning in d["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")
+    s = d["summary"]
+    verdict = "[green]PASS[/]" if s["verdict"] == "pass" else "[red]FAIL[/]"
+    console.print(
+        f"{verdict}: {s['passed']}/{s['layers']} layers pass, {s['failed']} fail, {s['errors']} error; "
+        f"strata: {', '.join(d['probes']['strata'])}"
+    )
