@@ -1,0 +1,92 @@
+"""Candidate implementations written only to the plugin contract (BRIEF §3): correct ones,
+and one per planted fault. Each fault is the single change named by its function."""
+
+import torch
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """Correct, Llama order: fp32 normalise, cast to the input dtype, then multiply by w."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """Correct, Gemma order: gain 1 + w in fp32, cast last. Adds its own 1 to the stored w."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def _normalise(x, eps):
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x, weight, eps):
+    """Correct function form, gain w."""
+    return (_normalise(x, eps) * weight.float()).to(x.dtype)
+
+
+def gemma_rms_norm(x, weight, eps):
+    return (_normalise(x, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+# --- planted faults ------------------------------------------------------------------------
+
+def eps_outside_sqrt(x, weight, eps):
+    h = x.float()
+    return (h / (h.pow(2).mean(-1, keepdim=True).sqrt() + eps) * weight.float()).to(x.dtype)
+
+
+def eps_hardcoded_1e5(x, weight, eps):
+    return rms_norm(x, weight, 1e-5)
+
+
+def eps_missing(x, weight, eps):
+    return rms_norm(x, weight, 0.0)
+
+
+def mean_subtracted(x, weight, eps):
+    h = x.float()
+    h = h - h.mean(-1, keepdim=True)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def permuted_weight(x, weight, eps):
+    return rms_norm(x, weight.roll(1), eps)
+
+
+def gemma_without_offset(x, weight, eps):
+    return rms_norm(x, weight, eps)
+
+
+def gemma_offset_twice(x, weight, eps):
+    return (_normalise(x, eps) * (2.0 + weight.float())).to(x.dtype)
+
+
+def no_upcast(x, weight, eps):
+    """Squares and averages in the input dtype: x^2 overflows float16 for |x| > 256."""
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * weight
+
+
+def raises(x, weight, eps):
+    raise RuntimeError("kernel not built for this shape")
+
+
+def wrong_shape(x, weight, eps):
+    return rms_norm(x, weight, eps)[..., :-1]

@@ -1,0 +1,135 @@
+"""End to end through the library API: correct candidates pass, each planted fault fails
+on the strata where it shows."""
+
+import pytest
+import torch
+
+from conftest import plugin
+from parity_cli import api
+
+CORRECT = {
+    "llama": ["torch", "hf", plugin("LlamaRMSNorm"), plugin("rms_norm")],
+    "gemma": ["torch", "hf", plugin("GemmaRMSNorm"), plugin("gemma_rms_norm")],
+}
+
+
+def failing(report, layer=None):
+    layers = report.layers if layer is None else [l for l in report.layers if l.name == layer]
+    return {s.name for l in layers for s in l.strata if s.status != "pass"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("model_type,family,layers", [("qwen3", "llama", 5), ("gemma3", "gemma", 7)])
+def test_correct_candidates_pass(ckpt, model_type, family, layers, dtype):
+    path = ckpt(model_type, layers=1, hidden=128, heads=4, dtype=dtype)
+    for candidate in CORRECT[family]:
+        report = api.check(path, candidate=candidate)
+        assert report.header["candidate"]["dtype"] == dtype  # default: as stored
+        assert report.exit_code == 0, (candidate, [(l.name, failing(report, l.name)) for l in report.layers])
+        assert len(report.layers) == layers and all(l.status == "pass" for l in report.layers)
+
+
+def test_correct_candidate_passes_the_extreme_stratum_in_float32(ckpt):
+    """F.rms_norm upcasts fp16/bf16 but squares fp32 in fp32: |x| ~ 1e19 overflows x^2."""
+    path = ckpt("llama", layers=1, dtype="float32")
+    report = api.check(path, candidate="torch", strata=["extreme"])
+    assert failing(report) == {"extreme"}
+    assert api.check(path, candidate="oracle", strata=["extreme"]).exit_code == 0
+
+
+@pytest.mark.parametrize("fault,model_type,dtype,eps,must_fail,must_pass", [
+    ("eps_outside_sqrt", "llama", "float32", 1e-6, {"tiny"}, {"zero", "large"}),
+    ("eps_hardcoded_1e5", "llama", "bfloat16", 1e-6, {"tiny"}, {"zero", "normal", "large", "outlier"}),
+    ("eps_missing", "llama", "float32", 1e-6, {"zero", "tiny"}, {"normal", "large"}),
+    ("mean_subtracted", "llama", "bfloat16", 1e-6, {"normal", "constant"}, {"zero"}),
+    ("permuted_weight", "llama", "bfloat16", 1e-6, {"normal", "large", "mixed"}, {"zero"}),
+    ("gemma_without_offset", "gemma", "bfloat16", 1e-6, {"normal", "constant"}, {"zero"}),
+    ("gemma_offset_twice", "gemma", "bfloat16", 1e-6, {"normal", "constant"}, {"zero"}),
+    ("no_upcast", "llama", "float16", 1e-6, {"large", "outlier"}, {"zero"}),
+])
+def test_planted_faults_fail_where_they_show(ckpt, fault, model_type, dtype, eps, must_fail, must_pass):
+    path = ckpt(model_type, layers=1, dtype=dtype, eps=eps)
+    report = api.check(path, candidate=plugin(fault))
+    assert report.exit_code == 1
+    for layer in report.layers:
+        got = failing(report, layer.name)
+        assert must_fail <= got, (layer.name, got)
+        assert not (must_pass & got), (layer.name, got)
+        assert layer.diagnoses, layer.name
+
+
+def test_eps_fault_is_explained_with_the_estimated_eps(ckpt):
+    path = ckpt("llama", layers=1, dtype="bfloat16", eps=1e-6)
+    report = api.check(path, candidate=plugin("eps_hardcoded_1e5"))
+    for layer in report.layers:
+        codes = {d.code: d for d in layer.diagnoses}
+        assert "eps_mismatch" in codes
+        assert codes["eps_mismatch"].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.1)
+
+
+def test_candidate_eps_simulates_a_deployment_config(ckpt):
+    path = ckpt("llama", layers=1, dtype="bfloat16", eps=1e-5)
+    report = api.check(path, candidate="torch", candidate_eps=1e-6)
+    assert report.exit_code == 1 and "tiny" in failing(report)
+    assert report.header["candidate"]["eps"] == 1e-6 and report.header["reference"]["eps"] == 1e-5
+    assert all(d.code == "eps_mismatch" for l in report.layers for d in l.diagnoses)
+
+
+def test_missing_and_doubled_gemma_offset_are_named(ckpt):
+    path = ckpt("gemma", layers=1, dtype="bfloat16")
+    for fault, word in (("gemma_without_offset", "missing"), ("gemma_offset_twice", "twice")):
+        report = api.check(path, candidate=plugin(fault))
+        diags = [d for l in report.layers for d in l.diagnoses if d.code == "weight_offset_mismatch"]
+        assert len(diags) == len(report.layers) and word in diags[0].message
+
+
+def test_permuted_weight_names_channels(ckpt):
+    report = api.check(ckpt("llama", layers=1, dtype="float32"), candidate=plugin("permuted_weight"))
+    diag = [d for d in report.layers[0].diagnoses if d.code == "channel_gain_mismatch"][0]
+    assert diag.evidence["affected_channels"] > 32  # a roll moves every channel's gain
+
+
+def test_zero_row_nan_is_counted_as_nonfinite(ckpt):
+    report = api.check(ckpt("llama", layers=1, dtype="float32"), candidate=plugin("eps_missing"))
+    zero = [s for s in report.layers[0].strata if s.name == "zero"][0]
+    assert zero.nonfinite_candidate == zero.elements == 64 and zero.nonfinite_reference == 0
+    assert zero.violations == 64 and "eps_missing" in {d.code for d in report.layers[0].diagnoses}
+
+
+def test_a_raising_candidate_is_a_finding_not_a_crash(ckpt):
+    report = api.check(ckpt("llama", layers=2), candidate=plugin("raises"))
+    assert report.exit_code == 1
+    assert all(l.status == "error" for l in report.layers)
+    d = report.to_dict()
+    assert "kernel not built" in d["layers"][0]["error"] and d["summary"]["errors"] == 5
+
+
+def test_wrong_shape_is_a_finding(ckpt):
+    report = api.check(ckpt("llama", layers=1), candidate=plugin("wrong_shape"))
+    assert report.exit_code == 1 and "shape" in report.to_dict()["layers"][0]["error"]
+
+
+def test_fp16_tolerance_is_tighter_than_bf16(ckpt):
+    """The same fault can pass at bf16's rtol and fail at fp16's: tolerance follows the dtype."""
+    path = ckpt("llama", layers=1, dtype="float32")
+    assert api.check(path, candidate="hf", dtype="bfloat16").header["tolerance"]["rtol"] == 1.6e-2
+    assert api.check(path, candidate="hf", dtype="float16").header["tolerance"]["rtol"] == 1e-3
+
+
+def test_comparison_counts_every_violation():
+    from parity_cli.comparison import Tolerance, compare
+
+    x = torch.ones(2, 4, dtype=torch.float64)
+    ref = torch.tensor([[1.0, 2.0, 0.0, -1.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    cand = ref.clone()
+    cand[0, 1] = 2.0 + 2e-3     # outside 1e-3 + 0 * 2
+    cand[0, 2] = 5e-4           # zero reference: atol alone, inside
+    cand[1, 3] = float("nan")   # non-finite: always a violation
+    tol = Tolerance(atol=1e-3, rtol=0.0, source="test")
+    r = compare("t", x, ref, cand, 1e-6, "rms_norm", tol)
+    assert r.violations == 2 and r.status == "fail" and r.nonfinite_candidate == 1
+    assert r.max_abs_err == pytest.approx(2e-3)
+    assert r.max_rel_err == pytest.approx(1e-3)  # the zero reference is excluded from rel error
+    assert (r.worst.vector, r.worst.index) == (1, 3)
+    loose = compare("t", x, ref, cand, 1e-6, "rms_norm", tol, max_violation_fraction=0.25)
+    assert loose.status == "pass"
