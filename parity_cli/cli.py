@@ -101,6 +101,15 @@ def demo():
     return EXIT_PASS if ok else EXIT_FAIL
 
 
+@cli.command()
+def schema():
+    """Print the JSON Schema of the check report."""
+    from parity_cli.resources import schema_path
+
+    click.echo(schema_path().read_text(), nl=False)
+    return EXIT_PASS
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         code = cli.main(args=argv, prog_name="parity", standalone_mode=False)

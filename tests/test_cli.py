@@ -1,0 +1,154 @@
+"""The command line as CI and users meet it: exit codes, one-line errors, the JSON contract."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import load_json, plugin, run_parity
+from parity_cli.resources import schema_path
+
+jsonschema = pytest.importorskip("jsonschema")
+
+
+def validate(report):
+    jsonschema.validate(report, json.loads(schema_path().read_text()))
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from parity_cli.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert 'safetensors' not in sys.modules\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+    sub = subprocess.run([sys.executable, "-c", code.replace("'--help'", "'check', '--help'")],
+                         capture_output=True, text=True)
+    assert sub.returncode == 0 and "--candidate-eps" in sub.stdout, sub.stderr
+
+
+def test_pass_exit_0_and_report_matches_the_contract(ckpt, tmp_path):
+    path = ckpt("llama", layers=2, eps=1e-5)
+    out = tmp_path / "r.json"
+    r = run_parity("check", path, "--json", out, "--seed", "5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = load_json(out)
+    validate(rep)
+    assert rep["schema_version"] == 1
+    assert rep["eps"] == {"value": 1e-5, "source": "config:rms_norm_eps"}
+    assert rep["checkpoint"]["family"] == "llama" and rep["checkpoint"]["files"] == ["model.safetensors"]
+    assert rep["candidate"]["impl"] == "torch" and rep["reference"]["impl"] == "oracle"
+    assert rep["candidate"]["dtype"] == "bfloat16" and rep["reference"]["dtype"] == "float64"
+    assert rep["tolerance"]["atol"] == 1e-5 and rep["tolerance"]["rtol"] == 1.6e-2
+    assert rep["probes"] == {**rep["probes"], "seed": 5,
+                             "strata": ["zero", "tiny", "normal", "constant", "mixed", "large", "outlier"]}
+    assert rep["summary"] == {"layers": 5, "passed": 5, "failed": 0, "errors": 0, "verdict": "pass"}
+    tiny = [s for s in rep["layers"][0]["strata"] if s["name"] == "tiny"][0]
+    assert tiny["q_over_eps"]["min"] == pytest.approx(0.01, rel=0.02)
+    assert tiny["q_over_eps"]["max"] == pytest.approx(100, rel=0.02)
+    assert tiny["attenuation"]["min"] == pytest.approx(0.099504, rel=0.01)
+    zero = [s for s in rep["layers"][0]["strata"] if s["name"] == "zero"][0]
+    assert zero["q_over_eps"] == {"min": 0.0, "max": 0.0} and zero["attenuation"]["max"] == 0.0
+    assert "PASS" in r.stdout
+
+
+def test_fail_exit_1_and_the_report_explains(ckpt, tmp_path):
+    path = ckpt("llama", layers=1, eps=1e-6)
+    out = tmp_path / "r.json"
+    r = run_parity("check", path, "--candidate", plugin("eps_missing"), "--dtype", "float32", "--json", out, "-q")
+    assert r.returncode == 1 and r.stdout == ""
+    rep = load_json(out)
+    validate(rep)
+    assert rep["summary"]["verdict"] == "fail" and rep["summary"]["failed"] == 3
+    zero = [s for s in rep["layers"][0]["strata"] if s["name"] == "zero"][0]
+    assert zero["status"] == "fail" and zero["nonfinite"]["candidate"] == 64
+    assert zero["worst"]["candidate"] == "nan" and zero["worst"]["reference"] == 0.0
+    assert "eps_missing" in {d["code"] for d in rep["layers"][0]["diagnoses"]}
+
+
+def test_candidate_error_is_exit_1_with_a_valid_report(ckpt, tmp_path):
+    out = tmp_path / "r.json"
+    r = run_parity("check", ckpt("llama", layers=1), "--candidate", plugin("raises"), "--json", out)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    rep = load_json(out)
+    validate(rep)
+    assert rep["layers"][0]["status"] == "error" and "RuntimeError" in rep["layers"][0]["error"]
+
+
+def test_layers_glob_and_strata(ckpt, tmp_path):
+    out = tmp_path / "r.json"
+    r = run_parity("check", ckpt("qwen3", layers=2), "--layers", "*.q_norm", "--strata", "tiny,zero",
+                   "--json", out, "-q")
+    assert r.returncode == 0, r.stderr
+    rep = load_json(out)
+    assert [l["name"] for l in rep["layers"]] == ["model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.q_norm"]
+    assert [s["name"] for s in rep["layers"][0]["strata"]] == ["tiny", "zero"]
+    assert rep["layers"][0]["dim"] == 16
+
+
+def bad_inputs(ckpt, tmp_path):
+    good = ckpt("llama", layers=1)
+    no_cfg = ckpt("llama", layers=1)
+    (no_cfg / "config.json").unlink()
+    bad_json = ckpt("llama", layers=1)
+    (bad_json / "config.json").write_text("{")
+    truncated = ckpt("llama", layers=1)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:-100])
+    sharded = ckpt("llama", layers=1, shards=2)
+    next(sharded.glob("model-00001-*")).unlink()
+    unknown = ckpt("llama", layers=1, config_extra={"model_type": "mystery"})
+    return {
+        "missing path": ["check", tmp_path / "nope"],
+        "no config": ["check", no_cfg],
+        "invalid json": ["check", bad_json],
+        "truncated": ["check", truncated],
+        "missing shard": ["check", sharded],
+        "unknown model_type": ["check", unknown],
+        "bad dtype": ["check", good, "--dtype", "float7"],
+        "bad float": ["check", good, "--atol", "abc"],
+        "negative eps": ["check", good, "--candidate-eps", "-1"],
+        "bad stratum": ["check", good, "--strata", "tiny,bogus"],
+        "bad glob": ["check", good, "--layers", "nothing*"],
+        "bad candidate": ["check", good, "--candidate", "no_such_module_xyz:fn"],
+        "bad builtin": ["check", good, "--candidate", "tritonx"],
+        "no cuda": ["check", good, "--device", "cuda:7"],
+        "bad fraction": ["check", good, "--max-violation-fraction", "2"],
+        "unknown option": ["check", good, "--frobnicate"],
+        "bad json dir": ["check", good, "--json", tmp_path / "no" / "dir" / "r.json"],
+    }
+
+
+def test_bad_input_is_one_line_exit_2_and_no_report(ckpt, tmp_path):
+    for label, args in bad_inputs(ckpt, tmp_path).items():
+        out = tmp_path / f"{label.replace(' ', '_')}.json"
+        if "--json" not in args:
+            args = [*args, "--json", out]
+        r = run_parity(*args)
+        if label == "no cuda" and r.returncode == 0:
+            continue  # a machine with 8 GPUs
+        assert r.returncode == 2, (label, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("parity: error:"), (label, r.stderr)
+        assert "Traceback" not in r.stderr and r.stdout == "", label
+        assert not out.exists(), label
+        assert not list(tmp_path.glob(".*.tmp")), label
+
+
+def test_error_names_the_file(ckpt, tmp_path):
+    bad = ckpt("llama", layers=1)
+    (bad / "config.json").write_text("{")
+    r = run_parity("check", bad)
+    assert str(bad / "config.json") in r.stderr and "invalid JSON" in r.stderr
+
+
+def test_demo_shows_a_pass_and_a_fail():
+    r = run_parity("demo")
+    assert r.returncode == 0, r.stderr
+    assert "PASS" in r.stdout and "FAIL" in r.stdout and "eps_mismatch" in r.stdout and "q/eps" in r.stdout
+
+
+def test_module_entry_point_and_version():
+    r = run_parity("--version")
+    assert r.returncode == 0 and "parity" in r.stdout
