@@ -207,7 +207,7 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
             weight=_weight_stats(layer.weight),
             strata=stratum_results, error=layer_error, warnings=layer.warnings,
         )
-        result.diagnoses = diagnose(layer, stratum_results, gain, tol.rtol)
+        result.diagnoses = diagnose(layer, stratum_results, gain, tol, cand_dtype, b_ref)
         for s in stratum_results:  # the raw tensors served diagnosis; drop them
             s.x = s.ref = s.cand = None
         results.append(result)

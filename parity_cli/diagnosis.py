@@ -1,21 +1,27 @@
 """Stage 6: from a failing layer's strata to its most likely cause.
 
-The rule of thumb of the sources: errors only on small inputs -> q/eps (eps value or
-placement); only on large inputs -> intermediate overflow or a missing upcast; the same
-channels off at every scale -> the gain (offset, permutation, broadcast). Each diagnosis is
-a value with a stable code and the evidence behind it."""
+Method of the sources: keep the high-precision reference and change one condition at a time.
+Each hypothesis below is the reference with exactly one fault planted (a "variant"); a
+hypothesis explains the candidate when the candidate matches the variant, within tolerance,
+on nearly every element, including the ones that violated the reference. When no variant
+fits, the rule of thumb of the sources names a first suspect from where the errors are:
+only small inputs -> q/eps (eps value or placement); only large inputs -> overflow or a
+missing upcast; the same channels off at every scale -> the gain."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
-from parity_cli.comparison import StratumResult
+from parity_cli.comparison import StratumResult, Tolerance
 from parity_cli.implementations import mean_square, oracle_normalize
 from parity_cli.layers import NormLayer
 
 SMALL = {"zero", "tiny"}
 LARGE = {"large", "outlier", "extreme"}
+MATCH_SLACK = 2.0  # a variant is computed in float64; allow the candidate's own rounding twice over
+MATCH_SHARE = 0.99
 
 
 @dataclass
@@ -25,7 +31,23 @@ class Diagnosis:
     evidence: dict = field(default_factory=dict)
 
 
-def estimate_eps(layer: NormLayer, gain, strata: list[StratumResult]):
+@dataclass
+class Context:
+    """What every hypothesis may use: the layer, its expected gain and the results."""
+
+    layer: NormLayer
+    gain: object  # float64 effective gain (offset + weight)
+    bias: object
+    tol: Tolerance
+    dtype: object  # candidate torch dtype
+    strata: list[StratumResult]
+
+    @property
+    def eps(self) -> float:
+        return self.layer.eps.value
+
+
+def estimate_eps(ctx: Context):
     """The eps that explains the candidate: for y = x/sqrt(q + eps_c) * g, eps_c = x^2/(y/g)^2 - q.
 
     Uses tiny-stratum rows (where eps is visible) and channels with a usable gain and input.
@@ -33,130 +55,221 @@ def estimate_eps(layer: NormLayer, gain, strata: list[StratumResult]):
     import torch
 
     samples = []
-    for s in strata:
+    for s in ctx.strata:
         if s.name != "tiny" or s.cand is None:
             continue
-        q = mean_square(s.x, layer.kind).unsqueeze(-1)
-        x = s.x
-        if layer.kind == "layer_norm":
-            x = x - x.mean(dim=-1, keepdim=True)
-        y = s.cand / gain
-        usable = (gain.abs() > 1e-3) & (x.abs() > 0.25 * q.sqrt()) & torch.isfinite(y) & (y != 0)
-        est = (x * x) / (y * y) - q
-        samples.append(est[usable])
-    if not samples:
-        return None
-    est = torch.cat(samples)
-    if est.numel() == 0:
+        q = mean_square(s.x, ctx.layer.kind).unsqueeze(-1)
+        x = s.x - s.x.mean(dim=-1, keepdim=True) if ctx.layer.kind == "layer_norm" else s.x
+        y = (s.cand - (0 if ctx.bias is None else ctx.bias)) / ctx.gain
+        usable = (ctx.gain.abs() > 1e-3) & (x.abs() > 0.25 * q.sqrt()) & torch.isfinite(y) & (y != 0)
+        samples.append(((x * x) / (y * y) - q)[usable])
+    est = torch.cat(samples) if samples else None
+    if est is None or est.numel() == 0:
         return None
     lo, med, hi = (float(v) for v in torch.quantile(est, torch.tensor([0.25, 0.5, 0.75], dtype=est.dtype)))
-    spread = (hi - lo) / abs(med) if med else math.inf
-    return med, spread
+    return med, ((hi - lo) / abs(med) if med else math.inf)
 
 
-def implied_gain(layer: NormLayer, strata: list[StratumResult], eps: float):
-    """Per channel: candidate / reference-normalised value on normal rows, and its relative spread."""
+def _affine(ctx: Context, y, gain=None):
+    y = y * (ctx.gain if gain is None else gain)
+    return y if ctx.bias is None else y + ctx.bias
+
+
+def _rms_eps_outside(x, eps):
     import torch
 
-    rows_c, rows_n = [], []
-    for s in strata:
-        if s.name == "normal" and s.cand is not None:
-            rows_c.append(s.cand)
-            rows_n.append(oracle_normalize(s.x, eps, layer.kind))
-    if not rows_c:
+    q = mean_square(x).unsqueeze(-1)
+    return x / (torch.sqrt(q) + eps)
+
+
+def _no_upcast(ctx: Context, x):
+    """Squares and averages in the candidate dtype, as code without .float() does."""
+    import torch
+
+    h = x.to(ctx.dtype)
+    if ctx.layer.kind == "layer_norm":
+        h = h - h.mean(-1, keepdim=True)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    return y.to(torch.float64)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    code: str
+    variant: Callable  # (ctx, x, evidence) -> float64 y, or None when it does not apply
+    message: Callable  # (ctx, evidence) -> str
+
+
+def _eps_variant(ctx, x, ev):
+    est = ev.get("_estimate")
+    if est is None or ctx.eps <= 0 or abs(est[0] - ctx.eps) <= 0.05 * ctx.eps or est[0] <= 0:
         return None
-    c, n = torch.cat(rows_c), torch.cat(rows_n)
-    # Least squares per channel: g_j = sum(c*n)/sum(n*n); consistency from the residual.
+    ev.update(estimated_eps=est[0], spread=est[1], configured_eps=ctx.eps, eps_source=ctx.layer.eps.source)
+    return _affine(ctx, oracle_normalize(x, est[0], ctx.layer.kind))
+
+
+def _offset_variant(delta):
+    def variant(ctx, x, ev):
+        ev.update(offset_error=delta, expected_offset=ctx.layer.gain_offset)
+        return _affine(ctx, oracle_normalize(x, ctx.eps, ctx.layer.kind), ctx.gain + delta)
+
+    return variant
+
+
+def _offset_message(ctx, ev):
+    delta, expected = ev["offset_error"], ev["expected_offset"]
+    if delta < 0:
+        what = "the +1 is missing: gain w where the family uses 1 + w" if expected else "the gain is w - 1"
+    else:
+        what = "the +1 is applied twice: gain 2 + w" if expected else "a +1 is added that this family does not use: gain 1 + w"
+    return f"every channel's gain is off by {delta:+g}: {what}"
+
+
+HYPOTHESES = [
+    Hypothesis(
+        "eps_mismatch", _eps_variant,
+        lambda ctx, ev: (f"the candidate behaves as if eps = {ev['estimated_eps']:.3g} where the layer's eps is "
+                         f"{ev['configured_eps']:.3g} ({ev['eps_source']}); inputs with q/eps near 1 show it first"),
+    ),
+    Hypothesis(
+        "eps_outside_sqrt",
+        lambda ctx, x, ev: None if ctx.layer.kind != "rms_norm" else _affine(ctx, _rms_eps_outside(x, ctx.eps)),
+        lambda ctx, ev: "the candidate computes x / (sqrt(q) + eps) instead of x / sqrt(q + eps): eps is outside the root",
+    ),
+    Hypothesis(
+        "eps_missing",
+        lambda ctx, x, ev: None if ctx.eps == 0 else _affine(ctx, _eps_zero(ctx, x)),
+        lambda ctx, ev: "the candidate matches eps = 0: eps is dropped, so an all-zero row computes 0/0",
+    ),
+    Hypothesis(
+        "mean_subtracted",
+        lambda ctx, x, ev: None if ctx.layer.kind != "rms_norm" else _affine(ctx, oracle_normalize(x, ctx.eps, "layer_norm")),
+        lambda ctx, ev: "the candidate subtracts the mean (LayerNorm semantics) where the family uses RMSNorm",
+    ),
+    Hypothesis("weight_offset_mismatch", _offset_variant(-1.0), _offset_message),
+    Hypothesis("weight_offset_mismatch", _offset_variant(+1.0), _offset_message),
+    Hypothesis(
+        "reduced_precision_reduction",
+        lambda ctx, x, ev: None if ctx.dtype.is_floating_point and ctx.dtype.itemsize >= 4 else
+        _affine(ctx, _no_upcast(ctx, x)),
+        lambda ctx, ev: ("the candidate squares and sums in the input dtype (no float32 upcast): x^2 overflows on "
+                         "large inputs and underflows on tiny ones"),
+    ),
+]
+
+
+def _eps_zero(ctx: Context, x):
+    """eps = 0: rows with q = 0 become 0/0 = NaN, as they do in the faulty kernel."""
+    import torch
+
+    y = oracle_normalize(x, 0.0, ctx.layer.kind)
+    zero_rows = (mean_square(x, ctx.layer.kind) == 0).unsqueeze(-1)
+    return torch.where(zero_rows, torch.full_like(y, math.nan), y)
+
+
+def _matches(ctx: Context, variant_outputs) -> bool:
+    """Candidate within (slack x) tolerance of the variant on nearly all elements, violations included."""
+    import torch
+
+    total = hit = bad_total = bad_hit = 0
+    for s, v in variant_outputs:
+        allowed = MATCH_SLACK * (ctx.tol.atol + ctx.tol.rtol * v.abs())
+        both_nan = torch.isnan(v) & torch.isnan(s.cand)
+        ok = ((s.cand - v).abs() <= allowed) | (s.cand == v) | both_nan
+        ref_ok = ((s.cand - s.ref).abs() <= ctx.tol.atol + ctx.tol.rtol * s.ref.abs()) | (s.cand == s.ref)
+        total += ok.numel()
+        hit += int(ok.sum())
+        bad_total += int((~ref_ok).sum())
+        bad_hit += int((ok & ~ref_ok).sum())
+    return bad_total > 0 and hit >= MATCH_SHARE * total and bad_hit >= MATCH_SHARE * bad_total
+
+
+def implied_gain(ctx: Context):
+    """Per channel: least-squares candidate / reference-normalised value on normal rows, and how
+    consistently one gain explains every row."""
+    import torch
+
+    rows = [(s.cand, oracle_normalize(s.x, ctx.eps, ctx.layer.kind)) for s in ctx.strata
+            if s.name == "normal" and s.cand is not None]
+    if not rows:
+        return None
+    c = torch.cat([r[0] for r in rows]) - (0 if ctx.bias is None else ctx.bias)
+    n = torch.cat([r[1] for r in rows])
     g = (c * n).sum(0) / (n * n).sum(0).clamp_min(1e-300)
     resid = (c - g * n).abs().amax(0) / (g.abs() * n.abs().amax(0)).clamp_min(1e-300)
     return g, resid
 
 
-def diagnose(layer: NormLayer, strata: list[StratumResult], gain, rtol: float) -> list[Diagnosis]:
+def _channel_diagnosis(ctx: Context) -> Diagnosis | None:
     import torch
 
-    failing = [s for s in strata if s.status == "fail"]
+    fit = implied_gain(ctx)
+    if fit is None:
+        return None
+    g, resid = fit
+    slack = 4 * max(ctx.tol.rtol, 1e-6)
+    if not bool(torch.isfinite(g).all()) or not bool((resid < slack).all()):
+        return None
+    bad = (g - ctx.gain).abs() > slack * ctx.gain.abs().clamp_min(1e-6) + ctx.tol.atol
+    count = int(bad.sum())
+    if not count:
+        return None
+    idx = torch.nonzero(bad).flatten()[:10].tolist()
+    return Diagnosis(
+        "channel_gain_mismatch",
+        f"the normalisation matches but the gain differs in {count} of {ctx.layer.dim} channels: a wrong, "
+        "permuted or mis-broadcast weight",
+        {"affected_channels": count,
+         "channels": [{"channel": j, "implied": float(g[j]), "expected": float(ctx.gain[j])} for j in idx]},
+    )
+
+
+def _symptom(ctx: Context, failing: set[str]) -> Diagnosis:
+    if failing <= SMALL | {"constant"}:
+        return Diagnosis("symptom_small_inputs",
+                         f"errors only on small inputs ({', '.join(sorted(failing))}): suspect q/eps — the eps value "
+                         "or where it enters", {"strata": sorted(failing)})
+    if failing <= LARGE:
+        return Diagnosis("symptom_large_inputs",
+                         f"errors only on large inputs ({', '.join(sorted(failing))}): suspect intermediate overflow "
+                         "or precision (squaring or summing without an upcast)", {"strata": sorted(failing)})
+    return Diagnosis("unexplained",
+                     f"failing strata {', '.join(sorted(failing))} fit no single planted fault; compare the worst "
+                     "elements", {"strata": sorted(failing)})
+
+
+def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance, dtype, bias=None) -> list[Diagnosis]:
+    failing = {s.name for s in strata if s.status == "fail"}
     if not failing:
         return []
-    names = {s.name for s in failing}
-    eps = layer.eps.value
+    ctx = Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=dtype, strata=strata)
+    compared = [s for s in strata if s.cand is not None]
     out: list[Diagnosis] = []
-
-    nonfinite = [s.name for s in failing if s.nonfinite_candidate > s.nonfinite_reference]
-    if "zero" in nonfinite:
-        out.append(Diagnosis(
-            "eps_missing",
-            "an all-zero row gives non-finite output: eps is missing or zero, so the norm computes 0/0",
-            {"strata": nonfinite},
-        ))
-    if nonfinite and set(nonfinite) <= LARGE:
-        out.append(Diagnosis(
-            "overflow",
-            f"non-finite output only on large inputs ({', '.join(nonfinite)}): x^2 or its sum overflows "
-            "the working dtype; upcast to float32 before squaring",
-            {"strata": nonfinite},
-        ))
-
-    if names <= LARGE and not nonfinite:
-        out.append(Diagnosis(
-            "symptom_large_inputs",
-            f"errors only on large inputs ({', '.join(sorted(names))}): suspect intermediate precision "
-            "(squaring or summing without an upcast)",
-            {"strata": sorted(names)},
-        ))
-
-    estimate = estimate_eps(layer, gain, strata)
-    if estimate is not None and eps > 0:
-        med, spread = estimate
-        off = abs(med - eps) / eps
-        if off > 0.05 and not (names <= LARGE):
-            if spread < 0.1:
-                out.append(Diagnosis(
-                    "eps_mismatch",
-                    f"the candidate behaves as if eps = {med:.3g} where the layer's eps is {eps:.3g} "
-                    f"({layer.eps.source}); small inputs (q/eps near 1) show it first",
-                    {"estimated_eps": med, "spread": spread, "configured_eps": eps},
-                ))
-            else:
-                out.append(Diagnosis(
-                    "symptom_small_inputs",
-                    f"the eps implied by small inputs varies from row to row (median {med:.3g}, spread {spread:.2g}) "
-                    f"instead of being {eps:.3g}: suspect where eps enters (outside the square root?)",
-                    {"estimated_eps": med, "spread": spread, "configured_eps": eps},
-                ))
-
-    if "normal" in names:
-        fit = implied_gain(layer, strata, eps)
-        if fit is not None:
-            g, resid = fit
-            consistent = bool((resid < 4 * max(rtol, 1e-6)).all())
-            bad = (g - gain).abs() > 4 * max(rtol, 1e-6) * gain.abs().clamp_min(1e-6)
-            count = int(bad.sum())
-            shift = float((g - gain).median())
-            uniform = bool(((g - gain - shift).abs() <= 4 * max(rtol, 1e-6) * gain.abs().clamp_min(1e-6)).all())
-            if consistent and count and uniform and abs(abs(shift) - 1.0) < 0.05:
-                what = ("the +1 offset is missing (gain w instead of 1 + w)" if shift < 0 and layer.gain_offset
-                        else "the gain carries an extra +1 (offset applied twice)" if shift > 0 and layer.gain_offset
-                        else "a +1 offset is applied that this family does not use" if shift > 0
-                        else "the gain is off by -1")
-                out.append(Diagnosis(
-                    "weight_offset_mismatch",
-                    f"every channel's gain is off by {shift:+.3g}: {what}",
-                    {"offset_error": shift, "expected_offset": layer.gain_offset},
-                ))
-            elif consistent and count:
-                idx = torch.nonzero(bad).flatten()[:10].tolist()
-                out.append(Diagnosis(
-                    "channel_gain_mismatch",
-                    f"normalisation matches but the gain does not in {count} of {layer.dim} channels: "
-                    "wrong, permuted or mis-broadcast weight, or a wrong gain offset",
-                    {"channels": [{"channel": j, "implied": float(g[j]), "expected": float(gain[j])} for j in idx],
-                     "affected_channels": count},
-                ))
+    seen = set()
+    evidence_base = {"_estimate": estimate_eps(ctx)}
+    for hyp in HYPOTHESES:
+        if hyp.code in seen:
+            continue
+        ev = dict(evidence_base)
+        outputs = []
+        for s in compared:
+            v = hyp.variant(ctx, s.x, ev)
+            if v is None:
+                break
+            outputs.append((s, v))
+        else:
+            if outputs and _matches(ctx, outputs):
+                ev.pop("_estimate", None)
+                out.append(Diagnosis(hyp.code, hyp.message(ctx, ev), ev))
+                seen.add(hyp.code)
+    if not out and "normal" in failing:
+        channel = _channel_diagnosis(ctx)
+        if channel:
+            out.append(channel)
+    zero = next((s for s in strata if s.name == "zero" and s.status == "fail"), None)
+    if zero is not None and zero.nonfinite_candidate > zero.nonfinite_reference and "eps_missing" not in seen:
+        out.append(Diagnosis("eps_missing", "an all-zero row gives non-finite output: eps is missing or zero, "
+                             "so the norm computes 0/0", {"strata": ["zero"]}))
     if not out:
-        out.append(Diagnosis(
-            "unexplained",
-            f"failing strata {', '.join(sorted(names))} match no known symptom; compare the worst elements",
-            {"strata": sorted(names)},
-        ))
+        out.append(_symptom(ctx, failing))
     return out

@@ -37,25 +37,36 @@ def test_correct_candidate_passes_the_extreme_stratum_in_float32(ckpt):
     assert api.check(path, candidate="oracle", strata=["extreme"]).exit_code == 0
 
 
-@pytest.mark.parametrize("fault,model_type,dtype,eps,must_fail,must_pass", [
-    ("eps_outside_sqrt", "llama", "float32", 1e-6, {"tiny"}, {"zero", "large"}),
-    ("eps_hardcoded_1e5", "llama", "bfloat16", 1e-6, {"tiny"}, {"zero", "normal", "large", "outlier"}),
-    ("eps_missing", "llama", "float32", 1e-6, {"zero", "tiny"}, {"normal", "large"}),
-    ("mean_subtracted", "llama", "bfloat16", 1e-6, {"normal", "constant"}, {"zero"}),
-    ("permuted_weight", "llama", "bfloat16", 1e-6, {"normal", "large", "mixed"}, {"zero"}),
-    ("gemma_without_offset", "gemma", "bfloat16", 1e-6, {"normal", "constant"}, {"zero"}),
-    ("gemma_offset_twice", "gemma", "bfloat16", 1e-6, {"normal", "constant"}, {"zero"}),
-    ("no_upcast", "llama", "float16", 1e-6, {"large", "outlier"}, {"zero"}),
+@pytest.mark.parametrize("fault,model_type,dtype,must_fail,must_pass,code", [
+    ("eps_outside_sqrt", "llama", "float32", {"tiny"}, {"zero", "large"}, "eps_outside_sqrt"),
+    ("eps_hardcoded_1e5", "llama", "bfloat16", {"tiny"}, {"zero", "normal", "large", "outlier"}, "eps_mismatch"),
+    ("eps_missing", "llama", "float32", {"zero", "tiny"}, {"normal", "large"}, "eps_missing"),
+    ("mean_subtracted", "llama", "bfloat16", {"normal", "constant"}, {"zero"}, "mean_subtracted"),
+    ("permuted_weight", "llama", "bfloat16", {"normal", "large", "mixed"}, {"zero"}, "channel_gain_mismatch"),
+    ("gemma_without_offset", "gemma", "bfloat16", {"normal", "constant"}, {"zero"}, "weight_offset_mismatch"),
+    ("gemma_offset_twice", "gemma", "float16", {"normal", "constant"}, {"zero"}, "weight_offset_mismatch"),
+    ("rms_norm", "gemma", "float32", {"normal", "constant"}, {"zero"}, "weight_offset_mismatch"),
+    ("no_upcast", "llama", "float16", {"large", "outlier"}, {"zero"}, "reduced_precision_reduction"),
 ])
-def test_planted_faults_fail_where_they_show(ckpt, fault, model_type, dtype, eps, must_fail, must_pass):
-    path = ckpt(model_type, layers=1, dtype=dtype, eps=eps)
+def test_planted_faults_fail_where_they_show(ckpt, fault, model_type, dtype, must_fail, must_pass, code):
+    path = ckpt(model_type, layers=1, dtype=dtype, eps=1e-6)
     report = api.check(path, candidate=plugin(fault))
     assert report.exit_code == 1
     for layer in report.layers:
         got = failing(report, layer.name)
         assert must_fail <= got, (layer.name, got)
         assert not (must_pass & got), (layer.name, got)
-        assert layer.diagnoses, layer.name
+        assert [d.code for d in layer.diagnoses] == [code], (layer.name, layer.diagnoses)
+
+
+def test_no_upcast_is_invisible_in_bfloat16(ckpt):
+    """bfloat16 has float32's range: x^2 does not overflow, so the same code passes there."""
+    assert api.check(ckpt("llama", layers=1, dtype="bfloat16"), candidate=plugin("no_upcast")).exit_code == 0
+
+
+def test_correct_candidates_have_no_diagnoses(ckpt):
+    report = api.check(ckpt("gemma2", layers=1, dtype="bfloat16"), candidate="hf")
+    assert report.exit_code == 0 and all(l.diagnoses == [] for l in report.layers)
 
 
 def test_eps_fault_is_explained_with_the_estimated_eps(ckpt):
@@ -77,16 +88,29 @@ def test_candidate_eps_simulates_a_deployment_config(ckpt):
 
 def test_missing_and_doubled_gemma_offset_are_named(ckpt):
     path = ckpt("gemma", layers=1, dtype="bfloat16")
-    for fault, word in (("gemma_without_offset", "missing"), ("gemma_offset_twice", "twice")):
+    for fault, delta, word in (("gemma_without_offset", -1.0, "missing"), ("gemma_offset_twice", 1.0, "twice")):
         report = api.check(path, candidate=plugin(fault))
         diags = [d for l in report.layers for d in l.diagnoses if d.code == "weight_offset_mismatch"]
         assert len(diags) == len(report.layers) and word in diags[0].message
+        assert diags[0].evidence["offset_error"] == delta and diags[0].evidence["expected_offset"] == 1.0
 
 
 def test_permuted_weight_names_channels(ckpt):
-    report = api.check(ckpt("llama", layers=1, dtype="float32"), candidate=plugin("permuted_weight"))
-    diag = [d for d in report.layers[0].diagnoses if d.code == "channel_gain_mismatch"][0]
-    assert diag.evidence["affected_channels"] > 32  # a roll moves every channel's gain
+    import torch
+
+    path = ckpt("llama", layers=1, dtype="float32")
+    report = api.check(path, candidate=plugin("permuted_weight"), layers="model.norm")
+    diag = report.layers[0].diagnoses[0]
+    from safetensors.torch import load_file
+
+    w = load_file(str(path / "model.safetensors"))["model.norm.weight"].double()
+    rolled = w.roll(1)
+    moved = int(((rolled - w).abs() > 4 * 1.3e-6 * w.abs()).sum())
+    assert diag.evidence["affected_channels"] == moved
+    first = diag.evidence["channels"][0]
+    j = first["channel"]
+    assert first["implied"] == pytest.approx(float(rolled[j]), rel=1e-5)
+    assert first["expected"] == pytest.approx(float(w[j]), rel=1e-12)
 
 
 def test_zero_row_nan_is_counted_as_nonfinite(ckpt):
