@@ -126,16 +126,78 @@ def _call(fn, x):
         return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
+@dataclass
+class Side:
+    """One side of the comparison: an implementation at a dtype on a device."""
+
+    impl: object  # implementations.Implementation
+    spec: str  # as the user wrote it, for messages
+    dtype: object  # torch dtype
+    device: str
+    eps: float | None = None  # None: the layer's own eps
+
+
+def _failure(prefix: str, exc: BaseException) -> str:
+    return f"{prefix}{type(exc).__name__}: {exc}".splitlines()[0][:500]
+
+
+def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: CheckOptions):
+    """Probes one layer through both sides. A fault in the reference is the user's input
+    (exit 2); a fault in the candidate is a finding recorded in the result."""
+    from parity_cli.comparison import compare, errored
+    from parity_cli.diagnosis import diagnose
+    from parity_cli.probes import build_probes
+    from parity_cli.report import LayerResult
+
+    eps = layer.eps.value
+    # Both sides see the weight as the candidate receives it (rounded to its dtype).
+    w_cand = layer.weight.to(candidate.dtype)
+    b_cand = None if layer.bias is None else layer.bias.to(candidate.dtype)
+    w_ref = w_cand.to(reference.dtype)
+    b_ref = None if b_cand is None else b_cand.to(reference.dtype)
+    try:
+        ref_fn = reference.impl.prepare(layer, w_ref, b_ref, eps)
+    except Exception as exc:
+        raise InputError(_failure(f"--reference {reference.spec}: cannot build {layer.name}: ", exc)) from None
+    cand_fn, layer_error = None, None
+    try:
+        cand_fn = candidate.impl.prepare(layer, w_cand.to(candidate.device),
+                                         None if b_cand is None else b_cand.to(candidate.device),
+                                         eps if candidate.eps is None else candidate.eps)
+    except Exception as exc:
+        layer_error = _failure("building the candidate failed: ", exc)
+
+    results = []
+    for probe in build_probes(strata, layer.dim, eps, candidate.dtype, opts.seed):
+        ref, ref_err = _call(ref_fn, probe.x.to(reference.dtype))
+        if ref_err:
+            raise InputError(f"--reference {reference.spec} failed on {layer.name}, stratum {probe.stratum}: {ref_err}")
+        cand, cand_err = (None, layer_error) if cand_fn is None else _call(cand_fn, probe.x.to(candidate.dtype).to(candidate.device))
+        if cand_err:
+            results.append(errored(probe.stratum, probe.x, eps, layer.kind, cand_err))
+        else:
+            results.append(compare(probe.stratum, probe.x, ref, cand, eps, layer.kind, tol, opts.max_violation_fraction))
+    result = LayerResult(
+        name=layer.name, kind=layer.kind, dim=layer.dim,
+        eps={"value": eps, "source": layer.eps.source},
+        weight=_weight_stats(layer.weight),
+        strata=results, error=layer_error, warnings=layer.warnings,
+    )
+    result.diagnoses = diagnose(layer, results, layer.gain_offset + w_ref, tol, candidate.dtype, b_ref)
+    for s in results:  # the raw tensors served diagnosis; a 126-layer run should not keep them
+        s.x = s.ref = s.cand = None
+    return result
+
+
 def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
     """Runs the whole check and returns a Report; raises InputError for bad input."""
     import torch
 
     from parity_cli import implementations as impls
-    from parity_cli.comparison import ZERO_REFERENCE_RULE, compare, errored, tolerance_for
-    from parity_cli.diagnosis import diagnose
+    from parity_cli.comparison import ZERO_REFERENCE_RULE, tolerance_for
     from parity_cli.layers import discover_layers
-    from parity_cli.probes import build_probes, load_strata, select_strata
-    from parity_cli.report import LayerResult, Report
+    from parity_cli.probes import load_strata, select_strata
+    from parity_cli.report import Report
 
     opts = options or CheckOptions(**kwargs)
     if not 0.0 <= opts.max_violation_fraction <= 1.0:
@@ -146,15 +208,15 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
             raise InputError(f"{flag} must be a finite number >= 0, got {value}")
     strata = select_strata(opts.strata)
     device = check_device(opts.device)
-    candidate = impls.resolve(opts.candidate)
-    reference = impls.resolve(opts.reference)
+    cand_impl = impls.resolve(opts.candidate)
+    ref_impl = impls.resolve(opts.reference)
 
     ckpt, fam, eps = load(path, opts.family, opts.eps)
     found = discover_layers(ckpt, fam, eps, opts.layers)
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else _stored_dtype(found.layers)
-    cand_dtype = getattr(torch, cand_dtype_name)
-    ref_dtype = torch.float64
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol)
+    candidate = Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps)
+    reference = Side(ref_impl, opts.reference, torch.float64, "cpu")
 
     warnings = list(found.warnings)
     if eps.source == "family-default":
@@ -166,51 +228,7 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
                         f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
 
-    results = []
-    for layer in found.layers:
-        cand_eps = opts.candidate_eps if opts.candidate_eps is not None else layer.eps.value
-        # Both sides see the weight as the candidate receives it (rounded to its dtype).
-        w_cand = layer.weight.to(cand_dtype)
-        b_cand = None if layer.bias is None else layer.bias.to(cand_dtype)
-        w_ref = w_cand.to(ref_dtype)
-        b_ref = None if b_cand is None else b_cand.to(ref_dtype)
-        gain = layer.gain_offset + w_ref
-        layer_error = None
-        try:
-            ref_fn = reference.prepare(layer, w_ref, b_ref, layer.eps.value)
-        except Exception as exc:
-            raise InputError(f"--reference {opts.reference}: cannot build layer {layer.name}: {type(exc).__name__}: {exc}") from None
-        try:
-            cand_fn = candidate.prepare(layer, w_cand.to(device), None if b_cand is None else b_cand.to(device), cand_eps)
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:
-            cand_fn, layer_error = None, f"building the candidate failed: {type(exc).__name__}: {exc}".splitlines()[0][:500]
-
-        stratum_results = []
-        for probe in build_probes(strata, layer.dim, layer.eps.value, cand_dtype, opts.seed):
-            ref, ref_err = _call(ref_fn, probe.x.to(ref_dtype))
-            if ref_err:
-                raise InputError(f"--reference {opts.reference} failed on layer {layer.name}, stratum {probe.stratum}: {ref_err}")
-            if cand_fn is None:
-                stratum_results.append(errored(probe.stratum, probe.x, layer.eps.value, layer.kind, layer_error))
-                continue
-            cand, cand_err = _call(cand_fn, probe.x.to(cand_dtype).to(device))
-            if cand_err:
-                stratum_results.append(errored(probe.stratum, probe.x, layer.eps.value, layer.kind, cand_err))
-                continue
-            stratum_results.append(compare(probe.stratum, probe.x, ref, cand, layer.eps.value, layer.kind,
-                                           tol, opts.max_violation_fraction))
-        result = LayerResult(
-            name=layer.name, kind=layer.kind, dim=layer.dim,
-            eps={"value": layer.eps.value, "source": layer.eps.source},
-            weight=_weight_stats(layer.weight),
-            strata=stratum_results, error=layer_error, warnings=layer.warnings,
-        )
-        result.diagnoses = diagnose(layer, stratum_results, gain, tol, cand_dtype, b_ref)
-        for s in stratum_results:  # the raw tensors served diagnosis; drop them
-            s.x = s.ref = s.cand = None
-        results.append(result)
+    results = [_check_layer(layer, reference, candidate, strata, tol, opts) for layer in found.layers]
 
     header = {
         "tool": {"name": "parity-cli", "version": __version__},
@@ -224,9 +242,9 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
             "unmatched": found.unmatched,
         },
         "eps": {"value": eps.value, "source": eps.source},
-        "reference": {"impl": reference.name, "source": reference.source, "dtype": "float64",
-                      "device": "cpu", "eps": eps.value},
-        "candidate": {"impl": candidate.name, "source": candidate.source, "dtype": cand_dtype_name,
+        "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": "float64",
+                      "device": reference.device, "eps": eps.value},
+        "candidate": {"impl": cand_impl.name, "source": cand_impl.source, "dtype": cand_dtype_name,
                       "device": device,
                       "eps": opts.candidate_eps if opts.candidate_eps is not None else eps.value,
                       "eps_source": "option:--candidate-eps" if opts.candidate_eps is not None else eps.source},

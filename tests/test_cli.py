@@ -152,3 +152,27 @@ def test_demo_shows_a_pass_and_a_fail():
 def test_module_entry_point_and_version():
     r = run_parity("--version")
     assert r.returncode == 0 and "parity" in r.stdout
+
+
+def test_ctrl_c_exits_130_and_leaves_no_report(ckpt, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "parity_cli", "check", str(ckpt("llama", layers=4)),
+                             "--candidate", plugin("slow"), "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4.0)  # past torch's import, inside the probe loop
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    assert not out.exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_reference_can_be_any_implementation(ckpt, tmp_path):
+    out = tmp_path / "r.json"
+    r = run_parity("check", ckpt("gemma", layers=1), "--reference", "hf", "--candidate", plugin("GemmaRMSNorm"),
+                   "--json", out, "-q")
+    assert r.returncode == 0, r.stderr
+    assert load_json(out)["reference"]["impl"] == "hf"

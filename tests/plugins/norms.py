@@ -90,3 +90,11 @@ def raises(x, weight, eps):
 
 def wrong_shape(x, weight, eps):
     return rms_norm(x, weight, eps)[..., :-1]
+
+
+def slow(x, weight, eps):
+    """For the interrupt test: long enough to be interrupted mid-run."""
+    import time
+
+    time.sleep(0.5)
+    return rms_norm(x, weight, eps)
