@@ -102,6 +102,52 @@ def _weight_stats(weight) -> dict:
     }
 
 
+ONE_PERCENT_Q_OVER_EPS = 1 / (0.99 ** -2 - 1)  # 49.2512562814: q/eps where A = 0.99
+
+
+def inspect(path: str | Path, family: str | None = None, eps: float | None = None) -> dict:
+    """What a check would run on, without running it: family, eps and its source, each layer's
+    weight and the RMS below which eps attenuates its output by more than 1%."""
+    import math
+
+    from parity_cli.layers import discover_layers
+
+    ckpt, fam, resolved = load(path, family, eps)
+    found = discover_layers(ckpt, fam, resolved)
+    warnings = list(found.warnings)
+    if resolved.source == "family-default":
+        warnings.append(f"eps is not in config.json (looked for {', '.join(fam.eps_keys)}); "
+                        f"the family default {fam.eps_default:g} is assumed")
+    if found.unmatched:
+        warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family '{fam.name}'")
+    layers = []
+    for layer in found.layers:
+        stats = _weight_stats(layer.weight)
+        gain = None if stats["min"] is None else {"min": layer.gain_offset + stats["min"],
+                                                   "max": layer.gain_offset + stats["max"]}
+        if stats["nonfinite"]:
+            warnings.append(f"{layer.name}: {stats['nonfinite']} non-finite weight value(s)")
+        if gain is not None and gain["min"] <= 0:
+            warnings.append(f"{layer.name}: effective gain <= 0 in some channel (min {gain['min']:.3g})")
+        layers.append({
+            "name": layer.name, "kind": layer.kind, "dim": layer.dim,
+            "eps": {"value": layer.eps.value, "source": layer.eps.source},
+            "weight": stats, "gain": gain, "gain_offset": layer.gain_offset,
+            "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * layer.eps.value),
+            "warnings": layer.warnings,
+        })
+    return {
+        "schema_version": 1,
+        "tool": {"name": "parity-cli", "version": __version__},
+        "checkpoint": {"path": str(ckpt.path), "format": ckpt.format, "family": fam.name,
+                       "model_type": ckpt.model_type, "files": [f.name for f in ckpt.files],
+                       "unmatched": found.unmatched},
+        "eps": {"value": resolved.value, "source": resolved.source},
+        "layers": layers,
+        "warnings": warnings,
+    }
+
+
 def _stored_dtype(layers) -> str:
     counts: dict[str, int] = {}
     for layer in layers:

@@ -17,9 +17,14 @@ EXIT_PASS, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT = 0, 1, 2, 130
 
 
 def _console(stderr: bool = False):
+    import os
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    console = Console(stderr=stderr, highlight=False, soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 160  # CI logs: a layer name must not be cut to fit 80 columns
+    return console
 
 
 def _check_json_target(path: str | None) -> None:
@@ -72,6 +77,41 @@ def check(checkpoint, candidate, reference, dtype, device, family, eps, candidat
     if not quiet:
         render(report, _console())
     return report.exit_code
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
+@click.option("--family", default=None, help="Force a model family instead of config.json's model_type.")
+@click.option("--eps", type=float, default=None, help="Override the checkpoint's eps.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the result as JSON.")
+def inspect(checkpoint, family, eps, json_path):
+    """Family, eps and its source, and every norm layer's weight, without running anything."""
+    from rich.table import Table
+
+    from parity_cli.api import inspect as run_inspect
+    from parity_cli.report import write_json
+
+    _check_json_target(json_path)
+    info = run_inspect(checkpoint, family, eps)
+    if json_path:
+        write_json(info, json_path)
+    console = _console()
+    console.print(f"[bold]{info['checkpoint']['path']}[/] family [bold]{info['checkpoint']['family']}[/] "
+                  f"(model_type {info['checkpoint']['model_type']}), eps {info['eps']['value']:.3g} "
+                  f"({info['eps']['source']})")
+    table = Table(show_edge=False, header_style="bold")
+    for col in ("layer", "kind", "dim", "dtype", "w min", "w max", "gain min", "gain max", "non-finite",
+                "rms for A<0.99"):
+        table.add_column(col, no_wrap=col == "layer")
+    for layer in info["layers"]:
+        w, g = layer["weight"], layer["gain"] or {"min": float("nan"), "max": float("nan")}
+        table.add_row(layer["name"], layer["kind"], str(layer["dim"]), w["dtype"], f"{w['min']:.4g}",
+                      f"{w['max']:.4g}", f"{g['min']:.4g}", f"{g['max']:.4g}", str(w["nonfinite"]),
+                      f"{layer['rms_1pct']:.3g}")
+    console.print(table)
+    for warning in info["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")
+    return EXIT_PASS
 
 
 @cli.command()

@@ -85,12 +85,13 @@ class StratumResult:
 
 
 def q_over_eps_stats(x, eps: float, kind: str):
-    """(min, max) of q/eps and of the attenuation A = sqrt(q / (q + eps)) over the rows."""
+    """(min, max) of q/eps and of the attenuation A = sqrt(q / (q + eps)) over the rows.
+
+    A zero row has q/eps = 0 and A = 0 (its output is zero); with eps = 0 every nonzero row
+    has q/eps = inf and A = 1."""
     from parity_cli.implementations import mean_square
 
-    q = mean_square(x, kind)
-    ratios = [float(v) / eps if eps > 0 else math.inf for v in q]
-    ratios = [0.0 if q_ == 0 else r for q_, r in zip(q.tolist(), ratios)]
+    ratios = [0.0 if q == 0 else (q / eps if eps > 0 else math.inf) for q in mean_square(x, kind).tolist()]
     att = [attenuation(r) for r in ratios]
     return (min(ratios), max(ratios)), (min(att), max(att))
 
