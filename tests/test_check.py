@@ -157,3 +157,37 @@ def test_comparison_counts_every_violation():
     assert (r.worst.vector, r.worst.index) == (1, 3)
     loose = compare("t", x, ref, cand, 1e-6, "rms_norm", tol, max_violation_fraction=0.25)
     assert loose.status == "pass"
+
+
+def test_unmatched_norm_like_tensors_are_listed_not_skipped_silently(ckpt):
+    import torch
+
+    extra = {"vision_tower.blocks.0.norm1.weight": torch.ones(8, dtype=torch.bfloat16),
+             "model.layers.0.mlp.gate_proj.weight": torch.ones(4, 4, dtype=torch.bfloat16)}
+    report = api.check(ckpt("llama", layers=1, weights=extra), candidate="hf")
+    assert report.header["checkpoint"]["unmatched"] == ["vision_tower.blocks.0.norm1.weight"]
+    assert any("vision_tower.blocks.0.norm1.weight" in w for w in report.warnings)
+    assert report.exit_code == 0 and len(report.layers) == 3
+
+
+def test_eps_override_applies_to_both_sides_and_is_recorded(ckpt):
+    path = ckpt("llama", layers=1, eps=1e-6)
+    report = api.check(path, candidate="torch", eps=1e-5)
+    assert report.exit_code == 0
+    assert report.header["eps"] == {"value": 1e-5, "source": "override"}
+    assert report.header["candidate"]["eps"] == 1e-5 and report.layers[0].eps["source"] == "override"
+
+
+def test_defaulted_eps_is_a_warning(ckpt):
+    report = api.check(ckpt("llama", layers=1, eps=None), candidate="torch")
+    assert report.header["eps"] == {"value": 1e-6, "source": "family-default"}
+    assert any("family default" in w for w in report.warnings)
+
+
+def test_family_forced_over_model_type(ckpt):
+    """A Gemma-layout checkpoint read as llama: the +1 is no longer expected, so hf (llama) passes
+    and a Gemma module fails with the offset named."""
+    path = ckpt("gemma", layers=1, dtype="float32")
+    assert api.check(path, candidate="hf", family="llama").exit_code == 0
+    report = api.check(path, candidate=plugin("GemmaRMSNorm"), family="llama")
+    assert {d.code for l in report.layers for d in l.diagnoses} == {"weight_offset_mismatch"}
