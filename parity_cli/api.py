@@ -223,11 +223,15 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
             results.append(errored(probe.stratum, probe.x, eps, layer.kind, cand_err))
         else:
             results.append(compare(probe.stratum, probe.x, ref, cand, eps, layer.kind, tol, opts.max_violation_fraction))
+    stats = _weight_stats(layer.weight)
+    warnings = list(layer.warnings)
+    if stats["nonfinite"]:
+        # Both sides then output NaN and "agree": the checkpoint itself is broken.
+        warnings.append(f"{stats['nonfinite']} non-finite value(s) in the stored weight")
     result = LayerResult(
         name=layer.name, kind=layer.kind, dim=layer.dim,
         eps={"value": eps, "source": layer.eps.source},
-        weight=_weight_stats(layer.weight),
-        strata=results, error=layer_error, warnings=layer.warnings,
+        weight=stats, strata=results, error=layer_error, warnings=warnings,
     )
     result.diagnoses = diagnose(layer, results, layer.gain_offset + w_ref, tol, candidate.dtype, b_ref)
     for s in results:  # the raw tensors served diagnosis; a 126-layer run should not keep them

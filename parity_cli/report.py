@@ -201,6 +201,9 @@ def render(report: Report, console) -> None:
             console.print(f"  [magenta]{layer['name']}[/]: candidate error: {layer['error']}")
         for diag in layer["diagnoses"]:
             console.print(f"  [red]{layer['name']}[/] [bold]{diag['code']}[/]: {diag['message']}")
+    for layer in d["layers"]:
+        for warning in layer["warnings"]:
+            console.print(f"[yellow]warning:[/] {layer['name']}: {warning}")
     for warning in d["warnings"]:
         console.print(f"[yellow]warning:[/] {warning}")
     s = d["summary"]

@@ -191,3 +191,13 @@ def test_family_forced_over_model_type(ckpt):
     assert api.check(path, candidate="hf", family="llama").exit_code == 0
     report = api.check(path, candidate=plugin("GemmaRMSNorm"), family="llama")
     assert {d.code for l in report.layers for d in l.diagnoses} == {"weight_offset_mismatch"}
+
+
+def test_nonfinite_stored_weights_are_warned_about(ckpt):
+    import torch
+
+    w = torch.ones(64, dtype=torch.bfloat16)
+    w[5] = float("nan")
+    report = api.check(ckpt("llama", layers=1, weights={"model.norm.weight": w}), candidate="hf")
+    norm = [l for l in report.layers if l.name == "model.norm"][0]
+    assert norm.weight["nonfinite"] == 1 and any("non-finite" in w for w in norm.warnings)
