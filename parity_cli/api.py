@@ -6,14 +6,13 @@ check() wires the stages: checkpoint -> layers -> probes -> implementations -> c
 from __future__ import annotations
 
 import platform
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from parity_cli import __version__
-from parity_cli.checkpoint import Checkpoint, open_checkpoint, resolve_eps
+from parity_cli.checkpoint import open_checkpoint, resolve_eps
 from parity_cli.errors import InputError
-from parity_cli.families import Family, family_by_name, family_for_model_type
+from parity_cli.families import family_by_name, family_for_model_type
 
 DTYPES = {
     "float32": "float32", "fp32": "float32", "f32": "float32",

@@ -96,7 +96,6 @@ def test_missing_and_doubled_gemma_offset_are_named(ckpt):
 
 
 def test_permuted_weight_names_channels(ckpt):
-    import torch
 
     path = ckpt("llama", layers=1, dtype="float32")
     report = api.check(path, candidate=plugin("permuted_weight"), layers="model.norm")

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from parity_cli import api
-from parity_cli.checkpoint import open_checkpoint, resolve_eps
 from parity_cli.errors import InputError
 from parity_cli.families import family_by_name, load_families
 from parity_cli.layers import discover_layers

@@ -68,7 +68,7 @@ def test_probes_are_rounded_to_the_candidate_dtype_and_deterministic():
 
 def test_probes_are_sized_to_the_layer():
     for dim in (1, 7, 128):
-        for name, x in probes(dim=dim).items():
+        for x in probes(dim=dim).values():
             assert x.shape[-1] == dim
 
 
