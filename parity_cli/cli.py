@@ -27,9 +27,10 @@ def _console(stderr: bool = False):
     return console
 
 
-def _check_json_target(path: str | None) -> None:
+def _check_output_target(path: str | None) -> None:
+    """Fail before the run, not after it, when a report cannot be written."""
     if path and not Path(path).resolve().parent.is_dir():
-        raise InputError(f"--json {path}: directory {Path(path).resolve().parent} does not exist")
+        raise InputError(f"{path}: directory {Path(path).resolve().parent} does not exist")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -57,26 +58,74 @@ def cli():
 @click.option("--max-violation-fraction", type=float, default=0.0, show_default=True,
               help="Share of elements allowed outside tolerance before a stratum fails.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False), help="Write JUnit XML here.")
+@click.option("--markdown", "markdown_path", default=None, type=click.Path(dir_okay=False),
+              help="Write a Markdown summary here (PR comment, CI job summary).")
+@click.option("--baseline", "baseline_path", default=None, type=click.Path(dir_okay=False),
+              help="A previous JSON report: its findings are accepted, only new ones fail.")
+@click.option("--fail-on", type=click.Choice(["fail", "warn"]), default="fail", show_default=True,
+              help="'warn' also fails on warnings such as a defaulted eps.")
 @click.option("--quiet", "-q", is_flag=True, help="No terminal table; the exit code says it all.")
 def check(checkpoint, candidate, reference, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
-          seed, layers_glob, max_violation_fraction, json_path, quiet):
+          seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
+          quiet):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
-    from parity_cli.report import render, write_json
+    from parity_cli.gate import gate, load_report
+    from parity_cli.report import render
 
-    _check_json_target(json_path)
+    for target in (json_path, junit_path, markdown_path):
+        _check_output_target(target)
+    baseline = load_report(baseline_path, "baseline") if baseline_path else None
     report = run_check(checkpoint, CheckOptions(
         candidate=candidate, reference=reference, dtype=dtype, device=device, family=family, eps=eps,
         candidate_eps=candidate_eps, atol=atol, rtol=rtol,
         strata=[s.strip() for s in strata.split(",") if s.strip()] if strata else None,
         seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
     ))
-    if json_path:
-        write_json(report.to_dict(), json_path)
+    data = report.to_dict()
+    data["gate"] = gate(data, fail_on, baseline, baseline_path)
+    _write_outputs(data, json_path, junit_path, markdown_path)
     if not quiet:
-        render(report, _console())
-    return report.exit_code
+        render(data, _console())
+    return data["gate"]["exit_code"]
+
+
+def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
+    from parity_cli.formats import to_junit, to_markdown
+    from parity_cli.report import write_json, write_text
+
+    if json_path:
+        write_json(data, json_path)
+    if junit_path:
+        write_text(to_junit(data), junit_path)
+    if markdown_path:
+        write_text(to_markdown(data), markdown_path)
+
+
+@cli.command()
+@click.argument("report_path", metavar="REPORT.json", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "junit", "json"]), default="table",
+              show_default=True)
+def report(report_path, fmt):
+    """Re-render a saved JSON report without rerunning anything."""
+    import json
+
+    from parity_cli.formats import to_junit, to_markdown
+    from parity_cli.gate import load_report
+    from parity_cli.report import render
+
+    data = load_report(report_path)
+    if fmt == "table":
+        render(data, _console())
+    elif fmt == "markdown":
+        click.echo(to_markdown(data), nl=False)
+    elif fmt == "junit":
+        click.echo(to_junit(data), nl=False)
+    else:
+        click.echo(json.dumps(data, indent=2))
+    return EXIT_PASS
 
 
 @cli.command()
@@ -91,7 +140,7 @@ def inspect(checkpoint, family, eps, json_path):
     from parity_cli.api import inspect as run_inspect
     from parity_cli.report import write_json
 
-    _check_json_target(json_path)
+    _check_output_target(json_path)
     info = run_inspect(checkpoint, family, eps)
     if json_path:
         write_json(info, json_path)
@@ -126,11 +175,11 @@ def demo():
     path = demo_checkpoint()
     console.rule("1. torch's fused rms_norm with the checkpoint's eps")
     good = run_check(path, CheckOptions(candidate="torch"))
-    render(good, console)
+    render(good.to_dict(), console)
     eps = good.header["eps"]["value"]
     console.rule(f"2. the same kernel built with eps 1e-6 instead of {eps:g} (llama.cpp #2373)")
     bad = run_check(path, CheckOptions(candidate="torch", candidate_eps=1e-6))
-    render(bad, console)
+    render(bad.to_dict(), console)
     console.print(
         "\nWhy: RMSNorm computes y = x / sqrt(q + eps) * g with q = mean(x^2). Against the eps-free "
         "result every component is scaled by A = sqrt(q / (q + eps)), so what matters is q/eps: "

@@ -167,21 +167,29 @@ def _eps_zero(ctx: Context, x):
     return torch.where(zero_rows, torch.full_like(y, math.nan), y)
 
 
-def _matches(ctx: Context, variant_outputs) -> bool:
-    """Candidate within (slack x) tolerance of the variant on nearly all elements, violations included."""
+def _match(ctx: Context, variant_outputs) -> float | None:
+    """None unless the candidate is within (slack x) tolerance of the variant on nearly all
+    elements, violations included; else how closely it fits (mean error over allowance on
+    the violating elements: lower is better), to rank hypotheses that all fit."""
     import torch
 
     total = hit = bad_total = bad_hit = 0
+    closeness = 0.0
     for s, v in variant_outputs:
-        allowed = MATCH_SLACK * (ctx.tol.atol + ctx.tol.rtol * v.abs())
+        allowed = ctx.tol.atol + ctx.tol.rtol * v.abs()
         both_nan = torch.isnan(v) & torch.isnan(s.cand)
-        ok = ((s.cand - v).abs() <= allowed) | (s.cand == v) | both_nan
-        ref_ok = ((s.cand - s.ref).abs() <= ctx.tol.atol + ctx.tol.rtol * s.ref.abs()) | (s.cand == s.ref)
+        err = torch.where(both_nan | (s.cand == v), torch.zeros_like(v), (s.cand - v).abs() / allowed)
+        err = torch.nan_to_num(err, nan=math.inf)
+        ok = err <= MATCH_SLACK
+        ref_bad = ~(((s.cand - s.ref).abs() <= ctx.tol.atol + ctx.tol.rtol * s.ref.abs()) | (s.cand == s.ref))
         total += ok.numel()
         hit += int(ok.sum())
-        bad_total += int((~ref_ok).sum())
-        bad_hit += int((ok & ~ref_ok).sum())
-    return bad_total > 0 and hit >= MATCH_SHARE * total and bad_hit >= MATCH_SHARE * bad_total
+        bad_total += int(ref_bad.sum())
+        bad_hit += int((ok & ref_bad).sum())
+        closeness += float(err[ref_bad & ok].sum())
+    if bad_total == 0 or hit < MATCH_SHARE * total or bad_hit < MATCH_SHARE * bad_total:
+        return None
+    return closeness / max(bad_hit, 1)
 
 
 def implied_gain(ctx: Context):
@@ -244,12 +252,9 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         return []
     ctx = Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=dtype, strata=strata)
     compared = [s for s in strata if s.cand is not None]
-    out: list[Diagnosis] = []
-    seen = set()
     evidence_base = {"_estimate": estimate_eps(ctx)}
-    for hyp in HYPOTHESES:
-        if hyp.code in seen:
-            continue
+    fits = []  # (closeness, order, diagnosis): several hypotheses can fit; the closest is the cause
+    for order, hyp in enumerate(HYPOTHESES):
         ev = dict(evidence_base)
         outputs = []
         for s in compared:
@@ -258,10 +263,12 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
                 break
             outputs.append((s, v))
         else:
-            if outputs and _matches(ctx, outputs):
+            closeness = _match(ctx, outputs) if outputs else None
+            if closeness is not None:
                 ev.pop("_estimate", None)
-                out.append(Diagnosis(hyp.code, hyp.message(ctx, ev), ev))
-                seen.add(hyp.code)
+                fits.append((closeness, order, Diagnosis(hyp.code, hyp.message(ctx, ev), ev)))
+    out: list[Diagnosis] = [min(fits)[2]] if fits else []
+    seen = {d.code for d in out}
     if not out and "normal" in failing:
         channel = _channel_diagnosis(ctx)
         if channel:

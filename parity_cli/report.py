@@ -133,9 +133,12 @@ def _layer_dict(layer: LayerResult) -> dict:
 
 
 def write_json(data: dict, path: str | Path) -> None:
+    write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", path)
+
+
+def write_text(text: str, path: str | Path) -> None:
     """Atomic: a temporary file in the same directory, then rename; never a partial report."""
     path = Path(path)
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -159,11 +162,11 @@ def _fmt(value) -> str:
     return f"{value:.3g}"
 
 
-def render(report: Report, console) -> None:
-    """A row per layer, then one line per diagnosis of each failing layer."""
+def render(d: dict, console) -> None:
+    """A row per layer, then one line per diagnosis of each failing layer (from the report dict,
+    so a saved report renders the same)."""
     from rich.table import Table
 
-    d = report.to_dict()
     cand, ref, tol = d["candidate"], d["reference"], d["tolerance"]
     console.print(
         f"[bold]{d['checkpoint']['path']}[/] family [bold]{d['checkpoint']['family']}[/], "
@@ -207,7 +210,13 @@ def render(report: Report, console) -> None:
     for warning in d["warnings"]:
         console.print(f"[yellow]warning:[/] {warning}")
     s = d["summary"]
-    verdict = "[green]PASS[/]" if s["verdict"] == "pass" else "[red]FAIL[/]"
+    gate = d.get("gate") or {}
+    for key, label in (("accepted", "accepted by the baseline"), ("gone", "in the baseline but gone")):
+        items = gate.get("baseline", {}).get(key, [])
+        if items:
+            console.print(f"{len(items)} finding(s) {label}: "
+                          + ", ".join(f"{f['layer']}/{f['stratum']}/{f['code']}" for f in items[:10]))
+    verdict = "[green]PASS[/]" if gate.get("verdict", s["verdict"]) == "pass" else "[red]FAIL[/]"
     console.print(
         f"{verdict}: {s['passed']}/{s['layers']} layers pass, {s['failed']} fail, {s['errors']} error; "
         f"strata: {', '.join(d['probes']['strata'])}"

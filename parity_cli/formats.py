@@ -1,0 +1,116 @@
+"""Other renderings of the JSON report for the tools CI already has: JUnit XML, Markdown.
+
+Everything here reads the report dict only, so `parity report` can re-render a saved file."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+
+def _num(value) -> str:
+    if isinstance(value, str):
+        return value
+    return "0" if value == 0 else f"{value:.3g}"
+
+
+def layer_summary(layer: dict) -> dict:
+    """Failing strata, worst errors, q/eps range of the failing probes, diagnosis codes."""
+    strata = layer["strata"]
+    failing = [s for s in strata if s["status"] != "pass"]
+    compared = [s for s in (failing or strata) if s["status"] != "error"]
+
+    def extreme(key, pick, fn):
+        values = [s[key][pick] if pick else s[key] for s in compared]
+        values = [v for v in values if not isinstance(v, str)]
+        return fn(values) if values else None
+
+    return {
+        "failing": [s["name"] for s in failing],
+        "max_abs_err": extreme("max_abs_err", None, max),
+        "max_rel_err": extreme("max_rel_err", None, max),
+        "q_over_eps": (extreme("q_over_eps", "min", min), extreme("q_over_eps", "max", max)),
+        "diagnoses": [d["code"] for d in layer["diagnoses"]],
+    }
+
+
+def failure_message(layer: dict) -> str:
+    s = layer_summary(layer)
+    lo, hi = s["q_over_eps"]
+    parts = [f"{layer['status']}: strata {', '.join(s['failing'])}"]
+    if s["max_abs_err"] is not None:
+        parts.append(f"max abs err {_num(s['max_abs_err'])}, max rel err {_num(s['max_rel_err'])}")
+    if lo is not None:
+        parts.append(f"q/eps {_num(lo)}..{_num(hi)}")
+    if layer.get("error"):
+        parts.append(f"error: {layer['error']}")
+    if s["diagnoses"]:
+        parts.append(f"diagnoses: {', '.join(s['diagnoses'])}")
+    return "; ".join(parts)
+
+
+def to_junit(report: dict) -> str:
+    """One testcase per layer; classname = checkpoint and family, so reporters group by model."""
+    ckpt = report["checkpoint"]
+    classname = f"{ckpt['path']}.{ckpt['family']}"
+    summary = report["summary"]
+    suites = ET.Element("testsuites", name="parity", tests=str(summary["layers"]),
+                        failures=str(summary["failed"]), errors=str(summary["errors"]))
+    suite = ET.SubElement(suites, "testsuite", name=f"parity {ckpt['path']} ({ckpt['family']})",
+                          tests=str(summary["layers"]), failures=str(summary["failed"]),
+                          errors=str(summary["errors"]), skipped="0")
+    props = ET.SubElement(suite, "properties")
+    for key, value in (("eps", report["eps"]["value"]), ("eps_source", report["eps"]["source"]),
+                       ("candidate", report["candidate"]["impl"]), ("dtype", report["candidate"]["dtype"]),
+                       ("device", report["candidate"]["device"]), ("atol", report["tolerance"]["atol"]),
+                       ("rtol", report["tolerance"]["rtol"]), ("strata", ",".join(report["probes"]["strata"]))):
+        ET.SubElement(props, "property", name=key, value=str(value))
+    for layer in report["layers"]:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=layer["name"])
+        if layer["status"] == "pass":
+            continue
+        tag = "error" if layer["status"] == "error" else "failure"
+        node = ET.SubElement(case, tag, message=failure_message(layer), type=tag)
+        node.text = "\n".join(f"{d['code']}: {d['message']}" for d in layer["diagnoses"]) or failure_message(layer)
+    ET.indent(suites)
+    return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(report: dict) -> str:
+    s, cand, ref, tol = report["summary"], report["candidate"], report["reference"], report["tolerance"]
+    verdict = "PASS" if s["verdict"] == "pass" else "FAIL"
+    lines = [
+        f"## parity: {verdict} — {s['passed']}/{s['layers']} layers pass",
+        "",
+        f"- checkpoint: `{report['checkpoint']['path']}` (family `{report['checkpoint']['family']}`)",
+        f"- eps: {report['eps']['value']:g} ({report['eps']['source']})",
+        f"- candidate: `{cand['impl']}` {cand['dtype']} on {cand['device']}, eps {cand['eps']:g}",
+        f"- reference: `{ref['impl']}` {ref['dtype']} on {ref['device']}, eps {ref['eps']:g}",
+        f"- tolerance: atol {tol['atol']:g}, rtol {tol['rtol']:g}",
+        f"- strata covered: {', '.join(report['probes']['strata'])}"
+        + (f" (not covered: {', '.join(report['probes'].get('not_covered', []))})"
+           if report["probes"].get("not_covered") else ""),
+        "",
+    ]
+    bad = [layer for layer in report["layers"] if layer["status"] != "pass"]
+    if bad:
+        lines += ["| layer | status | failing strata | max abs err | max rel err | q/eps | diagnoses |",
+                  "|---|---|---|---|---|---|---|"]
+        for layer in bad:
+            sm = layer_summary(layer)
+            lo, hi = sm["q_over_eps"]
+            diag = "; ".join(f"{d['code']}: {d['message']}" for d in layer["diagnoses"]) or (layer.get("error") or "")
+            lines.append("| " + " | ".join(_cell(c) for c in (
+                f"`{layer['name']}`", layer["status"], ", ".join(sm["failing"]),
+                "" if sm["max_abs_err"] is None else _num(sm["max_abs_err"]),
+                "" if sm["max_rel_err"] is None else _num(sm["max_rel_err"]),
+                "" if lo is None else f"{_num(lo)}..{_num(hi)}", diag)) + " |")
+        lines.append("")
+    else:
+        lines += ["All layers within tolerance on every covered stratum.", ""]
+    for warning in report.get("warnings", []):
+        lines.append(f"> warning: {_cell(warning)}")
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,67 @@
+"""The CI decision: which failures count, given a baseline of accepted findings and --fail-on.
+
+A finding is (layer, stratum, diagnosis code): stable across reruns with the same seed, and
+specific enough that a new fault in an already-failing layer is still caught."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from parity_cli.errors import InputError
+
+FAIL_ON = ("fail", "warn")
+
+
+def findings(report: dict) -> set[tuple[str, str, str]]:
+    out = set()
+    for layer in report["layers"]:
+        if layer["status"] == "pass":
+            continue
+        codes = [d["code"] for d in layer["diagnoses"]] or ["error" if layer["status"] == "error" else "unexplained"]
+        strata = [s["name"] for s in layer["strata"] if s["status"] != "pass"] or ["*"]
+        out.update((layer["name"], s, c) for s in strata for c in codes)
+    return out
+
+
+def all_warnings(report: dict) -> list[str]:
+    return list(report.get("warnings", [])) + [
+        f"{layer['name']}: {w}" for layer in report["layers"] for w in layer.get("warnings", [])
+    ]
+
+
+def load_report(path: str | Path, what: str = "report") -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: {what} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema_version") != 1 or not isinstance(data.get("layers"), list):
+        raise InputError(f"{path}: not a parity-cli report (schema_version 1 with layers)")
+    return data
+
+
+def gate(report: dict, fail_on: str = "fail", baseline: dict | None = None, baseline_path: str | None = None) -> dict:
+    if fail_on not in FAIL_ON:
+        raise InputError(f"--fail-on must be one of {', '.join(FAIL_ON)}")
+    found = findings(report)
+    known = findings(baseline) if baseline is not None else set()
+    new = sorted(found - known)
+    warnings = all_warnings(report)
+    failed = bool(new) or (fail_on == "warn" and bool(warnings))
+    result = {
+        "verdict": "fail" if failed else "pass",
+        "exit_code": 1 if failed else 0,
+        "fail_on": fail_on,
+        "warnings": len(warnings),
+        "new_findings": [{"layer": l, "stratum": s, "code": c} for l, s, c in new],
+    }
+    if baseline is not None:
+        result["baseline"] = {
+            "path": baseline_path,
+            "accepted": [{"layer": l, "stratum": s, "code": c} for l, s, c in sorted(found & known)],
+            "gone": [{"layer": l, "stratum": s, "code": c} for l, s, c in sorted(known - found)],
+        }
+    return result
