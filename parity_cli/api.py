@@ -167,8 +167,8 @@ def _call(fn, x):
         return y.detach().to("cpu", torch.float64), None
     except KeyboardInterrupt:
         raise
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+    except BaseException as exc:  # SystemExit from a candidate is a finding too
+        return None, _failure("", exc)
 
 
 @dataclass
@@ -209,7 +209,9 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
         cand_fn = candidate.impl.prepare(layer, w_cand.to(candidate.device),
                                          None if b_cand is None else b_cand.to(candidate.device),
                                          eps if candidate.eps is None else candidate.eps)
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
         layer_error = _failure("building the candidate failed: ", exc)
 
     results = []
@@ -262,6 +264,8 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
 
     ckpt, fam, eps = load(path, opts.family, opts.eps)
     found = discover_layers(ckpt, fam, eps, opts.layers)
+    if not found.layers:
+        raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else _stored_dtype(found.layers)
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol)
     candidate = Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps)

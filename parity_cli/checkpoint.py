@@ -75,6 +75,9 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             continue
         try:
             dtype_code, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+            if not (isinstance(dtype_code, str) and all(type(d) is int and d >= 0 for d in shape)
+                    and type(begin) is int and type(end) is int and begin >= 0):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise InputError(f"{path}: corrupt safetensors header entry for '{name}'") from None
         if dtype_code not in SAFETENSORS_DTYPES:
@@ -211,12 +214,18 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None) -> Eps:
     """The checkpoint's own eps wins over the family default; a defaulted eps is a warning."""
     if override is not None:
+        if not (math.isfinite(override) and override >= 0):
+            raise InputError(f"--eps must be a finite number >= 0, got {override}")
         return Eps(float(override), "override")
     for key in family.eps_keys:
         value, where = ckpt.config_value(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        try:
+            number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number) or number < 0:
             raise InputError(f"{ckpt.path / 'config.json'}: '{where}' must be a finite number >= 0, got {value!r}")
-        return Eps(float(value), f"config:{where}")
+        return Eps(number, f"config:{where}")
     return Eps(family.eps_default, "family-default")

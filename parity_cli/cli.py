@@ -93,15 +93,19 @@ def check(checkpoint, candidate, reference, dtype, device, family, eps, candidat
 
 
 def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
-    from parity_cli.formats import to_junit, to_markdown
-    from parity_cli.report import write_json, write_text
+    import json
 
+    from parity_cli.formats import to_junit, to_markdown
+    from parity_cli.report import write_files
+
+    outputs = {}
     if json_path:
-        write_json(data, json_path)
+        outputs[json_path] = json.dumps(data, indent=2, allow_nan=False) + "\n"
     if junit_path:
-        write_text(to_junit(data), junit_path)
+        outputs[junit_path] = to_junit(data)
     if markdown_path:
-        write_text(to_markdown(data), markdown_path)
+        outputs[markdown_path] = to_markdown(data)
+    write_files(outputs)
 
 
 @cli.command()
@@ -154,8 +158,11 @@ def inspect(checkpoint, family, eps, json_path):
         table.add_column(col, no_wrap=col == "layer")
     for layer in info["layers"]:
         w, g = layer["weight"], layer["gain"] or {"min": float("nan"), "max": float("nan")}
-        table.add_row(layer["name"], layer["kind"], str(layer["dim"]), w["dtype"], f"{w['min']:.4g}",
-                      f"{w['max']:.4g}", f"{g['min']:.4g}", f"{g['max']:.4g}", str(w["nonfinite"]),
+        def num(v):
+            return "-" if v is None else f"{v:.4g}"
+
+        table.add_row(layer["name"], layer["kind"], str(layer["dim"]), w["dtype"], num(w["min"]),
+                      num(w["max"]), num(g["min"]), num(g["max"]), str(w["nonfinite"]),
                       f"{layer['rms_1pct']:.3g}")
     console.print(table)
     for warning in info["warnings"]:

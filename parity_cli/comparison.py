@@ -136,16 +136,21 @@ def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     v, i = divmod(flat, ref.shape[-1])
     elements = ref.numel()
     fraction = violations / elements if elements else 0.0
+    # A non-finite value where the reference is finite fails the stratum whatever the allowed share,
+    # and makes the error maxima infinite rather than hiding it.
+    nonfinite_bad = int((~ok & ~finite).sum())
+    max_abs = math.inf if nonfinite_bad else (float(diff.max()) if elements else 0.0)
+    max_rel = math.inf if nonfinite_bad else (float(rel.max()) if elements else 0.0)
     return StratumResult(
         name=name,
-        status="fail" if violations and fraction > max_violation_fraction else "pass",
+        status="fail" if violations and (fraction > max_violation_fraction or nonfinite_bad) else "pass",
         vectors=ref.shape[0],
         q_over_eps=qe,
         attenuation=att,
         elements=elements,
         violations=violations,
-        max_abs_err=float(diff.max()) if elements else 0.0,
-        max_rel_err=float(rel.max()) if elements else 0.0,
+        max_abs_err=max_abs,
+        max_rel_err=max_rel,
         nonfinite_reference=int((~torch.isfinite(ref)).sum()),
         nonfinite_candidate=int((~torch.isfinite(cand)).sum()),
         worst=Worst(vector=v, index=i, input=float(x[v, i]), reference=float(ref[v, i]),

@@ -40,7 +40,32 @@ def load_report(path: str | Path, what: str = "report") -> dict:
         raise InputError(f"{path}: {what} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("schema_version") != 1 or not isinstance(data.get("layers"), list):
         raise InputError(f"{path}: not a parity-cli report (schema_version 1 with layers)")
+    problem = _missing_keys(data)
+    if problem:
+        raise InputError(f"{path}: not a complete parity-cli report: {problem}")
     return data
+
+
+def _missing_keys(data: dict) -> str | None:
+    """The schema's required keys, checked without jsonschema (not a runtime dependency)."""
+    from parity_cli.resources import schema_path
+
+    schema = json.loads(schema_path().read_text())
+    defs = schema["$defs"]
+    for key in schema["required"]:
+        if key not in data:
+            return f"missing '{key}'"
+    for i, layer in enumerate(data["layers"]):
+        if not isinstance(layer, dict):
+            return f"layers[{i}] is not an object"
+        for key in defs["layer"]["required"]:
+            if key not in layer:
+                return f"layers[{i}] has no '{key}'"
+        for j, stratum in enumerate(layer["strata"] if isinstance(layer["strata"], list) else []):
+            for key in defs["stratum"]["required"]:
+                if not isinstance(stratum, dict) or key not in stratum:
+                    return f"layers[{i}].strata[{j}] has no '{key}'"
+    return None
 
 
 def gate(report: dict, fail_on: str = "fail", baseline: dict | None = None, baseline_path: str | None = None) -> dict:

@@ -8,6 +8,7 @@ implementation must get right."""
 from __future__ import annotations
 
 import importlib
+import math
 import importlib.util
 import inspect
 import sys
@@ -50,13 +51,14 @@ def oracle_normalize(x, eps: float, kind: str = "rms_norm"):
 
     Dividing each row by its max |x| (m) turns q + eps into (q/m^2 + eps/m^2) * m^2:
     nothing squared exceeds 1, so [1e200, -1e200] normalises to [1, -1], and a zero row
-    gives zeros. For "layer_norm" the row mean is removed first and q is the variance."""
+    gives zeros (0/0 = NaN when eps = 0, as the formula says). For "layer_norm" the row mean
+    is removed first and q is the variance."""
     import torch
 
     xs, m = _row_scaled(x, kind)
     qs = (xs * xs).mean(dim=-1, keepdim=True)
     denom = torch.sqrt(qs + eps / (m * m))
-    return torch.where(denom > 0, xs / denom, torch.zeros_like(xs))
+    return torch.where(denom > 0, xs / denom, torch.full_like(xs, math.nan if eps == 0 else 0.0))
 
 
 def mean_square(x, kind: str = "rms_norm"):
@@ -138,6 +140,8 @@ def _load_attr(spec: str):
         if not path.is_file():
             raise InputError(f"implementation '{spec}': no such file {path}")
         mod_name = f"parity_plugin_{abs(hash(str(path.resolve())))}"
+        if str(path.resolve().parent) not in sys.path:  # so the plugin can import its neighbours
+            sys.path.insert(0, str(path.resolve().parent))
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         if module_spec is None or module_spec.loader is None:
             raise InputError(f"implementation '{spec}': cannot load {path} as Python")
@@ -145,12 +149,18 @@ def _load_attr(spec: str):
         sys.modules[mod_name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as exc:  # user code: report it, never crash
+        except BaseException as exc:  # user code: report it, never crash
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             raise InputError(f"implementation '{spec}': {path} raised on import: {type(exc).__name__}: {exc}") from None
     else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:  # the `parity` script lacks it
+            sys.path.insert(0, str(Path.cwd()))
         try:
             module = importlib.import_module(target)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
             raise InputError(f"implementation '{spec}': cannot import module '{target}': {type(exc).__name__}: {exc}") from None
     try:
         obj = getattr(module, attr)

@@ -133,17 +133,37 @@ def _layer_dict(layer: LayerResult) -> dict:
 
 
 def write_json(data: dict, path: str | Path) -> None:
-    write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", path)
+    write_files({path: json.dumps(data, indent=2, allow_nan=False) + "\n"})
 
 
-def write_text(text: str, path: str | Path) -> None:
-    """Atomic: a temporary file in the same directory, then rename; never a partial report."""
-    path = Path(path)
+def write_files(outputs: dict) -> None:
+    """All or nothing: every output goes to a temporary file first, then all are renamed, so an
+    interrupted or failed run leaves no partial report and no half of the set."""
+    staged = []
+    try:
+        for path, text in outputs.items():
+            staged.append((_stage(text, Path(path)), Path(path)))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    except OSError as exc:
+        from parity_cli.errors import InputError
+
+        raise InputError(f"{exc.filename or ''}: cannot write report: {exc.strerror or exc}") from None
+    finally:
+        for tmp, _ in staged:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _stage(text: str, path: Path) -> str:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
-        os.replace(tmp, path)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 is not what a report file should have
+        return tmp
     except BaseException:
         try:
             os.unlink(tmp)

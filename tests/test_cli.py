@@ -9,10 +9,8 @@ import pytest
 from conftest import load_json, plugin, run_parity
 from parity_cli.resources import schema_path
 
-jsonschema = pytest.importorskip("jsonschema")
-
-
 def validate(report):
+    jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(report, json.loads(schema_path().read_text()))
 
 
@@ -99,6 +97,9 @@ def bad_inputs(ckpt, tmp_path):
     sharded = ckpt("llama", layers=1, shards=2)
     next(sharded.glob("model-00001-*")).unlink()
     unknown = ckpt("llama", layers=1, config_extra={"model_type": "mystery"})
+    import torch
+
+    two_d = ckpt("llama", layers=1, weights={"model.norm.weight": torch.ones(4, 16, dtype=torch.bfloat16)})
     return {
         "missing path": ["check", tmp_path / "nope"],
         "no config": ["check", no_cfg],
@@ -117,6 +118,8 @@ def bad_inputs(ckpt, tmp_path):
         "bad fraction": ["check", good, "--max-violation-fraction", "2"],
         "unknown option": ["check", good, "--frobnicate"],
         "bad json dir": ["check", good, "--json", tmp_path / "no" / "dir" / "r.json"],
+        "no checkable layer": ["check", two_d, "--layers", "model.norm"],
+        "inspect bad eps": ["inspect", good, "--eps", "-1"],
     }
 
 
@@ -158,11 +161,18 @@ def test_ctrl_c_exits_130_and_leaves_no_report(ckpt, tmp_path):
     import signal
     import time
 
+    import os
+
     out = tmp_path / "r.json"
+    marker = tmp_path / "started"
     proc = subprocess.Popen([sys.executable, "-m", "parity_cli", "check", str(ckpt("llama", layers=4)),
                              "--candidate", plugin("slow"), "--json", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(4.0)  # past torch's import, inside the probe loop
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PARITY_TEST_MARKER": str(marker)})
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline:  # inside the probe loop, not in imports
+        time.sleep(0.05)
+    assert marker.exists()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

@@ -48,7 +48,9 @@ def test_eps_inside_vs_outside_the_root():
     x = torch.tensor([[0.001, 0.001]], dtype=torch.float64)
     inside = float(oracle_normalize(x, 1e-6)[0, 0])
     assert round(inside, 6) == 0.707107
-    outside = 0.001 / (math.sqrt(0.001 ** 2) + 1e-6)  # the other function, for the record
+    from parity_cli.diagnosis import _rms_eps_outside  # the variant the diagnosis plants
+
+    outside = float(_rms_eps_outside(x, 1e-6)[0, 0])
     assert round(outside, 6) == 0.999001
     assert abs(inside - outside) > 0.29
     assert round(float(oracle_normalize(x, 1e-4)[0, 0]), 6) == 0.099504
@@ -62,9 +64,10 @@ def test_huge_inputs_do_not_overflow():
 
 
 def test_zero_rows_give_zeros():
-    for eps in (1e-6, 1e-5, 0.0):
+    for eps in (1e-6, 1e-5):
         y = oracle_normalize(torch.zeros(3, 8, dtype=torch.float64), eps)
         assert torch.equal(y, torch.zeros(3, 8, dtype=torch.float64))
+    assert torch.isnan(oracle_normalize(torch.zeros(1, 8, dtype=torch.float64), 0.0)).all()  # 0/0
     assert mean_square(torch.zeros(1, 4, dtype=torch.float64)).tolist() == [0.0]
 
 

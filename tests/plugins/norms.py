@@ -88,13 +88,23 @@ def raises(x, weight, eps):
     raise RuntimeError("kernel not built for this shape")
 
 
+def exits(x, weight, eps):
+    import sys
+
+    sys.exit(3)
+
+
 def wrong_shape(x, weight, eps):
     return rms_norm(x, weight, eps)[..., :-1]
 
 
 def slow(x, weight, eps):
     """For the interrupt test: long enough to be interrupted mid-run."""
+    import os
     import time
 
+    marker = os.environ.get("PARITY_TEST_MARKER")
+    if marker:
+        open(marker, "w").close()
     time.sleep(0.5)
     return rms_norm(x, weight, eps)
