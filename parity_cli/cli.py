@@ -93,14 +93,12 @@ def check(checkpoint, candidate, reference, dtype, device, family, eps, candidat
 
 
 def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
-    import json
-
     from parity_cli.formats import to_junit, to_markdown
-    from parity_cli.report import write_files
+    from parity_cli.report import json_text, write_files
 
     outputs = {}
     if json_path:
-        outputs[json_path] = json.dumps(data, indent=2, allow_nan=False) + "\n"
+        outputs[json_path] = json_text(data)
     if junit_path:
         outputs[junit_path] = to_junit(data)
     if markdown_path:
@@ -114,11 +112,9 @@ def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
               show_default=True)
 def report(report_path, fmt):
     """Re-render a saved JSON report without rerunning anything."""
-    import json
-
     from parity_cli.formats import to_junit, to_markdown
     from parity_cli.gate import load_report
-    from parity_cli.report import render
+    from parity_cli.report import json_text, render
 
     data = load_report(report_path)
     if fmt == "table":
@@ -128,7 +124,7 @@ def report(report_path, fmt):
     elif fmt == "junit":
         click.echo(to_junit(data), nl=False)
     else:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json_text(data), nl=False)
     return EXIT_PASS
 
 

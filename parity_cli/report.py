@@ -132,8 +132,13 @@ def _layer_dict(layer: LayerResult) -> dict:
     }
 
 
+def json_text(data: dict) -> str:
+    """The one serialisation of a report: strict JSON (non-finite numbers are already strings)."""
+    return json.dumps(data, indent=2, allow_nan=False) + "\n"
+
+
 def write_json(data: dict, path: str | Path) -> None:
-    write_files({path: json.dumps(data, indent=2, allow_nan=False) + "\n"})
+    write_files({path: json_text(data)})
 
 
 def write_files(outputs: dict) -> None:

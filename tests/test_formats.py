@@ -51,6 +51,7 @@ def test_report_command_rerenders_without_rerunning(failing_run):
     _, out, rep = failing_run
     as_json = run_parity("report", out["json"], "--format", "json")
     assert as_json.returncode == 0 and json.loads(as_json.stdout) == rep
+    assert as_json.stdout == out["json"].read_text()  # byte for byte: one serialisation
     assert run_parity("report", out["json"], "--format", "junit").stdout == out["xml"].read_text()
     assert run_parity("report", out["json"], "--format", "markdown").stdout == out["md"].read_text()
     table = run_parity("report", out["json"])
