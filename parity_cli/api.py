@@ -5,6 +5,7 @@ check() wires the stages: checkpoint -> layers -> probes -> implementations -> c
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +116,8 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     found = discover_layers(ckpt, fam, resolved)
     warnings = list(found.warnings)
     if resolved.source == "family-default":
-        warnings.append(f"eps is not in config.json (looked for {', '.join(fam.eps_keys)}); "
-                        f"the family default {fam.eps_default:g} is assumed")
+        warnings.append(f"eps is not in {ckpt.path / 'config.json'} (looked for {', '.join(fam.eps_keys)}); "
+                        f"the family default {resolved.value:g} is assumed")
     if found.unmatched:
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family '{fam.name}'")
     layers = []
@@ -186,6 +187,10 @@ def _failure(prefix: str, exc: BaseException) -> str:
     return f"{prefix}{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
+def _every(t, n):
+    return None if t is None else t[::n]
+
+
 def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: CheckOptions):
     """Probes one layer through both sides. A fault in the reference is the user's input
     (exit 2); a fault in the candidate is a finding recorded in the result."""
@@ -214,16 +219,30 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
     except BaseException as exc:
         layer_error = _failure("building the candidate failed: ", exc)
 
+    heads = layer.shape[:-1]  # per-head gains (Cohere q/k norms): every head sees every probe
+
+    def spread(x):
+        return x if not heads else x.reshape(x.shape[0], *([1] * len(heads)), x.shape[-1]).expand(
+            x.shape[0], *heads, x.shape[-1]).contiguous()
+
+    def rows(y):
+        return y if y is None or not heads else y.reshape(-1, y.shape[-1])
+
     results = []
     for probe in build_probes(strata, layer.dim, eps, candidate.dtype, opts.seed):
-        ref, ref_err = _call(ref_fn, probe.x.to(reference.dtype))
+        x = spread(probe.x)
+        ref, ref_err = _call(ref_fn, x.to(reference.dtype))
         if ref_err:
             raise InputError(f"--reference {reference.spec} failed on {layer.name}, stratum {probe.stratum}: {ref_err}")
-        cand, cand_err = (None, layer_error) if cand_fn is None else _call(cand_fn, probe.x.to(candidate.dtype).to(candidate.device))
+        cand, cand_err = (None, layer_error) if cand_fn is None else _call(cand_fn, x.to(candidate.dtype).to(candidate.device))
         if cand_err:
-            results.append(errored(probe.stratum, probe.x, eps, layer.kind, cand_err))
+            results.append(errored(probe.stratum, rows(x), eps, layer.kind, cand_err))
+        elif tuple(cand.shape) != tuple(ref.shape):
+            results.append(errored(probe.stratum, rows(x), eps, layer.kind,
+                                   f"candidate returned shape {list(cand.shape)}, expected {list(ref.shape)}"))
         else:
-            results.append(compare(probe.stratum, probe.x, ref, cand, eps, layer.kind, tol, opts.max_violation_fraction))
+            results.append(compare(probe.stratum, rows(x), rows(ref), rows(cand), eps, layer.kind, tol,
+                                   opts.max_violation_fraction))
     stats = _weight_stats(layer.weight)
     warnings = list(layer.warnings)
     if stats["nonfinite"]:
@@ -234,7 +253,17 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
         eps={"value": eps, "source": layer.eps.source},
         weight=stats, strata=results, error=layer_error, warnings=warnings,
     )
-    result.diagnoses = diagnose(layer, results, layer.gain_offset + w_ref, tol, candidate.dtype, b_ref)
+    gain = layer.gain_offset + w_ref
+    if heads:  # diagnosis reasons about one gain vector: look at the first head's rows
+        n = 1
+        for h in heads:
+            n *= h
+        first = [dataclasses.replace(s, x=_every(s.x, n), ref=_every(s.ref, n), cand=_every(s.cand, n))
+                 for s in results]
+        result.diagnoses = diagnose(layer, first, gain.reshape(-1, layer.dim)[0],
+                                    tol, candidate.dtype, None if b_ref is None else b_ref.reshape(-1, layer.dim)[0])
+    else:
+        result.diagnoses = diagnose(layer, results, gain, tol, candidate.dtype, b_ref)
     for s in results:  # the raw tensors served diagnosis; a 126-layer run should not keep them
         s.x = s.ref = s.cand = None
     return result
@@ -275,7 +304,7 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
     if eps.source == "family-default":
         warnings.append(
             f"eps is not in {ckpt.path / 'config.json'} (looked for {', '.join(fam.eps_keys)}); "
-            f"using the family default {fam.eps_default:g}"
+            f"using the family default {eps.value:g}"
         )
     if found.unmatched:
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "

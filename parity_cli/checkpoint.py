@@ -137,7 +137,16 @@ class Checkpoint:
             raise InputError(f"{info.file}: cannot read tensor '{name}': {exc}") from None
 
     def config_value(self, key: str):
-        """A config value and the path it was found at; multimodal configs nest it in text_config."""
+        """A config value and the path it was found at. A dotted key walks nested configs
+        (vision_config.layer_norm_eps); a plain key missing at the top level is looked up in
+        text_config, where multimodal configs keep the decoder's settings."""
+        if "." in key:
+            node: object = self.config
+            for part in key.split("."):
+                if not isinstance(node, dict) or part not in node:
+                    return None, None
+                node = node[part]
+            return node, key
         if key in self.config:
             return self.config[key], key
         text = self.config.get("text_config")
@@ -211,13 +220,19 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     raise InputError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None) -> Eps:
-    """The checkpoint's own eps wins over the family default; a defaulted eps is a warning."""
+def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None, semantics=None) -> Eps:
+    """The checkpoint's own eps wins over the family default; a defaulted eps is a warning.
+
+    `semantics` is a norm pattern's: an eps fixed by the model code (DeepSeek-V3's MLA norms)
+    is reported as its own source and is not affected by the config or an override."""
+    sem = semantics or family.semantics
+    if sem.eps is not None:
+        return Eps(float(sem.eps), sem.eps_source or "model-code")
     if override is not None:
         if not (math.isfinite(override) and override >= 0):
             raise InputError(f"--eps must be a finite number >= 0, got {override}")
         return Eps(float(override), "override")
-    for key in family.eps_keys:
+    for key in sem.eps_keys:
         value, where = ckpt.config_value(key)
         if value is None:
             continue
@@ -228,4 +243,5 @@ def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None)
         if not math.isfinite(number) or number < 0:
             raise InputError(f"{ckpt.path / 'config.json'}: '{where}' must be a finite number >= 0, got {value!r}")
         return Eps(number, f"config:{where}")
-    return Eps(family.eps_default, "family-default")
+    inherited = sem.eps_keys == family.eps_keys and sem.eps_default == family.eps_default
+    return Eps(family.eps_default_for(ckpt.model_type) if inherited else sem.eps_default, "family-default")

@@ -1,28 +1,52 @@
 """Model families as data: what each family's norm layers compute and where their tensors are.
 
-One TOML file per family in configs/families/; adding a family is adding a file."""
+One TOML file per family in configs/families/; adding a family is adding a file. A family
+states its defaults (kind, numerics order, gain offset, eps keys); a `[[norms]]` entry may
+override any of them for the tensors it matches (DeepSeek-V3's fixed-eps MLA norms, Gemma 3's
+LayerNorm vision tower)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from parity_cli.errors import InputError
 from parity_cli.resources import configs_dir, load_toml
 
 KINDS = ("rms_norm", "layer_norm")
-# Numerics orders the `hf` implementation knows how to reproduce (see implementations.py).
-ORDERS = ("llama", "gemma")
+# Numerics orders the `hf` implementation reproduces (implementations.py):
+#   llama  - fp32 normalise, cast to the input dtype, multiply by the weight at its dtype
+#   gemma  - fp32 normalise and gain, cast to the input dtype last
+#   t5     - fp32 variance, cast to the weight dtype when it is half, multiply by the weight
+#   native - torch.nn.LayerNorm / F.layer_norm at the parameter dtype
+ORDERS = ("llama", "gemma", "t5", "native")
+INVERSE_SQRTS = ("rsqrt", "pow")  # torch.rsqrt(v) or torch.pow(v, -0.5): not bitwise equal in fp32
+
+
+@dataclass(frozen=True)
+class Semantics:
+    """What a norm computes: the parts of a family a pattern may override."""
+
+    kind: str
+    order: str
+    gain_offset: float  # effective gain = gain_offset + stored weight
+    inverse_sqrt: str
+    eps_keys: tuple[str, ...]
+    eps_default: float
+    eps: float | None  # fixed by the model code, whatever the config says
+    eps_source: str | None
+    hf_class: str | None  # dotted path of the transformers (or torch) module class
 
 
 @dataclass(frozen=True)
 class NormPattern:
-    """One kind of norm tensor in a family: `{root}` and `{i}` (layer index) are placeholders."""
+    """One kind of norm tensor: `{root}`, `{i}`, `{j}` are placeholders in `name`."""
 
     name: str
-    dim: str  # config key of the size the norm runs over (a consistency check)
+    dim: str  # config expression of the size the norm runs over (a consistency check)
     regex: re.Pattern
+    semantics: Semantics
 
 
 @dataclass(frozen=True)
@@ -30,14 +54,43 @@ class Family:
     name: str
     description: str
     model_types: tuple[str, ...]
-    kind: str
-    order: str
-    gain_offset: float  # effective gain = gain_offset + stored weight
-    eps_keys: tuple[str, ...]
-    eps_default: float
+    semantics: Semantics
     roots: tuple[str, ...]
     norms: tuple[NormPattern, ...]
     source: str  # the file it came from
+    weight_names: tuple[str, ...] = ("weight",)
+    bias_names: tuple[str, ...] = ("bias",)
+    eps_defaults: dict = field(default_factory=dict)  # model_type -> the config class's own default
+    hf_classes: dict = field(default_factory=dict)  # model_type -> module class
+
+    # The family-wide semantics, for tables and messages.
+    @property
+    def kind(self) -> str:
+        return self.semantics.kind
+
+    @property
+    def order(self) -> str:
+        return self.semantics.order
+
+    @property
+    def gain_offset(self) -> float:
+        return self.semantics.gain_offset
+
+    @property
+    def eps_keys(self) -> tuple[str, ...]:
+        return self.semantics.eps_keys
+
+    @property
+    def eps_default(self) -> float:
+        return self.semantics.eps_default
+
+    def eps_default_for(self, model_type: str | None) -> float:
+        return float(self.eps_defaults.get(model_type, self.semantics.eps_default))
+
+    def hf_class_for(self, pattern: NormPattern, model_type: str | None) -> str | None:
+        if pattern.semantics.hf_class != self.semantics.hf_class:
+            return pattern.semantics.hf_class  # a per-norm exception wins
+        return self.hf_classes.get(model_type, self.semantics.hf_class)
 
     def match(self, layer_name: str) -> NormPattern | None:
         for pattern in self.norms:
@@ -47,61 +100,111 @@ class Family:
 
 
 def _compile(template: str, roots: tuple[str, ...]) -> re.Pattern:
-    root_alt = "|".join(re.escape(r) for r in roots) or ""
-    parts = re.split(r"(\{root\}|\{i\})", template)
+    root_alt = "|".join(re.escape(r) for r in roots)
     out = []
-    for part in parts:
+    for part in re.split(r"(\{root\}|\{i\}|\{j\})", template):
         if part == "{root}":
             out.append(f"(?:{root_alt})")
-        elif part == "{i}":
+        elif part in ("{i}", "{j}"):
             out.append(r"\d+")
         else:
             out.append(re.escape(part))
     return re.compile("".join(out))
 
 
-def _parse(path) -> Family:
-    data = load_toml(path)
-
-    def need(key, typ):
-        if key not in data:
-            raise InputError(f"{path}: missing key '{key}'")
-        value = data[key]
-        if not isinstance(value, typ):
-            raise InputError(f"{path}: key '{key}' has the wrong type")
+def _semantics(table: dict, base: Semantics | None, where: str) -> Semantics:
+    def get(key, typ, default=None, required=False):
+        if key not in table:
+            if required and base is None:
+                raise InputError(f"{where}: missing key '{key}'")
+            return default
+        value = table[key]
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, typ) or isinstance(value, bool):
+            raise InputError(f"{where}: key '{key}' has the wrong type")
         return value
 
-    kind = need("kind", str)
+    def pick(key, typ, fallback):
+        value = get(key, typ, None, required=fallback is None)
+        return fallback if value is None else value
+
+    b = base
+    kind = pick("kind", str, b and b.kind)
     if kind not in KINDS:
-        raise InputError(f"{path}: kind '{kind}' is not one of {', '.join(KINDS)}")
-    order = need("order", str)
+        raise InputError(f"{where}: kind '{kind}' is not one of {', '.join(KINDS)}")
+    order = pick("order", str, b and b.order)
     if order not in ORDERS:
-        raise InputError(f"{path}: order '{order}' is not one of {', '.join(ORDERS)}")
-    roots = tuple(data.get("roots", [""]))
-    norms = tuple(
-        NormPattern(name=n["name"], dim=n.get("dim", "hidden_size"), regex=_compile(n["name"], roots))
-        for n in need("norms", list)
-    )
-    return Family(
-        name=need("name", str),
-        description=data.get("description", ""),
-        model_types=tuple(need("model_types", list)),
+        raise InputError(f"{where}: order '{order}' is not one of {', '.join(ORDERS)}")
+    inverse_sqrt = get("inverse_sqrt", str, b.inverse_sqrt if b else "rsqrt")
+    if inverse_sqrt not in INVERSE_SQRTS:
+        raise InputError(f"{where}: inverse_sqrt '{inverse_sqrt}' is not one of {', '.join(INVERSE_SQRTS)}")
+    eps = get("eps", float)
+    if eps is not None and not eps >= 0:
+        raise InputError(f"{where}: eps must be >= 0")
+    eps_default = get("eps_default", float, b.eps_default if b else None, required=True)
+    if not eps_default >= 0:
+        raise InputError(f"{where}: eps_default must be >= 0")
+    keys = get("eps_keys", list, list(b.eps_keys) if b else None, required=True)
+    return Semantics(
         kind=kind,
         order=order,
-        gain_offset=float(data.get("gain_offset", 0.0)),
-        eps_keys=tuple(need("eps_keys", list)),
-        eps_default=float(need("eps_default", (int, float))),
+        gain_offset=get("gain_offset", float, b.gain_offset if b else 0.0),
+        inverse_sqrt=inverse_sqrt,
+        eps_keys=tuple(str(k) for k in keys),
+        eps_default=eps_default,
+        eps=eps,
+        eps_source=get("eps_source", str, "model-code" if eps is not None else None),
+        hf_class=get("hf_class", str, b.hf_class if b else None),
+    )
+
+
+def _parse(path) -> Family:
+    data = load_toml(path)
+    where = str(path)
+    for key, typ in (("name", str), ("model_types", list), ("norms", list)):
+        if not isinstance(data.get(key), typ):
+            raise InputError(f"{where}: missing or invalid key '{key}'")
+    base = _semantics(data, None, where)
+    roots = tuple(data.get("roots", [""]))
+    norms = []
+    for k, entry in enumerate(data["norms"]):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise InputError(f"{where}: norms[{k}] needs a 'name'")
+        entry_roots = tuple(entry.get("roots", roots))
+        norms.append(NormPattern(
+            name=entry["name"],
+            dim=str(entry.get("dim", "hidden_size")),
+            regex=_compile(entry["name"], entry_roots),
+            semantics=_semantics(entry, base, f"{where}: norms[{k}] ({entry['name']})"),
+        ))
+    return Family(
+        name=data["name"],
+        description=data.get("description", ""),
+        model_types=tuple(data["model_types"]),
+        semantics=base,
         roots=roots,
-        norms=norms,
-        source=str(path),
+        norms=tuple(norms),
+        source=where,
+        weight_names=tuple(data.get("weight_names", ["weight"])),
+        bias_names=tuple(data.get("bias_names", ["bias"])),
+        eps_defaults={str(k): float(v) for k, v in data.get("eps_defaults", {}).items()},
+        hf_classes={str(k): str(v) for k, v in data.get("hf_classes", {}).items()},
     )
 
 
 @lru_cache(maxsize=None)
 def load_families() -> dict[str, Family]:
     families = {}
+    owner: dict[str, str] = {}
     for path in sorted((configs_dir() / "families").glob("*.toml")):
         family = _parse(path)
+        if family.name in families:
+            raise InputError(f"{path}: family '{family.name}' is already defined in {families[family.name].source}")
+        for mt in family.model_types:
+            if mt in owner:
+                raise InputError(f"{path}: model_type '{mt}' is already claimed by family '{owner[mt]}'")
+            owner[mt] = family.name
         families[family.name] = family
     return families
 

@@ -88,43 +88,100 @@ def _torch(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     import torch.nn.functional as F
 
     gain = weight + layer.gain_offset if layer.gain_offset else weight
+    if weight.dim() > 1:  # per-head gains (Cohere q/k norms): normalise, then broadcast the gain
+        if layer.kind == "layer_norm":
+            return lambda x: F.layer_norm(x, (layer.dim,), None, None, eps) * gain + (0 if bias is None else bias)
+        return lambda x: F.rms_norm(x, (layer.dim,), None, eps) * gain
     if layer.kind == "layer_norm":
         return lambda x: F.layer_norm(x, (layer.dim,), gain, bias, eps)
     return lambda x: F.rms_norm(x, (layer.dim,), gain, eps)
 
 
 def _hf(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-    """A transcription of the family's Hugging Face forward: its upcasts and cast order."""
+    """A transcription of the family's Hugging Face forward: its upcasts, cast order and the
+    exact inverse square root, so that it is bitwise equal to the transformers module."""
     import torch
     import torch.nn.functional as F
 
-    if layer.kind == "layer_norm":
-        # nn.LayerNorm runs at the parameter dtype.
+    if layer.order == "native":  # nn.LayerNorm runs at the parameter dtype
+        if layer.kind != "layer_norm":
+            raise InputError(f"hf: order 'native' is only defined for LayerNorm ({layer.name})")
         return lambda x: F.layer_norm(x, (layer.dim,), weight, bias, eps)
+
+    def inv_sqrt(v):
+        return torch.pow(v, -0.5) if layer.inverse_sqrt == "pow" else torch.rsqrt(v)
+
+    def normalise(h):  # h is float32
+        if layer.kind == "layer_norm":
+            h = h - h.mean(-1, keepdim=True)
+        return h * inv_sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
     if layer.order == "llama":
 
         def llama(x):
-            h = x.to(torch.float32)
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            h = normalise(x.to(torch.float32))
             return weight * h.to(x.dtype)
 
         return llama
     if layer.order == "gemma":
 
         def gemma(x):
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            h = h * (layer.gain_offset + weight.float())
+            h = normalise(x.float())
+            h = h * (layer.gain_offset + weight.float()) if layer.gain_offset else weight.float() * h
+            if bias is not None:
+                h = h + bias.float()
             return h.type_as(x)
 
         return gemma
+    if layer.order == "t5":
+
+        def t5(x):
+            # x * rsqrt(fp32 variance) promotes to fp32 for half x; float64 x stays float64.
+            h = x * inv_sqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+            if weight.dtype in (torch.float16, torch.bfloat16):
+                h = h.to(weight.dtype)
+            return weight * h
+
+        return t5
     raise InputError(f"hf: no transcription for numerics order '{layer.order}'")
+
+
+def _import_class(path: str):
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise InputError(f"transformers: cannot import {path} ({exc}); pip install transformers") from None
+    except AttributeError:
+        raise InputError(f"transformers: {module} has no class {attr} (installed version too old?)") from None
+
+
+def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """The real module class of the checkpoint's family (transformers, or torch.nn.LayerNorm)."""
+    import torch
+
+    if not layer.hf_class:
+        raise InputError(f"transformers: family '{layer.family}' names no module class for {layer.name}")
+    cls = _import_class(layer.hf_class)
+    size = layer.shape if weight.dim() > 1 else layer.dim
+    if cls is torch.nn.LayerNorm:
+        module = cls(size, eps=eps, bias=bias is not None)
+    else:
+        module = cls(size, eps=eps)
+    module = module.to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        if bias is not None:
+            module.bias.copy_(bias)
+    return module.eval()
 
 
 BUILTINS = {
     "oracle": Implementation("oracle", "built-in", _oracle, "float64 reference of the family's exact math"),
     "torch": Implementation("torch", "built-in", _torch, "torch.nn.functional rms_norm/layer_norm at the candidate dtype"),
     "hf": Implementation("hf", "built-in", _hf, "transcription of the family's Hugging Face numerics"),
+    "transformers": Implementation("transformers", "built-in", _transformers,
+                                   "the family's own transformers module class (needs transformers)"),
 }
 
 
@@ -177,7 +234,7 @@ def _plugin(spec: str, obj) -> Implementation:
     if inspect.isclass(obj) and issubclass(obj, torch.nn.Module):
 
         def prepare_module(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-            module = obj(layer.dim, eps=eps)
+            module = obj(layer.shape if weight.dim() > 1 else layer.dim, eps=eps)
             if not isinstance(getattr(module, "weight", None), torch.Tensor):
                 raise TypeError(f"{obj.__name__} has no weight tensor to fill")
             module = module.to(device=weight.device, dtype=weight.dtype)

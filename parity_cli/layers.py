@@ -9,7 +9,7 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-from parity_cli.checkpoint import Checkpoint, Eps
+from parity_cli.checkpoint import Checkpoint, Eps, resolve_eps
 from parity_cli.errors import InputError
 from parity_cli.families import Family
 
@@ -21,18 +21,26 @@ NORM_HINT = re.compile(r"norm|(^|\.)ln_|LayerNorm", re.IGNORECASE)
 class NormLayer:
     name: str
     kind: str  # "rms_norm" | "layer_norm"
-    dim: int
-    order: str  # numerics order of the family's HF code ("llama", "gemma")
+    dim: int  # the size the norm runs over (the weight's last axis)
+    order: str  # numerics order of the family's HF code (families.ORDERS)
     gain_offset: float  # effective gain = gain_offset + weight
     eps: Eps
-    weight: object  # torch.Tensor as stored in the checkpoint
+    weight: object  # torch.Tensor as stored in the checkpoint; (heads, dim) for Cohere's q/k norms
     bias: object = None
     family: str = ""
     warnings: list[str] = field(default_factory=list)
+    inverse_sqrt: str = "rsqrt"
+    hf_class: str | None = None
+    tensor: str = ""  # the weight tensor's full name
 
     @property
     def stored_dtype(self) -> str:
         return str(self.weight.dtype).removeprefix("torch.")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Leading axes (heads) broadcast over; the norm runs over the last one."""
+        return tuple(self.weight.shape)
 
 
 @dataclass
@@ -46,32 +54,62 @@ def _natural_key(name: str):
     return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", name)]
 
 
-def _config_dim(ckpt: Checkpoint, key: str) -> int | None:
+def _config_int(ckpt: Checkpoint, key: str) -> int | None:
     value, _ = ckpt.config_value(key)
-    if value is None and key == "head_dim":
-        hidden, _ = ckpt.config_value("hidden_size")
-        heads, _ = ckpt.config_value("num_attention_heads")
-        if isinstance(hidden, int) and isinstance(heads, int) and heads:
+    if value is None and key.endswith("head_dim"):  # configs without head_dim derive it
+        prefix = key[: -len("head_dim")]
+        hidden, _ = ckpt.config_value(prefix + "hidden_size")
+        heads, _ = ckpt.config_value(prefix + "num_attention_heads")
+        if type(hidden) is int and type(heads) is int and heads:
             return hidden // heads
-    return value if isinstance(value, int) else None
+    return value if type(value) is int else None
 
 
-def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps, layers_glob: str | None = None) -> Discovery:
-    matched, unmatched, warnings = [], [], []
+def config_dim(ckpt: Checkpoint, expression: str) -> int | None:
+    """Evaluates a family's dim expression: `a|b` (first present), `a*b`, `a/b` (integer division)."""
+    for alternative in expression.split("|"):
+        tokens = re.split(r"([*/])", alternative.strip())
+        value = _config_int(ckpt, tokens[0].strip())
+        for op, operand in zip(tokens[1::2], tokens[2::2]):
+            other = _config_int(ckpt, operand.strip())
+            if value is None or other is None or (op == "/" and other == 0):
+                value = None
+                break
+            value = value * other if op == "*" else value // other
+        if value is not None:
+            return value
+    return None
+
+
+def _split(tensor: str, suffixes: tuple[str, ...]) -> str | None:
+    for suffix in suffixes:
+        if tensor.endswith("." + suffix):
+            return tensor[: -len(suffix) - 1]
+    return None
+
+
+def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = None,
+                    layers_glob: str | None = None) -> Discovery:
+    """Every tensor a pattern claims becomes a layer; every other norm-looking tensor is listed
+    as unmatched, never skipped silently. `eps` is the --eps override (an Eps or a float)."""
+    override = eps.value if isinstance(eps, Eps) and eps.source == "override" else (
+        eps if isinstance(eps, (int, float)) else None)
+    claimed: set[str] = set()
+    matched = []
     for tensor in ckpt.tensor_names():
-        if not tensor.endswith(".weight"):
-            continue
-        name = tensor[: -len(".weight")]
-        pattern = family.match(name)
-        if pattern is None:
-            if NORM_HINT.search(name):
-                unmatched.append(tensor)
-            continue
-        matched.append((name, tensor, pattern))
+        name = _split(tensor, family.weight_names)
+        pattern = None if name is None else family.match(name)
+        if pattern is not None:
+            matched.append((name, tensor, pattern))
+            claimed.add(tensor)
+            for b in family.bias_names:
+                claimed.add(f"{name}.{b}")
+    unmatched = [t for t in ckpt.tensor_names() if t not in claimed and NORM_HINT.search(t)]
     if not matched:
+        example = family.norms[0].name.replace("{root}", family.roots[0]).replace("{i}", "0").replace("{j}", "0")
         raise InputError(
             f"{ckpt.path}: no norm tensors of family '{family.name}' found "
-            f"(expected names like {family.norms[0].name.replace('{root}', family.roots[0]).replace('{i}', '0')}.weight)"
+            f"(expected names like {example}.{family.weight_names[0]})"
         )
     matched.sort(key=lambda m: _natural_key(m[0]))
     if layers_glob:
@@ -79,33 +117,44 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps, layers_glob: str
         if not matched:
             raise InputError(f"--layers '{layers_glob}' matches no norm layer of {ckpt.path}")
 
-    layers = []
+    layers, warnings = [], []
     for name, tensor, pattern in matched:
         info = ckpt.info(tensor)
-        if len(info.shape) != 1 or info.shape[0] < 1:
+        if len(info.shape) not in (1, 2) or 0 in info.shape:
             unmatched.append(tensor)
-            warnings.append(f"{tensor}: shape {list(info.shape)} is not a 1-D gain vector; not checked")
+            warnings.append(f"{tensor}: shape {list(info.shape)} is not a gain vector (or a heads x dim "
+                            "matrix); not checked")
             continue
-        dim = info.shape[0]
+        sem = pattern.semantics
+        dim = info.shape[-1]
         layer_warnings = []
-        expected = _config_dim(ckpt, pattern.dim)
+        expected = config_dim(ckpt, pattern.dim)
         if expected is not None and expected != dim:
             layer_warnings.append(f"weight has {dim} channels but config {pattern.dim} = {expected}")
         bias = None
-        if family.kind == "layer_norm" and ckpt.has(f"{name}.bias"):
-            bias = ckpt.read(f"{name}.bias")
+        if sem.kind == "layer_norm":
+            for b in family.bias_names:
+                if ckpt.has(f"{name}.{b}"):
+                    bias = ckpt.read(f"{name}.{b}")
+                    if tuple(bias.shape) != tuple(info.shape):
+                        raise InputError(f"{ckpt.path}: {name}.{b} has shape {list(bias.shape)}, "
+                                         f"its weight {list(info.shape)}")
+                    break
         layers.append(
             NormLayer(
                 name=name,
-                kind=family.kind,
+                kind=sem.kind,
                 dim=dim,
-                order=family.order,
-                gain_offset=family.gain_offset,
-                eps=eps,
+                order=sem.order,
+                gain_offset=sem.gain_offset,
+                eps=resolve_eps(ckpt, family, override, sem),
                 weight=ckpt.read(tensor),
                 bias=bias,
                 family=family.name,
                 warnings=layer_warnings,
+                inverse_sqrt=sem.inverse_sqrt,
+                hf_class=family.hf_class_for(pattern, ckpt.model_type),
+                tensor=tensor,
             )
         )
     return Discovery(layers=layers, unmatched=sorted(unmatched), warnings=warnings)

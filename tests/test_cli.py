@@ -99,7 +99,7 @@ def bad_inputs(ckpt, tmp_path):
     unknown = ckpt("llama", layers=1, config_extra={"model_type": "mystery"})
     import torch
 
-    two_d = ckpt("llama", layers=1, weights={"model.norm.weight": torch.ones(4, 16, dtype=torch.bfloat16)})
+    three_d = ckpt("llama", layers=1, weights={"model.norm.weight": torch.ones(2, 4, 16, dtype=torch.bfloat16)})
     return {
         "missing path": ["check", tmp_path / "nope"],
         "no config": ["check", no_cfg],
@@ -118,7 +118,7 @@ def bad_inputs(ckpt, tmp_path):
         "bad fraction": ["check", good, "--max-violation-fraction", "2"],
         "unknown option": ["check", good, "--frobnicate"],
         "bad json dir": ["check", good, "--json", tmp_path / "no" / "dir" / "r.json"],
-        "no checkable layer": ["check", two_d, "--layers", "model.norm"],
+        "no checkable layer": ["check", three_d, "--layers", "model.norm"],
         "inspect bad eps": ["inspect", good, "--eps", "-1"],
     }
 
