@@ -194,7 +194,7 @@ def _every(t, n):
 def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: CheckOptions):
     """Probes one layer through both sides. A fault in the reference is the user's input
     (exit 2); a fault in the candidate is a finding recorded in the result."""
-    from parity_cli.comparison import compare, errored
+    from parity_cli.comparison import compare, errored, mean_rounding_allowance
     from parity_cli.diagnosis import diagnose
     from parity_cli.probes import build_probes
     from parity_cli.report import LayerResult
@@ -241,8 +241,11 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
             results.append(errored(probe.stratum, rows(x), eps, layer.kind,
                                    f"candidate returned shape {list(cand.shape)}, expected {list(ref.shape)}"))
         else:
+            extra = None
+            if layer.kind == "layer_norm" and tol.mean_rounding:
+                extra = rows(mean_rounding_allowance(x, layer.gain_offset + w_ref, eps, tol))
             results.append(compare(probe.stratum, rows(x), rows(ref), rows(cand), eps, layer.kind, tol,
-                                   opts.max_violation_fraction))
+                                   opts.max_violation_fraction, extra))
     stats = _weight_stats(layer.weight)
     warnings = list(layer.warnings)
     if stats["nonfinite"]:
@@ -331,6 +334,7 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
                       "eps": opts.candidate_eps if opts.candidate_eps is not None else eps.value,
                       "eps_source": "option:--candidate-eps" if opts.candidate_eps is not None else eps.source},
         "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "source": tol.source,
+                      "mean_rounding": tol.mean_rounding,
                       "max_violation_fraction": opts.max_violation_fraction,
                       "zero_reference": ZERO_REFERENCE_RULE,
                       "nonfinite": "a non-finite candidate value where the reference is finite is always a violation"},

@@ -22,9 +22,14 @@ class Tolerance:
     atol: float
     rtol: float
     source: str  # "profile:float16", "option", ...
+    mean_rounding: float = 0.0  # LayerNorm conditioning allowance (configs/tolerances.toml)
 
 
-def tolerance_for(dtype_name: str, atol: float | None = None, rtol: float | None = None) -> Tolerance:
+def tolerance_for(dtype_name: str, atol: float | None = None, rtol: float | None = None,
+                  exact: bool = False) -> Tolerance:
+    """The dtype's profile, overridden by --atol/--rtol; `exact` is bitwise (no allowance at all)."""
+    if exact:
+        return Tolerance(0.0, 0.0, "exact")
     path = configs_dir() / "tolerances.toml"
     table = load_toml(path)
     if dtype_name not in table:
@@ -40,6 +45,7 @@ def tolerance_for(dtype_name: str, atol: float | None = None, rtol: float | None
         atol=float(profile["atol"] if atol is None else atol),
         rtol=float(profile["rtol"] if rtol is None else rtol),
         source=source,
+        mean_rounding=float(profile.get("mean_rounding", 0.0)),
     )
 
 
@@ -111,8 +117,18 @@ def errored(name: str, x, eps: float, kind: str, message: str) -> StratumResult:
                          elements=x.numel(), error=message, x=x)
 
 
+def mean_rounding_allowance(x, gain, eps: float, tol: Tolerance):
+    """Per element, the LayerNorm conditioning allowance (see configs/tolerances.toml)."""
+    import torch
+
+    x = x.to(torch.float64)
+    m = x.abs().amax(-1, keepdim=True)
+    var = x.var(-1, unbiased=False, keepdim=True)
+    return tol.mean_rounding * gain.to(torch.float64).abs() * m / torch.sqrt(var + eps)
+
+
 def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
-            max_violation_fraction: float = 0.0) -> StratumResult:
+            max_violation_fraction: float = 0.0, extra=None) -> StratumResult:
     """Elementwise |cand - ref| <= atol + rtol*|ref|; a non-finite candidate value where the
     reference is finite is always a violation (NaN fails every comparison)."""
     import torch
@@ -125,6 +141,8 @@ def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     finite = torch.isfinite(ref) & torch.isfinite(cand)
     diff = torch.where(finite, (cand - ref).abs(), torch.zeros_like(ref))
     allowed = tol.atol + tol.rtol * ref.abs()
+    if extra is not None:
+        allowed = allowed + extra
     ok = (finite & (diff <= allowed)) | (cand == ref) | (torch.isnan(cand) & torch.isnan(ref))
     violations = int((~ok).sum())
     nonzero = finite & (ref != 0)

@@ -1,69 +1,153 @@
 """Synthetic Hugging Face checkpoints with real tensor names: the demo and the tests use them.
 
+The layouts below are transcribed from the transformers modeling code (tests check them
+against transformers' own state_dict names where it is installed).
 `python -m parity_cli.synthetic DIR` rebuilds the bundled demo checkpoint."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# Per model_type: which per-layer norms exist, the gain offset convention of the weights.
+
+@dataclass(frozen=True)
+class Layout:
+    """Per model_type: norm tensors per layer i (template, size), final norms, conventions."""
+
+    per_layer: tuple[tuple[str, str], ...]
+    final: tuple[tuple[str, str], ...] = (("{root}norm", "hidden"),)
+    root: str = "model."
+    eps_key: str = "rms_norm_eps"
+    zero_centred: bool = False  # stored w around 0 (gain 1 + w)
+    bias: bool = False
+    config: dict = field(default_factory=dict)
+
+
+_LLAMA = (("{root}layers.{i}.input_layernorm", "hidden"), ("{root}layers.{i}.post_attention_layernorm", "hidden"))
+_QK = (("{root}layers.{i}.self_attn.q_norm", "head_dim"), ("{root}layers.{i}.self_attn.k_norm", "head_dim"))
+_GEMMA2 = _LLAMA + (("{root}layers.{i}.pre_feedforward_layernorm", "hidden"),
+                    ("{root}layers.{i}.post_feedforward_layernorm", "hidden"))
+
 LAYOUTS = {
-    "llama": (["input_layernorm", "post_attention_layernorm"], False),
-    "mistral": (["input_layernorm", "post_attention_layernorm"], False),
-    "qwen2": (["input_layernorm", "post_attention_layernorm"], False),
-    "qwen3": (["input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"], False),
-    "gemma": (["input_layernorm", "post_attention_layernorm"], True),
-    "gemma2": (["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                "post_feedforward_layernorm"], True),
-    "gemma3_text": (["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"], True),
+    "llama": Layout(_LLAMA),
+    "mistral": Layout(_LLAMA),
+    "mixtral": Layout(_LLAMA),
+    "qwen2": Layout(_LLAMA),
+    "qwen2_moe": Layout(_LLAMA),
+    "phi3": Layout(_LLAMA),
+    "qwen3": Layout(_QK + _LLAMA),
+    "qwen3_moe": Layout(_QK + _LLAMA),
+    "deepseek_v3": Layout((("{root}layers.{i}.self_attn.q_a_layernorm", "q_lora_rank"),
+                           ("{root}layers.{i}.self_attn.kv_a_layernorm", "kv_lora_rank")) + _LLAMA,
+                          config={"q_lora_rank": 24, "kv_lora_rank": 16}),
+    "gemma": Layout(_LLAMA, zero_centred=True),
+    "gemma2": Layout(_GEMMA2, zero_centred=True),
+    "gemma3_text": Layout(_QK + _GEMMA2, zero_centred=True),
+    "gemma3n_text": Layout(_QK + _GEMMA2 + (("{root}layers.{i}.altup.router_norm", "hidden"),
+                                           ("{root}layers.{i}.laurel.post_laurel_norm", "hidden"),
+                                           ("{root}layers.{i}.post_per_layer_input_norm", "hidden")),
+                           final=(("{root}norm", "hidden"), ("{root}per_layer_projection_norm", "per_layer")),
+                           config={"hidden_size_per_layer_input": 8}),
+    "olmo2": Layout((("{root}layers.{i}.self_attn.q_norm", "heads*head_dim"),
+                     ("{root}layers.{i}.self_attn.k_norm", "kv_heads*head_dim"),
+                     ("{root}layers.{i}.post_attention_layernorm", "hidden"),
+                     ("{root}layers.{i}.post_feedforward_layernorm", "hidden"))),
+    "cohere": Layout((("{root}layers.{i}.self_attn.q_norm", "heads x head_dim"),
+                      ("{root}layers.{i}.self_attn.k_norm", "kv_heads x head_dim"),
+                      ("{root}layers.{i}.input_layernorm", "hidden")),
+                     eps_key="layer_norm_eps", config={"use_qk_norm": True}),
+    "t5": Layout((("encoder.block.{i}.layer.0.layer_norm", "hidden"), ("encoder.block.{i}.layer.1.layer_norm", "hidden"),
+                  ("decoder.block.{i}.layer.0.layer_norm", "hidden"), ("decoder.block.{i}.layer.1.layer_norm", "hidden"),
+                  ("decoder.block.{i}.layer.2.layer_norm", "hidden")),
+                 final=(("encoder.final_layer_norm", "hidden"), ("decoder.final_layer_norm", "hidden")),
+                 root="", eps_key="layer_norm_epsilon"),
+    "gpt2": Layout((("{root}h.{i}.ln_1", "hidden"), ("{root}h.{i}.ln_2", "hidden")), final=(("{root}ln_f", "hidden"),),
+                   root="transformer.", eps_key="layer_norm_epsilon", bias=True),
+    "gpt_neox": Layout((("{root}layers.{i}.input_layernorm", "hidden"), ("{root}layers.{i}.post_attention_layernorm", "hidden")),
+                       final=(("{root}final_layer_norm", "hidden"),), root="gpt_neox.", eps_key="layer_norm_eps", bias=True),
+    "falcon": Layout((("{root}h.{i}.input_layernorm", "hidden"),), final=(("{root}ln_f", "hidden"),),
+                     root="transformer.", eps_key="layer_norm_epsilon", bias=True),
+    "phi": Layout((("{root}layers.{i}.self_attn.q_layernorm", "head_dim"), ("{root}layers.{i}.self_attn.k_layernorm", "head_dim"),
+                   ("{root}layers.{i}.input_layernorm", "hidden")),
+                  final=(("{root}final_layernorm", "hidden"),), eps_key="layer_norm_eps", bias=True,
+                  config={"qk_layernorm": True}),
+    "bert": Layout((("{root}encoder.layer.{i}.attention.output.LayerNorm", "hidden"),
+                    ("{root}encoder.layer.{i}.output.LayerNorm", "hidden")),
+                   final=(("{root}embeddings.LayerNorm", "hidden"), ("cls.predictions.transform.LayerNorm", "hidden")),
+                   root="bert.", eps_key="layer_norm_eps", bias=True),
 }
 LAYOUTS["gemma3"] = LAYOUTS["gemma3_text"]
 
 
-def norm_tensors(model_type: str, layers: int, hidden: int, head_dim: int, root: str = "model.") -> dict[str, int]:
-    """Norm tensor name -> size, as the family's HF modeling code names them."""
-    names, _ = LAYOUTS[model_type]
+def _size(spec: str, sizes: dict) -> tuple[int, ...]:
+    if " x " in spec:
+        return tuple(sizes[p] for p in spec.split(" x "))
+    n = 1
+    for part in spec.split("*"):
+        n *= sizes[part]
+    return (n,)
+
+
+def norm_tensors(model_type: str, layers: int, sizes: dict, root: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Norm weight tensor name -> shape, as the family's HF modeling code names them."""
+    layout = LAYOUTS[model_type]
+    root = layout.root if root is None else root
     out = {}
     for i in range(layers):
-        for n in names:
-            out[f"{root}layers.{i}.{n}.weight"] = head_dim if n.startswith("self_attn.") else hidden
-    out[f"{root}norm.weight"] = hidden
+        for template, size in layout.per_layer:
+            out[template.format(root=root, i=i) + ".weight"] = _size(size, sizes)
+    for template, size in layout.final:
+        out[template.format(root=root) + ".weight"] = _size(size, sizes)
     return out
 
 
 def write_checkpoint(directory, model_type: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
                      eps: float | None = 1e-6, dtype: str = "bfloat16", shards: int = 1, seed: int = 0,
-                     root: str = "model.", config_extra: dict | None = None, weights: dict | None = None) -> Path:
+                     root: str | None = None, config_extra: dict | None = None, weights: dict | None = None,
+                     kv_heads: int | None = None) -> Path:
     """Writes config.json and model.safetensors (or `shards` files plus an index).
 
-    Gains are realistic: around 1 for w-gain families, around 0 (stored w) for Gemma.
-    Non-norm tensors are included so that tests can see they are never materialised."""
+    Gains are realistic: around 1 for w-gain families, around 0 (stored w) for Gemma; LayerNorm
+    families get a bias around 0. Non-norm tensors are included so that tests can see they are
+    never materialised."""
     import torch
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    layout = LAYOUTS[model_type]
+    root = layout.root if root is None else root
     head_dim = hidden // heads
+    kv_heads = kv_heads or max(1, heads // 2)
+    config = {"model_type": model_type, "hidden_size": hidden, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "num_hidden_layers": layers, "head_dim": head_dim,
+              "torch_dtype": dtype, **layout.config}
+    if model_type == "gpt2":
+        config.update(n_embd=hidden, n_head=heads, n_layer=layers)
+    if model_type == "t5":
+        config.update(d_model=hidden, num_heads=heads, num_layers=layers, num_decoder_layers=layers, d_kv=head_dim)
+    if eps is not None:
+        config[layout.eps_key] = eps
+    config.update(config_extra or {})
+    sizes = {"hidden": hidden, "head_dim": head_dim, "heads": heads, "kv_heads": kv_heads,
+             "q_lora_rank": config.get("q_lora_rank", 0), "kv_lora_rank": config.get("kv_lora_rank", 0),
+             "per_layer": config.get("hidden_size_per_layer_input", 0)}
+
     gen = torch.Generator().manual_seed(seed)
     tdtype = getattr(torch, dtype)
-    _, zero_centred = LAYOUTS[model_type]
     tensors = {}
-    for name, size in norm_tensors(model_type, layers, hidden, head_dim, root).items():
-        w = 0.1 * torch.randn(size, generator=gen, dtype=torch.float64)
-        tensors[name] = (w if zero_centred else 1.0 + w).to(tdtype)
+    for name, shape in norm_tensors(model_type, layers, sizes, root).items():
+        w = 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
+        tensors[name] = (w if layout.zero_centred else 1.0 + w).to(tdtype)
+        if layout.bias:
+            tensors[name[: -len("weight")] + "bias"] = (0.05 * torch.randn(shape, generator=gen, dtype=torch.float64)).to(tdtype)
     tensors[f"{root}embed_tokens.weight"] = torch.randn(32, hidden, generator=gen).to(tdtype)
     for i in range(layers):
         tensors[f"{root}layers.{i}.self_attn.q_proj.weight"] = torch.randn(hidden, hidden, generator=gen).to(tdtype)
     if weights:
         tensors.update(weights)
-    config = {"model_type": model_type, "hidden_size": hidden, "num_attention_heads": heads,
-              "num_hidden_layers": layers, "head_dim": head_dim, "torch_dtype": dtype}
-    if eps is not None:
-        config["rms_norm_eps"] = eps
-    config.update(config_extra or {})
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if shards <= 1:
         save_file(tensors, str(directory / "model.safetensors"))

@@ -108,3 +108,14 @@ def slow(x, weight, eps):
         open(marker, "w").close()
     time.sleep(0.5)
     return rms_norm(x, weight, eps)
+
+
+def layer_norm_without_bias(x, weight, eps, bias=None):
+    """Fault: LayerNorm that ignores the checkpoint's bias."""
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, None, eps)
+
+
+def rms_norm_with_bias(x, weight, eps, bias=None):
+    """Fault: RMSNorm (no mean removed) on a LayerNorm checkpoint, bias added."""
+    y = rms_norm(x, weight, eps)
+    return y if bias is None else y + bias
