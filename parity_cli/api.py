@@ -130,7 +130,8 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         if gain is not None and gain["min"] <= 0:
             warnings.append(f"{layer.name}: effective gain <= 0 in some channel (min {gain['min']:.3g})")
         layers.append({
-            "name": layer.name, "kind": layer.kind, "dim": layer.dim,
+            "name": layer.name, "kind": layer.kind, "dim": layer.dim, "shape": list(layer.shape),
+            "order": layer.order, "bias": layer.bias is not None,
             "eps": {"value": layer.eps.value, "source": layer.eps.source},
             "weight": stats, "gain": gain, "gain_offset": layer.gain_offset,
             "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * layer.eps.value),

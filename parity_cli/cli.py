@@ -149,7 +149,7 @@ def inspect(checkpoint, family, eps, json_path):
                   f"(model_type {info['checkpoint']['model_type']}), eps {info['eps']['value']:.3g} "
                   f"({info['eps']['source']})")
     table = Table(show_edge=False, header_style="bold")
-    for col in ("layer", "kind", "dim", "dtype", "w min", "w max", "gain min", "gain max", "non-finite",
+    for col in ("layer", "kind", "dim", "dtype", "eps", "w min", "w max", "gain min", "gain max", "non-finite",
                 "rms for A<0.99"):
         table.add_column(col, no_wrap=col == "layer")
     for layer in info["layers"]:
@@ -157,12 +157,54 @@ def inspect(checkpoint, family, eps, json_path):
         def num(v):
             return "-" if v is None else f"{v:.4g}"
 
-        table.add_row(layer["name"], layer["kind"], str(layer["dim"]), w["dtype"], num(w["min"]),
+        dim = "x".join(map(str, layer["shape"])) if len(layer["shape"]) > 1 else str(layer["dim"])
+        eps_cell = f"{layer['eps']['value']:.3g}" + ("" if layer["eps"]["source"] == info["eps"]["source"]
+                                                     else f" ({layer['eps']['source']})")
+        table.add_row(layer["name"], layer["kind"], dim, w["dtype"], eps_cell, num(w["min"]),
                       num(w["max"]), num(g["min"]), num(g["max"]), str(w["nonfinite"]),
                       f"{layer['rms_1pct']:.3g}")
     console.print(table)
+    for name in info["checkpoint"]["unmatched"]:
+        console.print(f"[yellow]unmatched:[/] {name} looks like a norm but matches no pattern of "
+                      f"{info['checkpoint']['family']}; it would not be checked")
     for warning in info["warnings"]:
         console.print(f"[yellow]warning:[/] {warning}")
+    return EXIT_PASS
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+def families(as_json):
+    """Supported model families and the semantics the reference reproduces for each."""
+    import json
+
+    from rich.table import Table
+
+    from parity_cli.families import load_families
+
+    rows = []
+    for fam in load_families().values():
+        exceptions = sorted({p.name for p in fam.norms if p.semantics != fam.semantics})
+        rows.append({
+            "family": fam.name, "model_types": list(fam.model_types), "kind": fam.kind, "order": fam.order,
+            "gain": "w" if not fam.gain_offset else f"{fam.gain_offset:g} + w", "inverse_sqrt": fam.semantics.inverse_sqrt,
+            "eps_keys": list(fam.eps_keys), "eps_default": fam.eps_default,
+            "eps_defaults": fam.eps_defaults, "norms": [p.name for p in fam.norms], "exceptions": exceptions,
+            "description": fam.description, "source": fam.source,
+        })
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return EXIT_PASS
+    table = Table(show_edge=False, header_style="bold")
+    for col in ("family", "model types", "kind", "numerics", "gain", "eps key -> default", "norms"):
+        table.add_column(col)
+    for r in rows:
+        defaults = ", ".join(f"{k} {v:g}" for k, v in r["eps_defaults"].items())
+        table.add_row(r["family"], ", ".join(r["model_types"]), r["kind"],
+                      f"{r['order']} order" + ("" if r["inverse_sqrt"] == "rsqrt" else ", pow(., -0.5)"),
+                      r["gain"], f"{' | '.join(r['eps_keys'])} -> {r['eps_default']:g}" + (f" ({defaults})" if defaults else ""),
+                      str(len(r["norms"])) + (f", {len(r['exceptions'])} with their own semantics" if r["exceptions"] else ""))
+    _console().print(table)
     return EXIT_PASS
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import load_json, plugin, run_parity
 from parity_cli.resources import schema_path
@@ -207,3 +208,27 @@ def test_inspect_reports_eps_gain_and_the_one_percent_rms(ckpt, tmp_path):
     assert norm["rms_1pct"] == pytest.approx(math.sqrt(49.2512562814 * 1e-6), rel=1e-9)
     assert any("gain <= 0" in w for w in info["warnings"]) and any("family default" in w for w in info["warnings"])
     assert "model.norm" in r.stdout and "family-default" in r.stdout
+
+
+def test_families_command_lists_every_family():
+    r = run_parity("families", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["family"]: row for row in json.loads(r.stdout)}
+    assert {"llama", "gemma", "gemma3n", "olmo2", "t5", "cohere", "layer_norm"} <= set(rows)
+    assert rows["gemma"]["gain"] == "1 + w" and rows["llama"]["gain"] == "w"
+    assert rows["cohere"]["kind"] == "layer_norm" and rows["t5"]["eps_keys"] == ["layer_norm_epsilon"]
+    assert "model.layers.{i}.self_attn.q_a_layernorm".replace("model.", "{root}") in rows["llama"]["exceptions"]
+    table = run_parity("families")
+    assert table.returncode == 0 and "cohere" in table.stdout and "layer_norm" in table.stdout
+
+
+def test_inspect_lists_unmatched_and_per_head_shapes(ckpt, tmp_path):
+    path = ckpt("cohere", layers=1, weights={"model.layers.0.mlp.norm_x.weight": torch.ones(3)})
+    out = tmp_path / "i.json"
+    r = run_parity("inspect", path, "--json", out)
+    assert r.returncode == 0, r.stderr
+    assert "unmatched: model.layers.0.mlp.norm_x.weight" in r.stdout
+    data = load_json(out)
+    assert data["checkpoint"]["unmatched"] == ["model.layers.0.mlp.norm_x.weight"]
+    q = [l for l in data["layers"] if l["name"].endswith("q_norm")][0]
+    assert q["shape"] == [4, 16] and q["dim"] == 16 and q["kind"] == "layer_norm"
