@@ -197,7 +197,7 @@ def families(as_json):
         return EXIT_PASS
     table = Table(show_edge=False, header_style="bold")
     for col in ("family", "model types", "kind", "numerics", "gain", "eps key -> default", "norms"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col in ("family", "kind", "gain"), overflow="fold")
     for r in rows:
         defaults = ", ".join(f"{k} {v:g}" for k, v in r["eps_defaults"].items())
         table.add_row(r["family"], ", ".join(r["model_types"]), r["kind"],
