@@ -38,6 +38,13 @@ class CheckOptions:
     seed: int = 0
     layers: str | None = None
     max_violation_fraction: float = 0.0
+    reference_dtype: str = "float64"
+    reference_device: str = "cpu"
+    exact: bool = False  # bitwise: atol = rtol = 0, no allowance
+    candidate_args: list[str] | dict | None = None  # KEY=VALUE for the candidate's constructor/function
+    candidate_checkpoint: str | None = None  # a converted copy: the candidate uses its weights and eps
+    grad: bool = False  # backward parity too
+    timeout: float | None = None  # seconds per layer for the candidate
 
 
 def dtype_name(name: str) -> str:
@@ -81,8 +88,15 @@ def environment(device: str) -> dict:
         "device_name": "cpu",
         "cuda": torch.version.cuda,
     }
+    env["torch_build"] = {"cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+                          "debug": torch.version.debug, "git": getattr(torch.version, "git_version", None)}
     if device.startswith("cuda"):
-        env["device_name"] = torch.cuda.get_device_name(torch.device(device))
+        dev = torch.device(device)
+        props = torch.cuda.get_device_properties(dev)
+        env["device_name"] = torch.cuda.get_device_name(dev)
+        env["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                      "memory_gib": round(props.total_memory / 2**30, 1), "cuda_runtime": torch.version.cuda,
+                      "cudnn": torch.backends.cudnn.version()}
     else:
         env["device_name"] = platform.processor() or platform.machine()
     return env
@@ -157,20 +171,49 @@ def _stored_dtype(layers) -> str:
     return name if name in DTYPES.values() else "float32"
 
 
-def _call(fn, x):
-    """Runs one side; a fault in the implementation is returned as a message, not raised."""
+def _guarded(work, deadline: float | None):
+    """Runs work() and returns (value, error). A fault is a message, not a raise; past the
+    deadline the work is abandoned in a daemon thread and reported as a timeout."""
+    import threading
+    import time
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = work()
+        except BaseException as exc:  # SystemExit from a candidate is a finding too
+            box["error"] = exc
+
+    if deadline is None:
+        target()
+    else:
+        thread = threading.Thread(target=target, daemon=True, name="parity-candidate")
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            return None, "timed out"
+    if "error" in box:
+        if isinstance(box["error"], KeyboardInterrupt):
+            raise box["error"]
+        return None, _failure("", box["error"])
+    return box.get("value"), None
+
+
+def _call(fn, x, deadline: float | None = None):
+    """Runs one side: (float64 output on the CPU, error, the dtype it returned)."""
     import torch
 
-    try:
+    def work():
         with torch.no_grad():
-            y = fn(x)
-        if not isinstance(y, torch.Tensor):
-            return None, f"returned {type(y).__name__}, not a tensor"
-        return y.detach().to("cpu", torch.float64), None
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # SystemExit from a candidate is a finding too
-        return None, _failure("", exc)
+            return fn(x)
+
+    y, err = _guarded(work, deadline)
+    if err:
+        return None, err, None
+    if not isinstance(y, torch.Tensor):
+        return None, f"returned {type(y).__name__}, not a tensor", None
+    return y.detach().to("cpu", torch.float64), None, str(y.dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -192,33 +235,68 @@ def _every(t, n):
     return None if t is None else t[::n]
 
 
-def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: CheckOptions):
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _grad_of(fn, weight_leaf, x, upstream, deadline):
+    """(dx, dweight) by autograd of sum(upstream * fn(x)), or an error: a candidate that is not
+    differentiable is a finding. dweight comes from a module's own weight when fn is a module."""
+    import torch
+
+    def work():
+        xl = _leaf(x)
+        with torch.enable_grad():
+            y = fn(xl)
+            if not isinstance(y, torch.Tensor):
+                raise TypeError(f"returned {type(y).__name__}, not a tensor")
+            if not y.requires_grad:
+                raise TypeError("output does not require grad: not differentiable")
+            (y.to(upstream.dtype) * upstream).sum().backward()
+        w = fn.weight if isinstance(fn, torch.nn.Module) and isinstance(getattr(fn, "weight", None), torch.Tensor) \
+            else weight_leaf
+        if xl.grad is None:
+            raise TypeError("no gradient reached the input")
+        dw = None if w is None or w.grad is None else w.grad.detach().to("cpu", torch.float64)
+        return xl.grad.detach().to("cpu", torch.float64), dw
+
+    return _guarded(work, deadline)
+
+
+def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: CheckOptions,
+                 cand_layer=None, grad_tol=None):
     """Probes one layer through both sides. A fault in the reference is the user's input
-    (exit 2); a fault in the candidate is a finding recorded in the result."""
+    (exit 2); a fault in the candidate (raise, hang, wrong shape) is a finding in the result.
+
+    `cand_layer` is the same layer from --candidate-checkpoint: the candidate then gets that
+    checkpoint's weight, eps and conventions while the reference keeps the original's."""
+    import time
+
     from parity_cli.comparison import compare, errored, mean_rounding_allowance
-    from parity_cli.diagnosis import diagnose
+    from parity_cli.diagnosis import bitwise_diagnosis, diagnose, diagnose_grad
     from parity_cli.probes import build_probes
     from parity_cli.report import LayerResult
 
+    cand_layer = cand_layer or layer
     eps = layer.eps.value
+    cand_eps = candidate.eps if candidate.eps is not None else cand_layer.eps.value
     # Both sides see the weight as the candidate receives it (rounded to its dtype).
-    w_cand = layer.weight.to(candidate.dtype)
-    b_cand = None if layer.bias is None else layer.bias.to(candidate.dtype)
-    w_ref = w_cand.to(reference.dtype)
-    b_ref = None if b_cand is None else b_cand.to(reference.dtype)
+    w_cand = cand_layer.weight.to(candidate.dtype)
+    b_cand = None if cand_layer.bias is None else cand_layer.bias.to(candidate.dtype)
+    w_ref = layer.weight.to(candidate.dtype).to(reference.dtype)
+    b_ref = None if layer.bias is None else layer.bias.to(candidate.dtype).to(reference.dtype)
     try:
-        ref_fn = reference.impl.prepare(layer, w_ref, b_ref, eps)
+        ref_fn = reference.impl.prepare(layer, w_ref.to(reference.device),
+                                        None if b_ref is None else b_ref.to(reference.device), eps)
     except Exception as exc:
         raise InputError(_failure(f"--reference {reference.spec}: cannot build {layer.name}: ", exc)) from None
-    cand_fn, layer_error = None, None
-    try:
-        cand_fn = candidate.impl.prepare(layer, w_cand.to(candidate.device),
-                                         None if b_cand is None else b_cand.to(candidate.device),
-                                         eps if candidate.eps is None else candidate.eps)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:
-        layer_error = _failure("building the candidate failed: ", exc)
+    deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+    w_dev = w_cand.to(candidate.device)
+    b_dev = None if b_cand is None else b_cand.to(candidate.device)
+    cand_fn, layer_error = _guarded(lambda: candidate.impl.prepare(cand_layer, w_dev, b_dev, cand_eps), deadline)
+    if layer_error:
+        layer_error = ("candidate timed out after %gs" % opts.timeout) if layer_error == "timed out" \
+            else f"building the candidate failed: {layer_error}"
 
     heads = layer.shape[:-1]  # per-head gains (Cohere q/k norms): every head sees every probe
 
@@ -229,13 +307,21 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
     def rows(y):
         return y if y is None or not heads else y.reshape(-1, y.shape[-1])
 
-    results = []
-    for probe in build_probes(strata, layer.dim, eps, candidate.dtype, opts.seed):
+    results, grads, returned_dtypes = [], [], set()
+    probes = build_probes(strata, layer.dim, eps, candidate.dtype, opts.seed)
+    for probe in probes:
         x = spread(probe.x)
-        ref, ref_err = _call(ref_fn, x.to(reference.dtype))
+        ref, ref_err, _ = _call(ref_fn, x.to(reference.dtype).to(reference.device))
         if ref_err:
             raise InputError(f"--reference {reference.spec} failed on {layer.name}, stratum {probe.stratum}: {ref_err}")
-        cand, cand_err = (None, layer_error) if cand_fn is None else _call(cand_fn, x.to(candidate.dtype).to(candidate.device))
+        if layer_error:
+            cand, cand_err = None, layer_error
+        else:
+            cand, cand_err, got = _call(cand_fn, x.to(candidate.dtype).to(candidate.device), deadline)
+            if cand_err == "timed out":
+                layer_error = cand_err = "candidate timed out after %gs" % opts.timeout
+            if got:
+                returned_dtypes.add(got)
         if cand_err:
             results.append(errored(probe.stratum, rows(x), eps, layer.kind, cand_err))
         elif tuple(cand.shape) != tuple(ref.shape):
@@ -244,20 +330,33 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
         else:
             extra = None
             if layer.kind == "layer_norm" and tol.mean_rounding:
-                extra = rows(mean_rounding_allowance(x, layer.gain_offset + w_ref, eps, tol))
+                extra = rows(mean_rounding_allowance(x, layer.gain_offset + w_ref.cpu(), eps, tol))
             results.append(compare(probe.stratum, rows(x), rows(ref), rows(cand), eps, layer.kind, tol,
-                                   opts.max_violation_fraction, extra))
+                                   opts.max_violation_fraction, extra, candidate.dtype))
+        if opts.grad:
+            grads.extend(_grad_strata(probe, x, rows, layer, cand_layer, reference, candidate, w_ref, b_ref, w_cand, b_cand,
+                                      ref_fn, cand_eps, eps, grad_tol, opts, deadline,
+                                      None if layer_error else cand_err))
     stats = _weight_stats(layer.weight)
     warnings = list(layer.warnings)
     if stats["nonfinite"]:
         # Both sides then output NaN and "agree": the checkpoint itself is broken.
         warnings.append(f"{stats['nonfinite']} non-finite value(s) in the stored weight")
+    wrong_dtype = sorted(returned_dtypes - {str(candidate.dtype).removeprefix("torch.")})
+    if wrong_dtype:
+        warnings.append(f"candidate returned {', '.join(wrong_dtype)} for {str(candidate.dtype).removeprefix('torch.')} "
+                        "input (compared after upcasting to float64)")
     result = LayerResult(
         name=layer.name, kind=layer.kind, dim=layer.dim,
         eps={"value": eps, "source": layer.eps.source},
-        weight=stats, strata=results, error=layer_error, warnings=warnings,
+        weight=stats, strata=results, error=layer_error, warnings=warnings, grad=grads,
+        shape=list(layer.shape),
     )
-    gain = layer.gain_offset + w_ref
+    if cand_layer is not layer or candidate.eps is not None:
+        result.candidate_eps = {"value": cand_eps, "source": "option:--candidate-eps" if candidate.eps is not None
+                                else cand_layer.eps.source}
+    gain = layer.gain_offset + w_ref.cpu()
+    bias = None if b_ref is None else b_ref.cpu()
     if heads:  # diagnosis reasons about one gain vector: look at the first head's rows
         n = 1
         for h in heads:
@@ -265,12 +364,82 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
         first = [dataclasses.replace(s, x=_every(s.x, n), ref=_every(s.ref, n), cand=_every(s.cand, n))
                  for s in results]
         result.diagnoses = diagnose(layer, first, gain.reshape(-1, layer.dim)[0],
-                                    tol, candidate.dtype, None if b_ref is None else b_ref.reshape(-1, layer.dim)[0])
+                                    tol, candidate.dtype, None if bias is None else bias.reshape(-1, layer.dim)[0])
+    elif opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
+        result.diagnoses = bitwise_diagnosis(results, candidate.dtype)
     else:
-        result.diagnoses = diagnose(layer, results, gain, tol, candidate.dtype, b_ref)
-    for s in results:  # the raw tensors served diagnosis; a 126-layer run should not keep them
+        result.diagnoses = diagnose(layer, results, gain, tol, candidate.dtype, bias)
+    if opts.grad:
+        result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
+    for s in results + grads:  # the raw tensors served diagnosis; a 126-layer run should not keep them
         s.x = s.ref = s.cand = None
     return result
+
+
+def _grad_strata(probe, x, rows, layer, cand_layer, reference, candidate, w_ref, b_ref, w_cand, b_cand, ref_fn, cand_eps, eps,
+                 grad_tol, opts, deadline, forward_error):
+    """dx and dweight of one stratum: candidate autograd against the reference's float64 autograd."""
+    import torch
+
+    from parity_cli.comparison import compare, errored
+
+    gen = torch.Generator().manual_seed(_crc(f"{opts.seed}:grad:{probe.stratum}:{layer.dim}"))
+    upstream = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    name_dx, name_dw = f"{probe.stratum}:dx", f"{probe.stratum}:dweight"
+    w_leaf = _leaf(w_ref.to(reference.device))
+    try:
+        ref_grad_fn = reference.impl.prepare(layer, w_leaf, None if b_ref is None else b_ref.to(reference.device), eps)
+    except Exception as exc:
+        raise InputError(_failure(f"--reference {reference.spec}: cannot build {layer.name} for --grad: ", exc)) from None
+    (dx_ref, dw_ref), err = _unpack(_grad_of(ref_grad_fn, w_leaf, x.to(reference.dtype).to(reference.device),
+                                             upstream.to(reference.dtype).to(reference.device), None))
+    if err:
+        raise InputError(f"--reference {reference.spec} is not differentiable on {layer.name}: {err}")
+    if forward_error:
+        return [errored(name_dx, rows(x), eps, layer.kind, forward_error)]
+    wc_leaf = _leaf(w_cand.to(candidate.device))
+    cand_grad_fn, err = _guarded(lambda: candidate.impl.prepare(
+        cand_layer, wc_leaf, None if b_cand is None else b_cand.to(candidate.device), cand_eps), deadline)
+    if not err:
+        (dx_c, dw_c), err = _unpack(_grad_of(cand_grad_fn, wc_leaf, x.to(candidate.dtype).to(candidate.device),
+                                             upstream.to(candidate.dtype).to(candidate.device), deadline))
+    if err:
+        return [errored(name_dx, rows(x), eps, layer.kind, f"backward: {err}")]
+    out = []
+    if tuple(dx_c.shape) != tuple(dx_ref.shape):
+        return [errored(name_dx, rows(x), eps, layer.kind, f"dx has shape {list(dx_c.shape)}, expected {list(dx_ref.shape)}")]
+    dx_ref = rows(dx_ref.cpu())
+    out.append(compare(name_dx, rows(x), dx_ref, rows(dx_c), eps, layer.kind, grad_tol, 0.0,
+                       grad_tol.row_atol * dx_ref.abs().amax(-1, keepdim=True)))
+    if dw_ref is not None:
+        dw_ref = dw_ref.cpu().reshape(1, -1)
+        if dw_c is None:
+            out.append(errored(name_dw, rows(x)[:1], eps, layer.kind, "no gradient reached the weight"))
+        elif dw_c.numel() != dw_ref.numel():
+            out.append(errored(name_dw, rows(x)[:1], eps, layer.kind,
+                               f"dweight has shape {list(dw_c.shape)}, expected {list(w_ref.shape)}"))
+        else:
+            # One "row": the weight's gradient, summed over every probe of the stratum.
+            xr = rows(x)[:1] if dw_ref.shape[-1] == layer.dim else torch.ones_like(dw_ref)
+            extra = grad_tol.row_atol * dw_ref.abs().amax(-1, keepdim=True)
+            if layer.kind == "layer_norm" and grad_tol.mean_rounding:
+                # dweight sums g * x̂ over rows, and x̂ carries the mean's rounding (tolerances.toml)
+                xs = x.to(torch.float64)
+                cond = xs.abs().amax(-1, keepdim=True) / torch.sqrt(xs.var(-1, unbiased=False, keepdim=True) + eps)
+                extra = extra + grad_tol.mean_rounding * (upstream.abs() * cond).reshape(-1, *layer.shape).sum(0).reshape(1, -1)
+            out.append(compare(name_dw, xr, dw_ref, dw_c.reshape(1, -1), eps, layer.kind, grad_tol, 0.0, extra))
+    return out
+
+
+def _unpack(pair):
+    value, err = pair
+    return (value if value is not None else (None, None)), err
+
+
+def _crc(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode())
 
 
 def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
@@ -278,10 +447,14 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
     import torch
 
     from parity_cli import implementations as impls
-    from parity_cli.comparison import ZERO_REFERENCE_RULE, tolerance_for
+    from parity_cli.comparison import (
+        ZERO_REFERENCE_RULE,
+        grad_tolerance_for,
+        tolerance_for,
+    )
     from parity_cli.layers import discover_layers
     from parity_cli.probes import load_strata, select_strata
-    from parity_cli.report import Report
+    from parity_cli.report import LayerResult, Report
 
     opts = options or CheckOptions(**kwargs)
     if not 0.0 <= opts.max_violation_fraction <= 1.0:
@@ -290,9 +463,14 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
                         ("--atol", opts.atol), ("--rtol", opts.rtol)):
         if value is not None and not (value >= 0 and value != float("inf")):
             raise InputError(f"{flag} must be a finite number >= 0, got {value}")
+    if opts.timeout is not None and not opts.timeout > 0:
+        raise InputError(f"--timeout must be > 0 seconds, got {opts.timeout}")
     strata = select_strata(opts.strata)
     device = check_device(opts.device)
-    cand_impl = impls.resolve(opts.candidate)
+    ref_device = check_device(opts.reference_device)
+    ref_dtype_name = dtype_name(opts.reference_dtype)
+    cand_args = opts.candidate_args if isinstance(opts.candidate_args, dict) else impls.parse_args(opts.candidate_args)
+    cand_impl = impls.resolve(opts.candidate, cand_args)
     ref_impl = impls.resolve(opts.reference)
 
     ckpt, fam, eps = load(path, opts.family, opts.eps)
@@ -300,9 +478,24 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
     if not found.layers:
         raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else _stored_dtype(found.layers)
-    tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol)
+    tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
+    grad_tol = grad_tolerance_for(cand_dtype_name, exact=opts.exact) if opts.grad else None
     candidate = Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps)
-    reference = Side(ref_impl, opts.reference, torch.float64, "cpu")
+    reference = Side(ref_impl, opts.reference, getattr(torch, ref_dtype_name), ref_device)
+
+    pairing, conversion = None, None
+    if opts.candidate_checkpoint:
+        from parity_cli.pairing import pair
+
+        ckpt2, fam2, eps2 = load(opts.candidate_checkpoint)
+        found2 = discover_layers(ckpt2, fam2, eps2)
+        pairing = pair(found.layers, found2.layers, str(ckpt2.path))
+        conversion = {
+            "path": str(ckpt2.path), "format": ckpt2.format, "family": fam2.name, "model_type": ckpt2.model_type,
+            "eps": {"value": eps2.value, "source": eps2.source},
+            "layers": len(found2.layers), "unmatched": found2.unmatched,
+            "findings": sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings),
+        }
 
     warnings = list(found.warnings)
     if eps.source == "family-default":
@@ -314,7 +507,21 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
                         f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
 
-    results = [_check_layer(layer, reference, candidate, strata, tol, opts) for layer in found.layers]
+    results = []
+    for layer in found.layers:
+        if pairing is None:
+            results.append(_check_layer(layer, reference, candidate, strata, tol, opts, grad_tol=grad_tol))
+            continue
+        findings = pairing.layer_findings.get(layer.name, [])
+        other = pairing.candidate_layers.get(layer.name)
+        if other is None:  # nothing to probe: the copy lacks the layer
+            result = LayerResult(name=layer.name, kind=layer.kind, dim=layer.dim,
+                                 eps={"value": layer.eps.value, "source": layer.eps.source},
+                                 weight=_weight_stats(layer.weight), strata=[], shape=list(layer.shape))
+        else:
+            result = _check_layer(layer, reference, candidate, strata, tol, opts, cand_layer=other, grad_tol=grad_tol)
+        result.findings = findings
+        results.append(result)
 
     header = {
         "tool": {"name": "parity-cli", "version": __version__},
@@ -328,23 +535,32 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
             "unmatched": found.unmatched,
         },
         "eps": {"value": eps.value, "source": eps.source},
-        "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": "float64",
-                      "device": reference.device, "eps": eps.value},
+        "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,
+                      "device": ref_device, "eps": eps.value},
         "candidate": {"impl": cand_impl.name, "source": cand_impl.source, "dtype": cand_dtype_name,
-                      "device": device,
-                      "eps": opts.candidate_eps if opts.candidate_eps is not None else eps.value,
-                      "eps_source": "option:--candidate-eps" if opts.candidate_eps is not None else eps.source},
+                      "device": device, "args": cand_args,
+                      "eps": opts.candidate_eps if opts.candidate_eps is not None else (
+                          conversion["eps"]["value"] if conversion else eps.value),
+                      "eps_source": "option:--candidate-eps" if opts.candidate_eps is not None else (
+                          conversion["eps"]["source"] if conversion else eps.source),
+                      "checkpoint": conversion,
+                      "timeout": opts.timeout},
         "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "source": tol.source,
                       "mean_rounding": tol.mean_rounding,
                       "max_violation_fraction": opts.max_violation_fraction,
                       "zero_reference": ZERO_REFERENCE_RULE,
-                      "nonfinite": "a non-finite candidate value where the reference is finite is always a violation"},
+                      "nonfinite": "a non-finite candidate value where the reference is finite is always a violation",
+                      "exact": opts.exact,
+                      "grad": None if grad_tol is None else {"rtol": grad_tol.rtol, "row_atol": grad_tol.row_atol,
+                                                             "source": grad_tol.source}},
         "probes": {
             "seed": opts.seed,
             "strata": [s.name for s in strata],
             "not_covered": [n for n in load_strata() if n not in {s.name for s in strata}],
             "descriptions": {s.name: s.description for s in strata},
             "rounding": f"probes are rounded to {cand_dtype_name}; the reference sees the rounded values",
+            "grad": opts.grad,
         },
     }
-    return Report(header=header, layers=results, warnings=warnings)
+    return Report(header=header, layers=results, warnings=warnings,
+                  findings=pairing.report_findings if pairing else [])

@@ -43,8 +43,18 @@ def cli():
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--candidate", default="torch", show_default=True,
-              help="Implementation under test: oracle, torch, hf, MODULE:ATTR or FILE.py:ATTR.")
-@click.option("--reference", default="oracle", show_default=True, help="Implementation to compare against.")
+              help="Implementation under test: a built-in (oracle, torch, hf, transformers), an installed plugin "
+                   "name ('parity implementations'), MODULE:ATTR or FILE.py:ATTR.")
+@click.option("--candidate-arg", "candidate_args", multiple=True, metavar="KEY=VALUE",
+              help="Keyword for the candidate's constructor or function (repeatable; VALUE parsed as JSON if it parses).")
+@click.option("--candidate-checkpoint", default=None, type=click.Path(),
+              help="A converted copy: compare its eps and weights with CHECKPOINT's, then probe the candidate with them.")
+@click.option("--reference", default="oracle", show_default=True, help="Implementation to compare against (any IMPL form).")
+@click.option("--reference-dtype", default="float64", show_default=True, help="dtype the reference runs at.")
+@click.option("--reference-device", default="cpu", show_default=True, help="Device the reference runs on.")
+@click.option("--exact", is_flag=True, help="Bitwise parity: --atol 0 --rtol 0, no allowance.")
+@click.option("--grad", is_flag=True, help="Backward parity too: dx and dweight against the reference's autograd.")
+@click.option("--timeout", type=float, default=None, help="Seconds per layer before the candidate counts as hung.")
 @click.option("--dtype", default=None, help="Candidate input/weight dtype (float32, bfloat16, float16, float64); default: as stored.")
 @click.option("--device", default="cpu", show_default=True, help="Candidate device: cpu, cuda, cuda:N.")
 @click.option("--family", default=None, help="Force a model family instead of config.json's model_type.")
@@ -66,7 +76,8 @@ def cli():
 @click.option("--fail-on", type=click.Choice(["fail", "warn"]), default="fail", show_default=True,
               help="'warn' also fails on warnings such as a defaulted eps.")
 @click.option("--quiet", "-q", is_flag=True, help="No terminal table; the exit code says it all.")
-def check(checkpoint, candidate, reference, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
+def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
+          exact, grad, timeout, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
           quiet):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
@@ -83,6 +94,8 @@ def check(checkpoint, candidate, reference, dtype, device, family, eps, candidat
         candidate_eps=candidate_eps, atol=atol, rtol=rtol,
         strata=[s.strip() for s in strata.split(",") if s.strip()] if strata else None,
         seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
+        reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
+        candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
     ))
     data = report.to_dict()
     data["gate"] = gate(data, fail_on, baseline, baseline_path)
@@ -233,6 +246,30 @@ def demo():
     )
     ok = good.passed and not bad.passed
     return EXIT_PASS if ok else EXIT_FAIL
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+def implementations(as_json):
+    """Built-in implementations and those installed packages register (entry point group
+    parity_cli.implementations), with where each comes from."""
+    import json
+
+    from parity_cli.implementations import available
+
+    rows = available()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return EXIT_PASS
+    from rich.table import Table
+
+    table = Table(show_edge=False, header_style="bold")
+    for col in ("name", "source", "description"):
+        table.add_column(col, no_wrap=col == "name", overflow="fold")
+    for r in rows:
+        table.add_row(r["name"], r["source"], r["description"])
+    _console().print(table)
+    return EXIT_PASS
 
 
 @cli.command()

@@ -23,6 +23,7 @@ class Tolerance:
     rtol: float
     source: str  # "profile:float16", "option", ...
     mean_rounding: float = 0.0  # LayerNorm conditioning allowance (configs/tolerances.toml)
+    row_atol: float = 0.0  # gradients: atol as a share of the row's largest reference value
 
 
 def tolerance_for(dtype_name: str, atol: float | None = None, rtol: float | None = None,
@@ -74,6 +75,7 @@ class StratumResult:
     max_rel_err: float = 0.0
     nonfinite_reference: int = 0
     nonfinite_candidate: int = 0
+    max_ulp: float | None = None  # largest difference in units in the last place of the candidate dtype
     worst: Worst | None = None
     error: str | None = None
     # Kept for diagnosis, not serialised: float64 input, reference and candidate outputs.
@@ -117,6 +119,20 @@ def errored(name: str, x, eps: float, kind: str, message: str) -> StratumResult:
                          elements=x.numel(), error=message, x=x)
 
 
+def grad_tolerance_for(dtype_name: str, exact: bool = False) -> Tolerance:
+    """Gradients: |c - r| <= grad_rtol*|r| + grad_row_atol*max|r in the row|. A backward pass
+    cancels (dx = (g - x̄·mean(x̄ g))/r), so an absolute floor relative to the row's scale is the
+    honest allowance; a dropped term is off by the row's scale and still fails."""
+    if exact:
+        return Tolerance(0.0, 0.0, "exact")
+    path = configs_dir() / "tolerances.toml"
+    profile = load_toml(path).get(dtype_name, {})
+    if "grad_rtol" not in profile:
+        raise InputError(f"{path}: no gradient tolerance (grad_rtol, grad_row_atol) for dtype {dtype_name}")
+    return Tolerance(atol=0.0, rtol=float(profile["grad_rtol"]), source=f"profile:{dtype_name}:grad",
+                     row_atol=float(profile["grad_row_atol"]), mean_rounding=float(profile.get("mean_rounding", 0.0)))
+
+
 def mean_rounding_allowance(x, gain, eps: float, tol: Tolerance):
     """Per element, the LayerNorm conditioning allowance (see configs/tolerances.toml)."""
     import torch
@@ -127,8 +143,18 @@ def mean_rounding_allowance(x, gain, eps: float, tol: Tolerance):
     return tol.mean_rounding * gain.to(torch.float64).abs() * m / torch.sqrt(var + eps)
 
 
+def ulp_distance(ref, cand, dtype):
+    """|cand - ref| in units in the last place of `dtype` at |ref| (subnormals: the smallest step)."""
+    import torch
+
+    info = torch.finfo(dtype)
+    mag = ref.abs().clamp_min(info.tiny)
+    ulp = torch.pow(2.0, torch.floor(torch.log2(mag))) * info.eps
+    return (cand - ref).abs() / ulp
+
+
 def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
-            max_violation_fraction: float = 0.0, extra=None) -> StratumResult:
+            max_violation_fraction: float = 0.0, extra=None, dtype=None) -> StratumResult:
     """Elementwise |cand - ref| <= atol + rtol*|ref|; a non-finite candidate value where the
     reference is finite is always a violation (NaN fails every comparison)."""
     import torch
@@ -171,6 +197,9 @@ def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
         max_rel_err=max_rel,
         nonfinite_reference=int((~torch.isfinite(ref)).sum()),
         nonfinite_candidate=int((~torch.isfinite(cand)).sum()),
+        max_ulp=None if dtype is None or not elements else (
+            math.inf if nonfinite_bad else float(ulp_distance(ref, cand, dtype)[finite].max())
+            if bool(finite.any()) else 0.0),
         worst=Worst(vector=v, index=i, input=float(x[v, i]), reference=float(ref[v, i]),
                     candidate=float(cand[v, i]), allowed=float(allowed[v, i])),
         x=x,

@@ -11,8 +11,8 @@ missing upcast; the same channels off at every scale -> the gain."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from parity_cli.comparison import StratumResult, Tolerance
 from parity_cli.implementations import mean_square, oracle_normalize
@@ -280,3 +280,39 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
     if not out:
         out.append(_symptom(ctx, failing))
     return out
+
+
+def diagnose_grad(layer: NormLayer, grads: list[StratumResult], gain=None, eps: float = 0.0) -> list[Diagnosis]:
+    """--grad: which gradient (dx, dweight) disagrees on which strata. A backward that is wrong
+    where the forward is right (a hand-written autograd Function) is named as such."""
+    bad = [g for g in grads if g.status != "pass"]
+    if not bad:
+        return []
+    parts: dict[str, list[str]] = {}
+    for g in bad:
+        stratum, _, part = g.name.partition(":")
+        parts.setdefault(part or "dx", []).append(stratum)
+    errors = sorted({g.error for g in bad if g.error})
+    if errors:
+        return [Diagnosis("grad_error", f"the candidate's backward pass failed: {errors[0]}",
+                          {"errors": errors[:5], "parts": parts})]
+    words = "; ".join(f"{part} on {', '.join(strata)}" for part, strata in sorted(parts.items()))
+    return [Diagnosis("grad_mismatch", f"backward differs from the float64 reference: {words}",
+                      {"parts": parts,
+                       "max_abs_err": {g.name: g.max_abs_err for g in bad}})]
+
+
+def bitwise_diagnosis(strata: list[StratumResult], dtype) -> list[Diagnosis]:
+    """--exact: report how far from bitwise the candidate is, in ulps of its dtype."""
+    bad = [s for s in strata if s.status == "fail"]
+    if not bad:
+        return []
+    worst = max((s.max_ulp or 0.0) for s in bad)
+    differing = sum(s.violations for s in bad)
+    total = sum(s.elements for s in strata)
+    name = str(dtype).removeprefix("torch.")
+    return [Diagnosis("bitwise_difference",
+                      f"{differing} of {total} elements differ, by at most {worst:g} ulp of {name} "
+                      "(a different rounding order, not different math, when this is a few ulp)",
+                      {"max_ulp": worst, "differing_elements": differing, "elements": total,
+                       "strata": sorted(s.name for s in bad)})]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 from parity_cli.errors import InputError
 from parity_cli.resources import configs_dir, load_toml
@@ -193,7 +193,7 @@ def _parse(path) -> Family:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_families() -> dict[str, Family]:
     families = {}
     owner: dict[str, str] = {}

@@ -8,13 +8,13 @@ implementation must get right."""
 from __future__ import annotations
 
 import importlib
-import math
 import importlib.util
 import inspect
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from parity_cli.errors import InputError
 from parity_cli.layers import NormLayer
@@ -228,13 +228,54 @@ def _load_attr(spec: str):
     return obj
 
 
-def _plugin(spec: str, obj) -> Implementation:
+def parse_args(pairs) -> dict:
+    """--candidate-arg key=value pairs; a value is JSON where it parses (1.0, true, "x", [1]), else a string."""
+    import json
+
+    args = {}
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise InputError(f"--candidate-arg '{pair}': expected KEY=VALUE with KEY a Python identifier")
+        try:
+            args[key] = json.loads(raw)
+        except ValueError:
+            args[key] = raw
+    return args
+
+
+def _check_accepts(spec: str, target, args: dict, skip: int) -> None:
+    """An argument the implementation cannot take is the user's error, found before any probe."""
+    if not args:
+        return
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: let the call decide
+    params = list(sig.parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = {p.name for p in params[skip:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(set(args) - names)
+    if unknown:
+        raise InputError(f"--candidate-arg {', '.join(unknown)}: {spec} does not accept "
+                         f"{'it' if len(unknown) == 1 else 'them'} (it accepts: {', '.join(sorted(names)) or 'nothing'})")
+
+
+def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
     import torch
 
+    args = dict(args or {})
+    if isinstance(obj, Implementation):  # an entry point may hand over a ready implementation
+        if args:
+            raise InputError(f"--candidate-arg: {spec} is a prepared implementation and takes no arguments")
+        return obj
     if inspect.isclass(obj) and issubclass(obj, torch.nn.Module):
+        _check_accepts(spec, obj.__init__, args, skip=2)  # self, dim
 
         def prepare_module(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-            module = obj(layer.shape if weight.dim() > 1 else layer.dim, eps=eps)
+            module = obj(layer.shape if weight.dim() > 1 else layer.dim, eps=eps, **args)
             if not isinstance(getattr(module, "weight", None), torch.Tensor):
                 raise TypeError(f"{obj.__name__} has no weight tensor to fill")
             module = module.to(device=weight.device, dtype=weight.dtype)
@@ -247,17 +288,63 @@ def _plugin(spec: str, obj) -> Implementation:
 
         return Implementation(spec, f"plugin module class {obj.__module__}.{obj.__qualname__}", prepare_module)
 
+    _check_accepts(spec, obj, args, skip=3)  # x, weight, eps
+
     def prepare_function(layer: NormLayer, weight, bias, eps: float) -> Prepared:
         if layer.kind == "layer_norm":
-            return lambda x: obj(x, weight, eps, bias=bias)
-        return lambda x: obj(x, weight, eps)
+            return lambda x: obj(x, weight, eps, bias=bias, **args)
+        return lambda x: obj(x, weight, eps, **args)
 
     return Implementation(spec, f"plugin function {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', spec)}", prepare_function)
 
 
-def resolve(spec: str) -> Implementation:
+ENTRY_POINT_GROUP = "parity_cli.implementations"
+
+
+def entry_points() -> dict:
+    """Named implementations that installed packages register (pyproject:
+    [project.entry-points."parity_cli.implementations"] name = "module:attr")."""
+    from importlib.metadata import entry_points as installed
+
+    found = {}
+    for ep in installed(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def _entry_point_source(ep) -> str:
+    dist = getattr(ep, "dist", None)
+    where = f" ({dist.name} {dist.version})" if dist is not None else ""
+    return f"entry point {ep.name} = {ep.value}{where}"
+
+
+def available() -> list[dict]:
+    """Built-ins and entry-point plugins, with where each comes from (nothing is imported)."""
+    rows = [{"name": i.name, "source": i.source, "description": i.description} for i in BUILTINS.values()]
+    for name, ep in sorted(entry_points().items()):
+        shadowed = " (shadowed by the built-in of that name)" if name in BUILTINS else ""
+        rows.append({"name": name, "source": _entry_point_source(ep) + shadowed, "description": ""})
+    return rows
+
+
+def resolve(spec: str, args: dict | None = None) -> Implementation:
     if spec in BUILTINS:
+        if args:
+            raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
         return BUILTINS[spec]
     if ":" not in spec:
-        raise InputError(f"unknown implementation '{spec}'; built-ins: {', '.join(BUILTINS)}; or MODULE:ATTR, FILE.py:ATTR")
-    return _plugin(spec, _load_attr(spec))
+        eps_found = entry_points()
+        if spec in eps_found:
+            ep = eps_found[spec]
+            try:
+                obj = ep.load()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
+                raise InputError(f"implementation '{spec}' ({_entry_point_source(ep)}) failed to load: "
+                                 f"{type(exc).__name__}: {exc}") from None
+            impl = _plugin(spec, obj, args)
+            return Implementation(spec, _entry_point_source(ep), impl.prepare, impl.description)
+        known = ", ".join([*BUILTINS, *sorted(eps_found)])
+        raise InputError(f"unknown implementation '{spec}'; known: {known}; or MODULE:ATTR, FILE.py:ATTR")
+    return _plugin(spec, _load_attr(spec), args)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 from parity_cli.errors import InputError
 from parity_cli.resources import configs_dir, load_toml
@@ -31,7 +31,7 @@ class Probe:
     x: object  # torch.float64 tensor (vectors, dim), values exactly representable in the candidate dtype
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_strata() -> dict[str, StratumSpec]:
     path = configs_dir() / "probes.toml"
     data = load_toml(path)

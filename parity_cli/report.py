@@ -36,12 +36,17 @@ class LayerResult:
     diagnoses: list[Diagnosis] = field(default_factory=list)
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
+    grad: list[StratumResult] = field(default_factory=list)  # --grad: "<stratum>:dx", "<stratum>:dweight"
+    shape: list[int] | None = None
+    candidate_eps: dict | None = None  # where the candidate's eps differs in origin (--candidate-checkpoint)
+    findings: list[dict] = field(default_factory=list)  # checkpoint-vs-checkpoint differences; each fails
 
     @property
     def status(self) -> str:
-        if self.error is not None or any(s.status == "error" for s in self.strata):
+        checked = self.strata + self.grad
+        if self.error is not None or any(s.status == "error" for s in checked):
             return "error"
-        return "fail" if any(s.status == "fail" for s in self.strata) else "pass"
+        return "fail" if self.findings or any(s.status == "fail" for s in checked) else "pass"
 
     @property
     def passed(self) -> bool:
@@ -53,10 +58,11 @@ class Report:
     header: dict  # tool, environment, checkpoint, eps, reference, candidate, tolerance, probes
     layers: list[LayerResult]
     warnings: list[str] = field(default_factory=list)
+    findings: list[dict] = field(default_factory=list)  # report-level: e.g. layers only the candidate has
 
     @property
     def passed(self) -> bool:
-        return all(layer.passed for layer in self.layers)
+        return not self.findings and all(layer.passed for layer in self.layers)
 
     @property
     def exit_code(self) -> int:
@@ -78,6 +84,7 @@ class Report:
             **self.header,
             "layers": [_layer_dict(layer) for layer in self.layers],
             "warnings": list(self.warnings),
+            "findings": _jsonable(self.findings),
             "summary": self.summary(),
         }
 
@@ -95,6 +102,7 @@ def _stratum_dict(s: StratumResult) -> dict:
         "max_rel_err": jfloat(s.max_rel_err),
         "violations": s.violations,
         "violation_fraction": s.violation_fraction,
+        "max_ulp": None if s.max_ulp is None else jfloat(s.max_ulp),
         "nonfinite": {"reference": s.nonfinite_reference, "candidate": s.nonfinite_candidate},
         "worst": None if s.worst is None else {
             "vector": s.worst.vector,
@@ -129,6 +137,10 @@ def _layer_dict(layer: LayerResult) -> dict:
         "strata": [_stratum_dict(s) for s in layer.strata],
         "diagnoses": [{"code": d.code, "message": d.message, **_jsonable(d.evidence)} for d in layer.diagnoses],
         "warnings": list(layer.warnings),
+        "shape": layer.shape,
+        "grad": [_stratum_dict(s) for s in layer.grad],
+        "candidate_eps": _jsonable(layer.candidate_eps),
+        "findings": _jsonable(layer.findings),
     }
 
 
@@ -200,15 +212,21 @@ def render(d: dict, console) -> None:
     console.print(
         f"candidate [bold]{cand['impl']}[/] {cand['dtype']} on {cand['device']} eps {cand['eps']:.3g}  vs  "
         f"reference {ref['impl']} {ref['dtype']} eps {ref['eps']:.3g}   atol {tol['atol']:g} rtol {tol['rtol']:g}"
+        + ("  (bitwise)" if tol.get("exact") else "") + ("  +grad" if d["probes"].get("grad") else "")
     )
+    conv = cand.get("checkpoint")
+    if conv:
+        console.print(f"candidate checkpoint [bold]{conv['path']}[/] ({conv['format']}, family {conv['family']}), "
+                      f"eps {conv['eps']['value']:.6g} ({conv['eps']['source']}): {conv['findings']} difference(s)")
     table = Table(show_edge=False, header_style="bold")
     for col in ("layer", "dim", "status", "failing strata", "max abs err", "max rel err", "q/eps (failing)"):
         table.add_column(col, justify="right" if col in ("dim", "max abs err", "max rel err") else "left",
                          no_wrap=col in ("layer", "q/eps (failing)", "status"))
     colours = {"pass": "green", "fail": "red", "error": "magenta"}
     for layer in d["layers"]:
-        strata = layer["strata"]
+        strata = layer["strata"] + layer.get("grad", [])
         failing = [s["name"] for s in strata if s["status"] != "pass"]
+        failing += [f["code"] for f in layer.get("findings", [])]
         finite = [s for s in strata if s["status"] != "error"]
         # q/eps where it failed tells the story (small -> eps, large -> overflow); else all covered.
         shown = [s for s in finite if s["status"] == "fail"] or finite
@@ -227,6 +245,8 @@ def render(d: dict, console) -> None:
     for layer in d["layers"]:
         if layer["error"]:
             console.print(f"  [magenta]{layer['name']}[/]: candidate error: {layer['error']}")
+        for finding in layer.get("findings", []):
+            console.print(f"  [red]{layer['name']}[/] [bold]{finding['code']}[/]: {finding['message']}")
         for diag in layer["diagnoses"]:
             console.print(f"  [red]{layer['name']}[/] [bold]{diag['code']}[/]: {diag['message']}")
     for layer in d["layers"]:
@@ -234,6 +254,8 @@ def render(d: dict, console) -> None:
             console.print(f"[yellow]warning:[/] {layer['name']}: {warning}")
     for warning in d["warnings"]:
         console.print(f"[yellow]warning:[/] {warning}")
+    for finding in d.get("findings", []):
+        console.print(f"[red]{finding['code']}[/]: {finding['message']}")
     s = d["summary"]
     gate = d.get("gate") or {}
     for key, label in (("accepted", "accepted by the baseline"), ("gone", "in the baseline but gone")):

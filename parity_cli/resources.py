@@ -4,7 +4,7 @@ both in a source checkout and in an installed wheel."""
 from __future__ import annotations
 
 import sys
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from parity_cli.errors import InputError
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-@lru_cache(maxsize=None)
+@cache
 def configs_dir() -> Path:
     """The wheel carries configs/ as parity_cli.configs; a source tree has it beside the package."""
     try:

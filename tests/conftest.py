@@ -26,10 +26,12 @@ def ckpt(tmp_path):
     return make
 
 
-def run_parity(*args, cwd=None):
+def run_parity(*args, cwd=None, env=None):
     """The installed console entry as a user runs it (a real process: exit code, stderr)."""
+    import os
+
     return subprocess.run([sys.executable, "-m", "parity_cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd)
+                          cwd=cwd, env=None if env is None else {**os.environ, **env})
 
 
 def load_json(path):

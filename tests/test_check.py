@@ -3,8 +3,8 @@ on the strata where it shows."""
 
 import pytest
 import torch
-
 from conftest import plugin
+
 from parity_cli import api
 
 CORRECT = {

@@ -6,9 +6,10 @@ import sys
 
 import pytest
 import torch
-
 from conftest import load_json, plugin, run_parity
+
 from parity_cli.resources import schema_path
+
 
 def validate(report):
     jsonschema = pytest.importorskip("jsonschema")
@@ -159,10 +160,9 @@ def test_module_entry_point_and_version():
 
 
 def test_ctrl_c_exits_130_and_leaves_no_report(ckpt, tmp_path):
+    import os
     import signal
     import time
-
-    import os
 
     out = tmp_path / "r.json"
     marker = tmp_path / "started"

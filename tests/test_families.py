@@ -112,11 +112,16 @@ CONFIG_EXTRA = {
                          num_kv_shared_layers=0, layer_types=["sliding_attention"] * L,
                          activation_sparsity_pattern=[0.0] * L),
 }
-NORM_NAME = re.compile(r"norm|(^|\.)ln_|LayerNorm", re.I)
+NORM_NAME = re.compile(r"norm|(^|\.)ln_|LayerNorm", re.IGNORECASE)
 
 
 def _hf_norm_names(model_type):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        AutoModelForSeq2SeqLM,
+    )
 
     cfg = AutoConfig.for_model(model_type, **{**SMALL, **CONFIG_EXTRA.get(model_type, {})})
     auto = {"t5": AutoModelForSeq2SeqLM, "bert": AutoModelForMaskedLM}.get(model_type, AutoModelForCausalLM)
@@ -172,7 +177,7 @@ def test_hf_is_bitwise_transformers(ckpt, model_type, dtype):
                 expected, got = module(x), ours(x)
             assert got.dtype == expected.dtype
             torch.testing.assert_close(got, expected, atol=0, rtol=0, equal_nan=True,
-                                       msg=lambda m: f"{layer.name} {probe.stratum}: {m}")
+                                       msg=lambda m, n=layer.name, st=probe.stratum: f"{n} {st}: {m}")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3", "cohere", "gpt2", "t5", "gemma3n_text"])

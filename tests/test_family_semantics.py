@@ -1,8 +1,8 @@
 """Correct candidates pass on every family; another family's semantics fails."""
 
 import pytest
-
 from conftest import plugin
+
 from parity_cli import api
 from parity_cli.synthetic import LAYOUTS
 

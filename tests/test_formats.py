@@ -5,7 +5,6 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from conftest import load_json, plugin, run_parity
 
 

@@ -119,3 +119,83 @@ def rms_norm_with_bias(x, weight, eps, bias=None):
     """Fault: RMSNorm (no mean removed) on a LayerNorm checkpoint, bias added."""
     y = rms_norm(x, weight, eps)
     return y if bias is None else y + bias
+
+
+class OffsetRMSNorm(torch.nn.Module):
+    """Correct for either family when told the offset: gain = offset + w, Gemma order (like Liger's offset)."""
+
+    def __init__(self, dim, eps=1e-6, offset=0.0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x):
+        return (_normalise(x, self.eps) * (self.offset + self.weight.float())).type_as(x)
+
+
+def scaled_rms_norm(x, weight, eps, scale=1.0):
+    """Correct at scale=1; anything else is a gain fault chosen by --candidate-arg."""
+    return rms_norm(x, weight, eps) * scale
+
+
+def hangs(x, weight, eps):
+    """Fault: never returns (a deadlocked kernel)."""
+    import time
+
+    time.sleep(3600)
+
+
+def returns_float32(x, weight, eps):
+    """Correct values, but returned in float32 whatever the input dtype."""
+    return (_normalise(x, eps) * weight.float())
+
+
+def not_differentiable(x, weight, eps):
+    """Correct forward computed outside autograd (e.g. a kernel without a backward)."""
+    with torch.no_grad():
+        return rms_norm(x, weight, eps)
+
+
+class _DroppedShared(torch.autograd.Function):
+    """RMSNorm with a hand-written backward that forgets the shared-denominator term:
+    dx = w*g/r instead of (w*g - x̄ * mean(x̄ * w*g)) / r."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        h = x.float()
+        r = torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        xbar = h / r
+        ctx.save_for_backward(xbar, r, weight)
+        return (xbar * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        xbar, r, weight = ctx.saved_tensors
+        gf = g.float()
+        dx = gf * weight.float() / r  # the fault: no "- xbar * mean(xbar * w * g)" term
+        dw = (gf * xbar).reshape(-1, xbar.shape[-1]).sum(0)
+        return dx.to(g.dtype), dw.to(weight.dtype), None
+
+
+def dropped_shared_term(x, weight, eps):
+    return _DroppedShared.apply(x, weight, eps)
+
+
+class _CorrectBackward(torch.autograd.Function):
+    """The same hand-written Function with the full backward: passes --grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        return _DroppedShared.forward(ctx, x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        xbar, r, weight = ctx.saved_tensors
+        gw = g.float() * weight.float()
+        dx = (gw - xbar * (xbar * gw).mean(-1, keepdim=True)) / r
+        dw = (g.float() * xbar).reshape(-1, xbar.shape[-1]).sum(0)
+        return dx.to(g.dtype), dw.to(weight.dtype), None
+
+
+def full_backward(x, weight, eps):
+    return _CorrectBackward.apply(x, weight, eps)
