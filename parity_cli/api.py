@@ -264,7 +264,7 @@ def _grad_of(fn, weight_leaf, x, upstream, deadline):
 
 
 def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: CheckOptions,
-                 cand_layer=None, grad_tol=None):
+                 cand_layer=None, grad_tol=None, keep_tensors=False):
     """Probes one layer through both sides. A fault in the reference is the user's input
     (exit 2); a fault in the candidate (raise, hang, wrong shape) is a finding in the result.
 
@@ -366,13 +366,14 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
         result.diagnoses = diagnose(layer, first, gain.reshape(-1, layer.dim)[0],
                                     tol, candidate.dtype, None if bias is None else bias.reshape(-1, layer.dim)[0])
     elif opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
-        result.diagnoses = bitwise_diagnosis(results, candidate.dtype)
+        result.diagnoses = bitwise_diagnosis(results, candidate.dtype, layer, gain, tol, bias)
     else:
         result.diagnoses = diagnose(layer, results, gain, tol, candidate.dtype, bias)
     if opts.grad:
         result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
-    for s in results + grads:  # the raw tensors served diagnosis; a 126-layer run should not keep them
-        s.x = s.ref = s.cand = None
+    if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
+        for s in results + grads:
+            s.x = s.ref = s.cand = None
     return result
 
 
@@ -564,3 +565,113 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
     }
     return Report(header=header, layers=results, warnings=warnings,
                   findings=pairing.report_findings if pairing else [])
+
+
+def _step(label: str, factor: str, result) -> dict:
+    finite = [s for s in result.strata if s.status != "error"]
+    return {
+        "step": label,
+        "changes": factor,
+        "status": result.status,
+        "error": result.error or next((f"{s.name}: {s.error}" for s in result.strata if s.error), None),
+        "max_abs_err": max((s.max_abs_err for s in finite), default=None),
+        "max_rel_err": max((s.max_rel_err for s in finite), default=None),
+        "failing": [s.name for s in result.strata if s.status != "pass"],
+    }
+
+
+def explain(path: str | Path, options: CheckOptions | None = None, layer_names: list[str] | None = None,
+            **kwargs) -> dict:
+    """The one-factor-at-a-time ladder for each failing layer (or the named ones): the check as
+    run, then the candidate at the reference dtype, the family's own numerics at the candidate
+    dtype, and the reference with the eps the candidate appears to use. The step whose errors
+    collapse names the factor that carries them."""
+    import torch
+
+    from parity_cli import implementations as impls
+    from parity_cli.checkpoint import Eps
+    from parity_cli.comparison import tolerance_for
+    from parity_cli.diagnosis import Context, estimate_eps
+    from parity_cli.layers import discover_layers
+    from parity_cli.probes import select_strata
+
+    opts = dataclasses.replace(options or CheckOptions(**kwargs), grad=False)
+    report = check(path, opts)
+    wanted = set(layer_names) if layer_names else {l.name for l in report.layers if not l.passed}
+    if not wanted:
+        return {}
+    ckpt, fam, eps = load(path, opts.family, opts.eps)
+    found = {l.name: l for l in discover_layers(ckpt, fam, eps).layers}
+    unknown = sorted(wanted - set(found))
+    if unknown:
+        raise InputError(f"explain: no layer named {', '.join(unknown)} in {ckpt.path}")
+    strata = select_strata(opts.strata)
+    cand_dtype_name = report.header["candidate"]["dtype"]
+    cand_dtype = getattr(torch, cand_dtype_name)
+    ref_dtype = getattr(torch, dtype_name(opts.reference_dtype))
+    cand_impl = impls.resolve(opts.candidate, opts.candidate_args if isinstance(opts.candidate_args, dict)
+                              else impls.parse_args(opts.candidate_args))
+    reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, check_device(opts.reference_device))
+    device = check_device(opts.device)
+    tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
+    run_opts = dataclasses.replace(opts, grad=False)
+    out = {}
+    for name in sorted(wanted, key=lambda n: [l.name for l in report.layers].index(n) if n in
+                       [l.name for l in report.layers] else 0):
+        layer = found[name]
+        steps = []
+        as_run = Side(cand_impl, opts.candidate, cand_dtype, device, opts.candidate_eps)
+        checked = _check_layer(layer, reference, as_run, strata, tol, run_opts)
+        steps.append(_step(f"candidate at {cand_dtype_name} (as checked)", "nothing", checked))
+        # 1. the candidate at the reference's dtype: does the error belong to the dtype?
+        ref_dtype_name = str(ref_dtype).removeprefix("torch.")
+        hi = Side(cand_impl, opts.candidate, ref_dtype, device, opts.candidate_eps)
+        steps.append(_step(f"candidate at {ref_dtype_name}", "dtype",
+                           _check_layer(layer, reference, hi, strata, tolerance_for(ref_dtype_name), run_opts)))
+        # 2. the family's own numerics at the candidate dtype: the floor that dtype imposes
+        own = Side(impls.resolve("hf"), "hf", cand_dtype, "cpu", opts.candidate_eps)
+        steps.append(_step(f"{layer.family} numerics (hf) at {cand_dtype_name}", "kernel",
+                           _check_layer(layer, reference, own, strata, tol, run_opts)))
+        # 3. the reference with the eps the candidate appears to use
+        gain = layer.gain_offset + layer.weight.to(cand_dtype).double()
+        ctx = Context(layer=layer, gain=gain, bias=None if layer.bias is None else layer.bias.to(cand_dtype).double(),
+                      tol=tol, dtype=cand_dtype, strata=_with_tensors(layer, reference, as_run, strata, tol, run_opts))
+        est = estimate_eps(ctx)
+        if est is not None and est[0] > 0:
+            shifted = dataclasses.replace(layer, eps=Eps(est[0], "estimated from the candidate"))
+            keep = Side(cand_impl, opts.candidate, cand_dtype, device,
+                        opts.candidate_eps if opts.candidate_eps is not None else layer.eps.value)
+            steps.append(_step(f"reference with eps {est[0]:.3g} (estimated)", "eps",
+                               _check_layer(shifted, reference, keep, strata, tol, run_opts)))
+        else:
+            steps.append({"step": "reference with the candidate's eps", "changes": "eps", "status": "skipped",
+                          "error": "no eps could be estimated (the tiny and constant strata show none)",
+                          "max_abs_err": None, "max_rel_err": None, "failing": []})
+        out[name] = steps
+    return out
+
+
+def _with_tensors(layer, reference, candidate, strata, tol, opts):
+    """Strata with their tensors kept (for estimating eps), from a fresh run of one layer."""
+    return _check_layer(layer, reference, candidate, strata, tol, opts, keep_tensors=True).strata
+
+
+def options_from_report(data: dict, where: str) -> tuple[str, CheckOptions]:
+    """The options a saved report was produced with, to rerun it (parity explain REPORT.json)."""
+    try:
+        cand, ref, probes = data["candidate"], data["reference"], data["probes"]
+        opts = CheckOptions(
+            candidate=cand["impl"], reference=ref["impl"], dtype=cand["dtype"], device=cand["device"],
+            family=data["checkpoint"].get("family"),
+            eps=data["eps"]["value"] if data["eps"]["source"] == "override" else None,
+            candidate_eps=cand["eps"] if cand.get("eps_source") == "option:--candidate-eps" else None,
+            atol=data["tolerance"]["atol"] if data["tolerance"].get("source") == "option" else None,
+            rtol=data["tolerance"]["rtol"] if data["tolerance"].get("source") == "option" else None,
+            strata=list(probes["strata"]), seed=int(probes["seed"]),
+            reference_dtype=ref.get("dtype", "float64"), reference_device=ref.get("device", "cpu"),
+            exact=bool(data["tolerance"].get("exact", False)), candidate_args=cand.get("args") or None,
+            candidate_checkpoint=(cand.get("checkpoint") or {}).get("path"),
+        )
+        return data["checkpoint"]["path"], opts
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{where}: the report lacks what a rerun needs ({exc})") from None

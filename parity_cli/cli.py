@@ -55,6 +55,8 @@ def cli():
 @click.option("--exact", is_flag=True, help="Bitwise parity: --atol 0 --rtol 0, no allowance.")
 @click.option("--grad", is_flag=True, help="Backward parity too: dx and dweight against the reference's autograd.")
 @click.option("--timeout", type=float, default=None, help="Seconds per layer before the candidate counts as hung.")
+@click.option("--explain", is_flag=True,
+              help="For each failing layer, change one factor at a time (dtype, kernel, eps) and show which carries the error.")
 @click.option("--dtype", default=None, help="Candidate input/weight dtype (float32, bfloat16, float16, float64); default: as stored.")
 @click.option("--device", default="cpu", show_default=True, help="Candidate device: cpu, cuda, cuda:N.")
 @click.option("--family", default=None, help="Force a model family instead of config.json's model_type.")
@@ -77,7 +79,7 @@ def cli():
               help="'warn' also fails on warnings such as a defaulted eps.")
 @click.option("--quiet", "-q", is_flag=True, help="No terminal table; the exit code says it all.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
-          exact, grad, timeout, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
+          exact, grad, timeout, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
           quiet):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
@@ -89,20 +91,60 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
     for target in (json_path, junit_path, markdown_path):
         _check_output_target(target)
     baseline = load_report(baseline_path, "baseline") if baseline_path else None
-    report = run_check(checkpoint, CheckOptions(
+    options = CheckOptions(
         candidate=candidate, reference=reference, dtype=dtype, device=device, family=family, eps=eps,
         candidate_eps=candidate_eps, atol=atol, rtol=rtol,
         strata=[s.strip() for s in strata.split(",") if s.strip()] if strata else None,
         seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
         candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
-    ))
+    )
+    report = run_check(checkpoint, options)
     data = report.to_dict()
+    if explain and not report.passed:
+        from parity_cli.api import explain as run_explain
+
+        failing = [layer.name for layer in report.layers if not layer.passed and layer.strata]
+        data["explain"] = run_explain(checkpoint, options, failing) if failing else {}
     data["gate"] = gate(data, fail_on, baseline, baseline_path)
     _write_outputs(data, json_path, junit_path, markdown_path)
     if not quiet:
         render(data, _console())
+        if data.get("explain"):
+            render_ladder(data["explain"], _console())
     return data["gate"]["exit_code"]
+
+
+def render_ladder(ladder: dict, console) -> None:
+    from rich.table import Table
+
+    from parity_cli.report import _fmt
+
+    for layer, steps in ladder.items():
+        table = Table(title=f"{layer}: one factor at a time", show_edge=False, header_style="bold", title_justify="left")
+        for col in ("step", "changes", "status", "max abs err", "max rel err", "failing strata"):
+            table.add_column(col, justify="right" if col.startswith("max") else "left")
+        for st in steps:
+            table.add_row(st["step"], st["changes"], st["status"] if not st.get("error") else f"{st['status']}: {st['error']}",
+                          "-" if st["max_abs_err"] is None else _fmt(st["max_abs_err"]),
+                          "-" if st["max_rel_err"] is None else _fmt(st["max_rel_err"]),
+                          ", ".join(st["failing"]) or "-")
+        console.print(table)
+        passed = {st["changes"] for st in steps[1:] if st["status"] == "pass"}
+        if steps[0]["status"] != "pass":
+            console.print("  " + ladder_verdict(passed))
+
+
+def ladder_verdict(passed: set) -> str:
+    """The most specific factor whose change alone removes the error."""
+    if "eps" in passed:
+        return "the candidate matches the reference once eps is changed: eps carries the error"
+    if "dtype" in passed:
+        return "the candidate passes at the reference dtype: the error comes with the dtype (precision, overflow)"
+    if "kernel" in passed:
+        return ("the family's own numerics pass at the same dtype and eps: the candidate's math differs "
+                "(placement, offset, upcast, gain)")
+    return "no single factor removes the error: several faults, or one outside dtype/eps/kernel"
 
 
 def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
@@ -246,6 +288,33 @@ def demo():
     )
     ok = good.passed and not bad.passed
     return EXIT_PASS if ok else EXIT_FAIL
+
+
+@cli.command("explain")
+@click.argument("report_path", metavar="REPORT.json", type=click.Path())
+@click.option("--layers", "layer_names", multiple=True, help="Layers to explain (default: every failing layer).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the ladder as JSON.")
+def explain_cmd(report_path, layer_names, json_path):
+    """Rerun a saved report's failing layers one factor at a time (dtype, kernel, eps)."""
+    import json
+
+    from parity_cli.api import explain as run_explain
+    from parity_cli.api import options_from_report
+    from parity_cli.gate import load_report
+    from parity_cli.report import write_files
+
+    _check_output_target(json_path)
+    data = load_report(report_path)
+    path, options = options_from_report(data, report_path)
+    names = list(layer_names) or [l["name"] for l in data["layers"] if l["status"] != "pass" and l["strata"]]
+    if not names:
+        click.echo(f"{report_path}: no failing layer to explain")
+        return EXIT_PASS
+    ladder = run_explain(path, options, names)
+    if json_path:
+        write_files({json_path: json.dumps(ladder, indent=2, default=float) + "\n"})
+    render_ladder(ladder, _console())
+    return EXIT_PASS
 
 
 @cli.command()

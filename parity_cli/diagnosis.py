@@ -50,18 +50,20 @@ class Context:
 def estimate_eps(ctx: Context):
     """The eps that explains the candidate: for y = x/sqrt(q + eps_c) * g, eps_c = x^2/(y/g)^2 - q.
 
-    Uses tiny-stratum rows (where eps is visible) and channels with a usable gain and input.
+    Uses tiny and constant rows (where eps is visible) and channels with a usable gain and input.
     Returns (median, relative spread between the 25th and 75th percentiles) or None."""
     import torch
 
     samples = []
     for s in ctx.strata:
-        if s.name != "tiny" or s.cand is None:
+        if s.name not in ("tiny", "constant") or s.cand is None:
             continue
         q = mean_square(s.x, ctx.layer.kind).unsqueeze(-1)
         x = s.x - s.x.mean(dim=-1, keepdim=True) if ctx.layer.kind == "layer_norm" else s.x
         y = (s.cand - (0 if ctx.bias is None else ctx.bias)) / ctx.gain
-        usable = (ctx.gain.abs() > 1e-3) & (x.abs() > 0.25 * q.sqrt()) & torch.isfinite(y) & (y != 0)
+        # Only rows where eps is visible (q/eps <= 100) say anything about it.
+        visible = (q > 0) & (q <= 100 * max(ctx.eps, 1e-30))
+        usable = visible & (ctx.gain.abs() > 1e-3) & (x.abs() > 0.25 * q.sqrt()) & torch.isfinite(y) & (y != 0)
         samples.append(((x * x) / (y * y) - q)[usable])
     est = torch.cat(samples) if samples else None
     if est is None or est.numel() == 0:
@@ -246,11 +248,102 @@ def _symptom(ctx: Context, failing: set[str]) -> Diagnosis:
                      "elements", {"strata": sorted(failing)})
 
 
+# The panel of known variants (issue: "change one condition at a time"): each is the expected
+# semantics with one condition changed. Their names go into the evidence when they fit.
+EPS_PANEL = (1e-5, 1e-6, 1e-8, 1e-12, 1.1920928955078125e-07, 0.0)
+
+
+def _panel(ctx: Context):
+    """(name, variant(ctx, x) -> float64 output or None) for every single-condition change."""
+    out = []
+    est = estimate_eps(ctx)
+    eps_values = list(EPS_PANEL) + ([est[0]] if est and est[0] > 0 else [])
+    for e in eps_values:
+        if e != ctx.eps:
+            label = "estimated" if est and e == est[0] and e not in EPS_PANEL else f"{e:g}"
+            out.append((f"eps={label}" if label != "estimated" else f"eps~{e:.3g}",
+                        (lambda e: lambda c, x: _affine(c, _eps_zero(c, x) if e == 0 else
+                                                        oracle_normalize(x, e, c.layer.kind)))(e)))
+    if ctx.layer.kind == "rms_norm":
+        out.append(("eps outside sqrt", lambda c, x: _affine(c, _rms_eps_outside(x, c.eps))))
+        out.append(("mean subtracted", lambda c, x: _affine(c, oracle_normalize(x, c.eps, "layer_norm"))))
+    else:
+        out.append(("mean not subtracted", lambda c, x: _affine(c, oracle_normalize(x, c.eps, "rms_norm"))))
+    for offset in (0.0, 1.0, 2.0):
+        if offset != ctx.layer.gain_offset:
+            out.append((f"gain {offset:g} + w", (lambda d: lambda c, x: _affine(
+                c, oracle_normalize(x, c.eps, c.layer.kind), c.gain + d))(offset - ctx.layer.gain_offset)))
+    for order in ("llama", "gemma"):
+        out.append((f"{order} cast order", (lambda o: lambda c, x: _ordered(c, x, o))(order)))
+    out.append(("no upcast", lambda c, x: _affine(c, _no_upcast(c, x))))
+    return out
+
+
+def _ordered(ctx: Context, x, order: str):
+    """The expected math at the candidate dtype in one of the two HF cast orders (bitwise as HF)."""
+    import torch
+
+    if ctx.dtype == torch.float64 or ctx.layer.kind != "rms_norm":
+        return None
+    w = (ctx.gain - ctx.layer.gain_offset).to(ctx.dtype)
+    xd = x.to(ctx.dtype)
+    h = xd.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    if order == "llama":
+        gain = (ctx.layer.gain_offset + w.double()).to(ctx.dtype)
+        y = gain * h.to(ctx.dtype)
+    else:
+        y = (h * (ctx.layer.gain_offset + w.float())).to(ctx.dtype)
+    return y.to(torch.float64) + (0 if ctx.bias is None else ctx.bias)
+
+
+def matching_variants(ctx: Context) -> list[str]:
+    compared = [s for s in ctx.strata if s.cand is not None]
+    names = []
+    for name, variant in _panel(ctx):
+        outputs = []
+        for s in compared:
+            v = variant(ctx, s.x)
+            if v is None:
+                break
+            outputs.append((s, v))
+        else:
+            if outputs and _match(ctx, outputs) is not None:
+                names.append(name)
+    return names
+
+
+def cast_order_diagnosis(ctx: Context) -> Diagnosis | None:
+    """The candidate equals the other family's cast order bit for bit, and not the expected one."""
+    import torch
+
+    compared = [s for s in ctx.strata if s.cand is not None]
+    if not compared or ctx.layer.order not in ("llama", "gemma"):
+        return None
+    other = "gemma" if ctx.layer.order == "llama" else "llama"
+
+    def equal(order):
+        for s in compared:
+            v = _ordered(ctx, s.x, order)
+            if v is None or not bool(((s.cand == v) | (torch.isnan(s.cand) & torch.isnan(v))).all()):
+                return False
+        return True
+
+    if equal(other) and not equal(ctx.layer.order):
+        return Diagnosis("cast_order",
+                         f"the candidate matches {other}-order numerics bit for bit (the family uses {ctx.layer.order} "
+                         "order): " + ("the gain is applied in float32 and the cast is last"
+                                       if other == "gemma" else "the cast to the input dtype comes before the gain"),
+                         {"expected_order": ctx.layer.order, "matched_order": other})
+    return None
+
+
 def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance, dtype, bias=None) -> list[Diagnosis]:
     failing = {s.name for s in strata if s.status == "fail"}
     if not failing:
         return []
     ctx = Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=dtype, strata=strata)
+    variants = matching_variants(ctx)
     compared = [s for s in strata if s.cand is not None]
     evidence_base = {"_estimate": estimate_eps(ctx)}
     fits = []  # (closeness, order, diagnosis): several hypotheses can fit; the closest is the cause
@@ -278,7 +371,13 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         out.append(Diagnosis("eps_missing", "an all-zero row gives non-finite output: eps is missing or zero, "
                              "so the norm computes 0/0", {"strata": ["zero"]}))
     if not out:
+        cast = cast_order_diagnosis(ctx)
+        if cast:
+            out.append(cast)
+    if not out:
         out.append(_symptom(ctx, failing))
+    if variants:
+        out[0].evidence["matching_variants"] = variants
     return out
 
 
@@ -302,11 +401,18 @@ def diagnose_grad(layer: NormLayer, grads: list[StratumResult], gain=None, eps: 
                        "max_abs_err": {g.name: g.max_abs_err for g in bad}})]
 
 
-def bitwise_diagnosis(strata: list[StratumResult], dtype) -> list[Diagnosis]:
-    """--exact: report how far from bitwise the candidate is, in ulps of its dtype."""
+def bitwise_diagnosis(strata: list[StratumResult], dtype, layer: NormLayer | None = None, gain=None,
+                      tol: Tolerance | None = None, bias=None) -> list[Diagnosis]:
+    """--exact: report how far from bitwise the candidate is, in ulps of its dtype, and whether it
+    is the other HF cast order bit for bit."""
     bad = [s for s in strata if s.status == "fail"]
     if not bad:
         return []
+    if layer is not None and gain is not None:
+        cast = cast_order_diagnosis(Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=dtype, strata=strata))
+        if cast:
+            cast.evidence["max_ulp"] = max((s.max_ulp or 0.0) for s in bad)
+            return [cast]
     worst = max((s.max_ulp or 0.0) for s in bad)
     differing = sum(s.violations for s in bad)
     total = sum(s.elements for s in strata)

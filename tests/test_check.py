@@ -75,7 +75,7 @@ def test_eps_fault_is_explained_with_the_estimated_eps(ckpt):
     for layer in report.layers:
         codes = {d.code: d for d in layer.diagnoses}
         assert "eps_mismatch" in codes
-        assert codes["eps_mismatch"].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.1)
+        assert codes["eps_mismatch"].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.05)
 
 
 def test_candidate_eps_simulates_a_deployment_config(ckpt):

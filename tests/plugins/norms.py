@@ -199,3 +199,21 @@ class _CorrectBackward(torch.autograd.Function):
 
 def full_backward(x, weight, eps):
     return _CorrectBackward.apply(x, weight, eps)
+
+
+def gain_scaled_1pct(x, weight, eps):
+    """Fault outside the panel: every gain 1% too large."""
+    return rms_norm(x, weight * 1.01, eps)
+
+
+def noisy(x, weight, eps):
+    """Fault outside the panel: 2% multiplicative noise on the output."""
+    y = rms_norm(x, weight, eps)
+    gen = torch.Generator().manual_seed(11)
+    return (y.float() * (1 + 0.02 * torch.randn(y.shape, generator=gen))).to(y.dtype)
+
+
+def gemma_in_llama_order(x, weight, eps):
+    """Gemma semantics (gain 1 + w) computed in Llama order: cast to the input dtype, then
+    multiply by (1 + w) rounded to the input dtype. Right math, wrong cast order."""
+    return (1.0 + weight.double()).to(x.dtype) * _normalise(x, eps).to(x.dtype)
