@@ -19,8 +19,15 @@ def findings(report: dict) -> set[tuple[str, str, str]]:
         if layer["status"] == "pass":
             continue
         codes = [d["code"] for d in layer["diagnoses"]] or ["error" if layer["status"] == "error" else "unexplained"]
-        strata = [s["name"] for s in layer["strata"] if s["status"] != "pass"] or ["*"]
-        out.update((layer["name"], s, c) for s in strata for c in codes)
+        checked = layer["strata"] + layer.get("grad", [])
+        strata = [s["name"] for s in checked if s["status"] != "pass"]
+        if strata:
+            out.update((layer["name"], s, c) for s in strata for c in codes)
+        # checkpoint-vs-checkpoint differences are findings of their own, not of a stratum
+        out.update((layer["name"], "checkpoint", f["code"]) for f in layer.get("findings", []))
+        if not strata and not layer.get("findings"):
+            out.update((layer["name"], "*", c) for c in codes)
+    out.update((f.get("layer", "*"), "checkpoint", f["code"]) for f in report.get("findings", []))
     return out
 
 

@@ -232,3 +232,22 @@ def test_inspect_lists_unmatched_and_per_head_shapes(ckpt, tmp_path):
     assert data["checkpoint"]["unmatched"] == ["model.layers.0.mlp.norm_x.weight"]
     q = [l for l in data["layers"] if l["name"].endswith("q_norm")][0]
     assert q["shape"] == [4, 16] and q["dim"] == 16 and q["kind"] == "layer_norm"
+
+
+def test_grad_and_conversion_reports_validate(ckpt, tmp_path):
+    src = ckpt("llama", layers=1, eps=1e-6)
+    copy = ckpt("llama", layers=1, eps=1e-5)
+    out = tmp_path / "r.json"
+    r = run_parity("check", src, "--candidate", plugin("dropped_shared_term"), "--grad",
+                   "--candidate-checkpoint", copy, "--json", out, "--explain")
+    assert r.returncode == 1
+    rep = load_json(out)
+    validate(rep)
+    layer = rep["layers"][0]
+    assert layer["findings"][0]["code"] == "checkpoint_eps_mismatch"
+    assert any(g["name"] == "normal:dx" and g["status"] == "fail" for g in layer["grad"])
+    assert set(rep["explain"]) == {l["name"] for l in rep["layers"]}
+    # the gate sees both kinds of finding: a baseline of this very report accepts all of them
+    again = run_parity("check", src, "--candidate", plugin("dropped_shared_term"), "--grad",
+                       "--candidate-checkpoint", copy, "--baseline", out)
+    assert again.returncode == 0, again.stdout
