@@ -443,8 +443,10 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
-    """Runs the whole check and returns a Report; raises InputError for bad input."""
+def check(path: str | Path, options: CheckOptions | None = None, progress=None, **kwargs):
+    """Runs the whole check and returns a Report; raises InputError for bad input.
+
+    `progress(done, total, layer_name)` is called before each layer (the CLI's progress bar)."""
     import torch
 
     from parity_cli import implementations as impls
@@ -509,7 +511,9 @@ def check(path: str | Path, options: CheckOptions | None = None, **kwargs):
                         f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
 
     results = []
-    for layer in found.layers:
+    for k, layer in enumerate(found.layers):
+        if progress is not None:
+            progress(k, len(found.layers), layer.name)
         if pairing is None:
             results.append(_check_layer(layer, reference, candidate, strata, tol, opts, grad_tol=grad_tol))
             continue

@@ -77,19 +77,25 @@ def cli():
               help="A previous JSON report: its findings are accepted, only new ones fail.")
 @click.option("--fail-on", type=click.Choice(["fail", "warn"]), default="fail", show_default=True,
               help="'warn' also fails on warnings such as a defaulted eps.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
+              help="Write error against q/eps with the attenuation curve (.svg or .png; needs matplotlib).")
 @click.option("--quiet", "-q", is_flag=True, help="No terminal table; the exit code says it all.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
           exact, grad, timeout, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
-          quiet):
+          plot_path, quiet):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
     from parity_cli.gate import gate, load_report
     from parity_cli.report import render
 
-    for target in (json_path, junit_path, markdown_path):
+    for target in (json_path, junit_path, markdown_path, plot_path):
         _check_output_target(target)
+    if plot_path:
+        from parity_cli.plot import check_target
+
+        check_target(plot_path)
     baseline = load_report(baseline_path, "baseline") if baseline_path else None
     options = CheckOptions(
         candidate=candidate, reference=reference, dtype=dtype, device=device, family=family, eps=eps,
@@ -99,7 +105,8 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
         candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
     )
-    report = run_check(checkpoint, options)
+    with _progress(quiet) as progress:
+        report = run_check(checkpoint, options, progress=progress)
     data = report.to_dict()
     if explain and not report.passed:
         from parity_cli.api import explain as run_explain
@@ -108,11 +115,48 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         data["explain"] = run_explain(checkpoint, options, failing) if failing else {}
     data["gate"] = gate(data, fail_on, baseline, baseline_path)
     _write_outputs(data, json_path, junit_path, markdown_path)
+    if plot_path:
+        from parity_cli.plot import write_plot
+
+        write_plot(report, plot_path)
     if not quiet:
         render(data, _console())
         if data.get("explain"):
             render_ladder(data["explain"], _console())
     return data["gate"]["exit_code"]
+
+
+class _progress:
+    """A progress bar on stderr while layers run: only on a terminal and never with --quiet,
+    so CI logs and pipes get no control characters."""
+
+    def __init__(self, quiet: bool):
+        self.bar = None
+        if not quiet:
+            console = _console(stderr=True)
+            if console.is_terminal:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+                self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                    TimeElapsedColumn(), console=console, transient=True)
+                self.task = None
+
+    def __enter__(self):
+        if self.bar is None:
+            return None
+        self.bar.start()
+
+        def update(done, total, name):
+            if self.task is None:
+                self.task = self.bar.add_task("layers", total=total)
+            self.bar.update(self.task, completed=done, description=name)
+
+        return update
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False
 
 
 def render_ladder(ladder: dict, console) -> None:

@@ -82,6 +82,10 @@ class StratumResult:
     x: object = field(default=None, repr=False)
     ref: object = field(default=None, repr=False)
     cand: object = field(default=None, repr=False)
+    # Per probe row, for --plot (small; kept after the tensors are dropped): q/eps, and the
+    # row's largest |cand - ref| over its largest |ref| (inf where the candidate is non-finite).
+    row_q_over_eps: list = field(default=None, repr=False)
+    row_error: list = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -185,7 +189,15 @@ def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     nonfinite_bad = int((~ok & ~finite).sum())
     max_abs = math.inf if nonfinite_bad else (float(diff.max()) if elements else 0.0)
     max_rel = math.inf if nonfinite_bad else (float(rel.max()) if elements else 0.0)
+    from parity_cli.implementations import mean_square
+
+    q = mean_square(x, kind)
+    row_q = (q / eps if eps > 0 else torch.where(q > 0, torch.full_like(q, math.inf), q)).tolist()
+    scale = ref.abs().nan_to_num(0.0, posinf=0.0).amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    row_err = torch.where((~ok & ~finite).any(-1), torch.full_like(scale, math.inf), diff.amax(-1) / scale).tolist()
     return StratumResult(
+        row_q_over_eps=row_q,
+        row_error=row_err,
         name=name,
         status="fail" if violations and (fraction > max_violation_fraction or nonfinite_bad) else "pass",
         vectors=ref.shape[0],

@@ -242,6 +242,8 @@ def render(d: dict, console) -> None:
             f"{_fmt(qmin)} .. {_fmt(qmax)}",
         )
     console.print(table)
+    if len(d["layers"]) > 1:
+        render_heat(d, console)
     for layer in d["layers"]:
         if layer["error"]:
             console.print(f"  [magenta]{layer['name']}[/]: candidate error: {layer['error']}")
@@ -268,3 +270,77 @@ def render(d: dict, console) -> None:
         f"{verdict}: {s['passed']}/{s['layers']} layers pass, {s['failed']} fail, {s['errors']} error; "
         f"strata: {', '.join(d['probes']['strata'])}"
     )
+
+
+# --- the heat grid: every layer x every stratum in a few lines -----------------------------------
+
+# (upper bound of worst error / allowed, character, colour). Characters alone carry the meaning,
+# so the grid reads the same with NO_COLOR or in a CI log.
+HEAT_LEVELS = ((0.1, "·", "green"), (0.5, "░", "green"), (1.0, "▒", "yellow"), (10.0, "▓", "red"),
+               (math.inf, "█", "red"))
+
+
+def _ratio(stratum: dict) -> float | None:
+    """Worst element's error over what it was allowed: < 1 passes, > 1 fails."""
+    w = stratum.get("worst")
+    if not w:
+        return None
+    vals = [w.get("candidate"), w.get("reference"), w.get("allowed")]
+    if any(isinstance(v, str) or v is None for v in vals):
+        return math.inf
+    cand, ref, allowed = vals
+    if cand == ref:
+        return 0.0
+    return abs(cand - ref) / allowed if allowed > 0 else math.inf
+
+
+def heat_cell(stratum: dict | None) -> tuple[str, str]:
+    if stratum is None:
+        return " ", ""
+    if stratum["status"] == "error":
+        return "E", "magenta"
+    nonfinite = stratum.get("nonfinite", {})
+    if stratum["status"] == "fail" and nonfinite.get("candidate", 0) > nonfinite.get("reference", 0):
+        return "!", "bold red"
+    ratio = _ratio(stratum)
+    if ratio is None:
+        return "?", ""
+    if stratum["status"] == "fail" and ratio <= 1.0:  # failed by the violation share, not the worst element
+        return "▓", "red"
+    for bound, char, colour in HEAT_LEVELS:
+        if ratio <= bound:
+            return char, colour
+    return "█", "red"
+
+
+def render_heat(d: dict, console, width: int | None = None) -> None:
+    """Strata as rows, layers as columns (table order), one character per cell; wraps to the
+    terminal width, so a 126-layer model is a few lines."""
+    from rich.text import Text
+
+    layers = d["layers"]
+    if not layers:
+        return
+    rows = list(d["probes"]["strata"])
+    grad_names = []
+    for layer in layers:
+        for g in layer.get("grad", []):
+            if g["name"] not in grad_names:
+                grad_names.append(g["name"])
+    rows += grad_names
+    label_w = max(len(r) for r in rows) + 1
+    width = width or console.width or 100
+    per_line = max(10, width - label_w - 2)
+    console.print(f"heat grid: columns are layers 0..{len(layers) - 1} in table order; "
+                  "· ░ < half the tolerance, ▒ within it, ▓ █ outside (x10), ! non-finite, E error")
+    for start in range(0, len(layers), per_line):
+        chunk = layers[start:start + per_line]
+        ruler = "".join(str((start + k) // 10 % 10) if (start + k) % 10 == 0 else " " for k in range(len(chunk)))
+        console.print(Text(" " * label_w + ruler, style="dim"))
+        for row in rows:
+            line = Text(row.rjust(label_w - 1) + " ")
+            for layer in chunk:
+                found = next((s for s in layer["strata"] + layer.get("grad", []) if s["name"] == row), None)
+                char, colour = heat_cell(found)
+                line.append(char, style=colour or None)
+            console.print(line)

@@ -6,6 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from conftest import load_json, plugin, run_parity
+from parity_cli import api
 
 
 @pytest.fixture
@@ -96,3 +97,68 @@ def test_fail_on_warn(ckpt):
     assert run_parity("check", path, "-q").returncode == 0
     assert run_parity("check", path, "-q", "--fail-on", "warn").returncode == 1
     assert run_parity("check", ckpt("llama", layers=1), "-q", "--fail-on", "warn").returncode == 0
+
+
+def test_heat_grid_has_a_cell_per_layer_and_stratum(ckpt):
+    from rich.console import Console
+
+    from parity_cli.report import render_heat
+
+    path = ckpt("llama", layers=3, eps=1e-5)
+    report = api.check(path, candidate="torch", candidate_eps=1e-6).to_dict()
+    console = Console(width=60, record=True, color_system=None)
+    render_heat(report, console)
+    names = set(report["probes"]["strata"])
+    rows = {line.split()[0]: line.split()[1] for line in console.export_text().splitlines()
+            if line.split() and line.split()[0] in names}
+    assert set(rows) == set(report["probes"]["strata"])
+    assert all(len(cells) == len(report["layers"]) == 7 for cells in rows.values())
+    # the eps fault shows on tiny in every layer and nowhere on normal
+    assert set(rows["tiny"]) <= {"▓", "█"} and set(rows["normal"]) <= {"·", "░", "▒"}
+
+
+def test_heat_grid_wraps_a_126_layer_model_to_the_width():
+    from rich.console import Console
+
+    from parity_cli.report import render_heat
+
+    stratum = {"name": "normal", "status": "pass", "nonfinite": {"reference": 0, "candidate": 0},
+               "worst": {"candidate": 1.0, "reference": 1.0, "allowed": 0.1}}
+    data = {"layers": [{"name": f"l{k}", "strata": [stratum]} for k in range(126)], "probes": {"strata": ["normal"]}}
+    console = Console(width=80, record=True, color_system=None)
+    render_heat(data, console)
+    lines = console.export_text().splitlines()
+    cells = "".join(line.split()[1] for line in lines if line.split()[:1] == ["normal"])
+    assert cells == "·" * 126 and max(len(line) for line in lines) <= 80
+    # 80 columns less the label ("normal" + 1) and 2 spare leave 71 cells a line: 126 layers wrap to 2 blocks
+    assert sum(1 for line in lines if line.split()[:1] == ["normal"]) == 2
+
+
+def test_no_color_is_honoured(ckpt):
+    path = ckpt("llama", layers=1)
+    colour = run_parity("check", path, env={"FORCE_COLOR": "1", "TERM": "xterm-256color"})
+    assert "\x1b[" in colour.stdout  # forced colour does colour...
+    plain = run_parity("check", path, env={"FORCE_COLOR": "1", "TERM": "xterm-256color", "NO_COLOR": "1"})
+    assert "\x1b[3" not in plain.stdout and "PASS" in plain.stdout  # ...and NO_COLOR removes it
+
+
+def test_no_progress_bar_when_not_a_terminal(ckpt):
+    r = run_parity("check", ckpt("llama", layers=2))
+    assert r.returncode == 0 and r.stderr == ""
+
+
+def test_plot_is_written(ckpt, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the plot extra)")
+    import xml.etree.ElementTree as ET
+
+    out = tmp_path / "p.svg"
+    r = run_parity("check", ckpt("llama", layers=1, eps=1e-5), "--candidate-eps", "1e-6", "--plot", out, "-q")
+    assert r.returncode == 1 and out.stat().st_size > 1000
+    root = ET.parse(out).getroot()
+    assert root.tag.endswith("svg")
+    assert "attenuation" in out.read_text()
+
+
+def test_plot_bad_suffix_is_input_error(ckpt, tmp_path):
+    r = run_parity("check", ckpt("llama", layers=1), "--plot", tmp_path / "p.pdf")
+    assert r.returncode == 2 and ".svg or .png" in r.stderr and not (tmp_path / "p.pdf").exists()
