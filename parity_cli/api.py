@@ -74,8 +74,19 @@ def check_device(device: str) -> str:
 def load(path: str | Path, family: str | None = None, eps: float | None = None):
     """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share)."""
     ckpt = open_checkpoint(path)
-    fam = family_by_name(family) if family else family_for_model_type(ckpt.model_type, str(Path(path) / "config.json"))
+    where = str(path) if ckpt.format == "gguf" else str(Path(path) / "config.json")
+    fam = family_by_name(family) if family else family_for_model_type(ckpt.model_type, where)
     return ckpt, fam, resolve_eps(ckpt, fam, eps)
+
+
+def _eps_dict(eps) -> dict:
+    """eps with its source; a value stored as float32 (GGUF) also gives the decimal it came from."""
+    out = {"value": eps.value, "source": eps.source}
+    if eps.source.startswith("gguf:"):
+        from parity_cli.gguf_checkpoint import float32_decimal
+
+        out.update(stored_as="float32", decimal=float32_decimal(eps.value))
+    return out
 
 
 def environment(device: str) -> dict:
@@ -157,7 +168,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         "checkpoint": {"path": str(ckpt.path), "format": ckpt.format, "family": fam.name,
                        "model_type": ckpt.model_type, "files": [f.name for f in ckpt.files],
                        "unmatched": found.unmatched},
-        "eps": {"value": resolved.value, "source": resolved.source},
+        "eps": _eps_dict(resolved),
         "layers": layers,
         "warnings": warnings,
     }
@@ -539,7 +550,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             "files": [f.name for f in ckpt.files],
             "unmatched": found.unmatched,
         },
-        "eps": {"value": eps.value, "source": eps.source},
+        "eps": _eps_dict(eps),
         "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,
                       "device": ref_device, "eps": eps.value},
         "candidate": {"impl": cand_impl.name, "source": cand_impl.source, "dtype": cand_dtype_name,

@@ -169,6 +169,15 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
+    if path.is_file():
+        from parity_cli.families import load_families
+        from parity_cli.gguf_checkpoint import is_gguf, open_gguf
+
+        if is_gguf(path):
+            return open_gguf(path, load_families())
+        if path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
+            raise InputError(f"{path}: a pickle file; it is never unpickled, convert the checkpoint to safetensors")
+        raise InputError(f"{path}: not a checkpoint (expected a Hugging Face model directory or a .gguf file)")
     if not path.is_dir():
         raise InputError(f"{path}: not a checkpoint directory (expected a Hugging Face model directory)")
     config_path = path / "config.json"
@@ -242,6 +251,6 @@ def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None,
             number = math.inf
         if not math.isfinite(number) or number < 0:
             raise InputError(f"{ckpt.path / 'config.json'}: '{where}' must be a finite number >= 0, got {value!r}")
-        return Eps(number, f"config:{where}")
+        return Eps(number, where if where.startswith("gguf:") else f"config:{where}")
     inherited = sem.eps_keys == family.eps_keys and sem.eps_default == family.eps_default
     return Eps(family.eps_default_for(ckpt.model_type) if inherited else sem.eps_default, "family-default")

@@ -62,6 +62,8 @@ class Family:
     bias_names: tuple[str, ...] = ("bias",)
     eps_defaults: dict = field(default_factory=dict)  # model_type -> the config class's own default
     hf_classes: dict = field(default_factory=dict)  # model_type -> module class
+    gguf_architectures: dict = field(default_factory=dict)  # GGUF general.architecture -> model_type
+    gguf_offset_baked: bool = False  # llama.cpp's converter stores offset + w: the gain is the stored value
 
     # The family-wide semantics, for tables and messages.
     @property
@@ -190,6 +192,8 @@ def _parse(path) -> Family:
         bias_names=tuple(data.get("bias_names", ["bias"])),
         eps_defaults={str(k): float(v) for k, v in data.get("eps_defaults", {}).items()},
         hf_classes={str(k): str(v) for k, v in data.get("hf_classes", {}).items()},
+        gguf_architectures={str(k): str(v) for k, v in data.get("gguf", {}).get("architectures", {}).items()},
+        gguf_offset_baked=bool(data.get("gguf", {}).get("offset_baked", False)),
     )
 
 

@@ -126,6 +126,9 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                             "matrix); not checked")
             continue
         sem = pattern.semantics
+        gain_offset = sem.gain_offset
+        if getattr(ckpt, "format", "") == "gguf" and family.gguf_offset_baked:
+            gain_offset = 0.0  # llama.cpp stores 1 + w: adding 1 again would be the bug it guards against
         dim = info.shape[-1]
         layer_warnings = []
         expected = config_dim(ckpt, pattern.dim)
@@ -146,7 +149,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                 kind=sem.kind,
                 dim=dim,
                 order=sem.order,
-                gain_offset=sem.gain_offset,
+                gain_offset=gain_offset,
                 eps=resolve_eps(ckpt, family, override, sem),
                 weight=ckpt.read(tensor),
                 bias=bias,

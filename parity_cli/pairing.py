@@ -33,8 +33,9 @@ def eps_equal(a: float, b: float) -> bool:
     return struct.pack("<f", a) == struct.pack("<f", b)
 
 
-def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype) -> dict | None:
-    """Per channel |cand - ref| beyond half a unit in the last place of the coarser stored dtype."""
+def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked: bool) -> dict | None:
+    """Per channel |cand - ref|: exact agreement is expected, except the float32 rounding of
+    offset + w when the copy stores the gain with the offset baked in (llama.cpp's Gemma)."""
     import torch
 
     if tuple(ref.shape) != tuple(cand.shape):
@@ -42,17 +43,19 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype) -> dic
                 "message": f"{what}: shape {list(cand.shape)} in the candidate checkpoint, {list(ref.shape)} in the reference",
                 "reference_shape": list(ref.shape), "candidate_shape": list(cand.shape)}
     ref64, cand64 = ref.to(torch.float64).flatten(), cand.to(torch.float64).flatten()
-    bits = min(_bits(ref_dtype), _bits(cand_dtype))
-    mag = torch.maximum(ref64.abs(), cand64.abs())
-    exponent = torch.floor(torch.log2(torch.where(mag > 0, mag, torch.ones_like(mag))))
-    allowed = 0.5 * torch.pow(2.0, exponent - (bits - 1)) * 1.001 + 1e-30
+    allowed = torch.zeros_like(ref64)
+    if baked:
+        mag = torch.maximum(ref64.abs(), cand64.abs())
+        exponent = torch.floor(torch.log2(torch.where(mag > 0, mag, torch.ones_like(mag))))
+        allowed = 0.5 * torch.pow(2.0, exponent - 23) * 1.001  # half a float32 ulp at |gain|
     diff = (cand64 - ref64).abs()
     bad = ~(diff <= allowed) | (torch.isnan(cand64) != torch.isnan(ref64))
+    bad &= ~(torch.isnan(cand64) & torch.isnan(ref64))
     count = int(bad.sum())
     if not count:
         return None
     idx = torch.nonzero(bad).flatten()[:10].tolist()
-    shift = float((cand64 - ref64)[bad].mean()) if count else 0.0
+    delta = (cand64 - ref64)[bad]
     finding = {
         "code": code,
         "message": f"{what} differs in {count} of {ref64.numel()} channels (max |diff| {float(diff[bad].max()):.4g})",
@@ -60,10 +63,15 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype) -> dic
         "max_abs_diff": float(diff[bad].max()),
         "channels": [{"channel": j, "reference": float(ref64[j]), "candidate": float(cand64[j])} for j in idx],
     }
-    if count == ref64.numel() and all(abs(float(d) - round(shift)) < 1e-2 for d in (cand64 - ref64)) and round(shift):
-        finding["uniform_shift"] = float(round(shift))
-        finding["message"] += (f"; every channel is shifted by {round(shift):+g}: a gain offset (1 + w) "
+    shift = round(float(delta.mean()))
+    if count == ref64.numel() and shift and bool(((delta - shift).abs() < 1e-2).all()):
+        finding["uniform_shift"] = float(shift)
+        finding["message"] += (f"; every channel is shifted by {shift:+g}: a gain offset (1 + w) "
                                + ("applied twice" if shift > 0 else "missing") + " in the conversion")
+    elif _bits(cand_dtype) < _bits(ref_dtype) or float(diff[bad].max()) < 1e-2 * float(ref64.abs().max()):
+        finding["precision_loss"] = True
+        finding["message"] += (f"; the candidate stores {str(cand_dtype).removeprefix('torch.')}, which does not hold "
+                               f"the reference's {str(ref_dtype).removeprefix('torch.')} values exactly")
     return finding
 
 
@@ -91,7 +99,7 @@ def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str)
         ref_gain = layer.gain_offset + layer.weight.double()
         cand_gain = other.gain_offset + other.weight.double()
         gain = _gain_finding("checkpoint_weight_mismatch", "effective gain", ref_gain, cand_gain,
-                             layer.weight.dtype, other.weight.dtype)
+                             layer.weight.dtype, other.weight.dtype, baked=layer.gain_offset != other.gain_offset)
         if gain:
             gain["reference_dtype"] = str(layer.weight.dtype).removeprefix("torch.")
             gain["candidate_dtype"] = str(other.weight.dtype).removeprefix("torch.")
@@ -101,7 +109,7 @@ def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str)
                              "message": "bias only in the " + ("reference" if other.bias is None else "candidate")})
         elif layer.bias is not None:
             bias = _gain_finding("checkpoint_bias_mismatch", "bias", layer.bias, other.bias,
-                                 layer.bias.dtype, other.bias.dtype)
+                                 layer.bias.dtype, other.bias.dtype, baked=False)
             if bias:
                 findings.append(bias)
         if findings:

@@ -170,3 +170,65 @@ def write_demo(directory) -> Path:
 
 if __name__ == "__main__":
     print(write_demo(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "demo"))
+
+
+# model_type -> GGUF general.architecture, as llama.cpp's converter names them
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+             "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3", "olmo2": "olmo2", "phi3": "phi3"}
+
+
+def hf_to_gguf(hf_dir, out_path, *, eps: float | None = None, offset: str = "baked", drop: tuple = (),
+               f16: tuple = (), norm_dtype: str = "F32") -> Path:
+    """A miniature llama.cpp conversion of a synthetic HF checkpoint's norm tensors, written with
+    gguf's own GGUFWriter: metadata, every norm weight (F32, or `norm_dtype`), and one Q8_0
+    projection that must never be decoded. Planted conversion faults: `eps` (the value written),
+    `offset` ("baked" as the converter does for Gemma, "missing", "twice"), `drop` (HF layer
+    names left out), `f16` (HF layer names stored as F16)."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    hf_dir = Path(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    model_type = config["model_type"]
+    arch = GGUF_ARCH[model_type]
+    arch_enum = next(e for e, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
+    gemma_like = model_type in ("gemma", "gemma2", "gemma3", "gemma3_text")
+    tensors = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
+    writer.add_key_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"] if eps is None else eps)
+    for name, t in sorted(tensors.items()):
+        if not name.endswith(".weight"):
+            continue
+        base = name[: -len(".weight")]
+        gguf_name = names.get_name(base)
+        if gguf_name is None or "norm" not in gguf_name or base in drop:
+            continue
+        w = t.to(torch.float32)
+        if gemma_like:
+            w = w + {"baked": 1.0, "missing": 0.0, "twice": 2.0}[offset]
+        dtype = "F16" if base in f16 else norm_dtype
+        if dtype == "F16":
+            writer.add_tensor(f"{gguf_name}.weight", w.numpy().astype(np.float16))
+        elif dtype == "BF16":
+            bits = (w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+            writer.add_tensor(f"{gguf_name}.weight", bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(f"{gguf_name}.weight", w.numpy().astype(np.float32))
+    proj = np.random.default_rng(0).standard_normal((config["hidden_size"], 64)).astype(np.float32)
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(proj, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out_path)
