@@ -350,9 +350,13 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
                                       None if layer_error else cand_err))
     stats = _weight_stats(layer.weight)
     warnings = list(layer.warnings)
+    weight_findings = []
     if stats["nonfinite"]:
-        # Both sides then output NaN and "agree": the checkpoint itself is broken.
-        warnings.append(f"{stats['nonfinite']} non-finite value(s) in the stored weight")
+        # Both sides then output NaN and "agree": the checkpoint itself is broken, and that fails.
+        weight_findings.append({"code": "nonfinite_weight",
+                                "message": f"{stats['nonfinite']} non-finite value(s) in the stored weight "
+                                           f"{layer.tensor or layer.name}: every output of this layer is NaN or inf",
+                                "count": stats["nonfinite"]})
     wrong_dtype = sorted(returned_dtypes - {str(candidate.dtype).removeprefix("torch.")})
     if wrong_dtype:
         warnings.append(f"candidate returned {', '.join(wrong_dtype)} for {str(candidate.dtype).removeprefix('torch.')} "
@@ -361,7 +365,7 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
         name=layer.name, kind=layer.kind, dim=layer.dim,
         eps={"value": eps, "source": layer.eps.source},
         weight=stats, strata=results, error=layer_error, warnings=warnings, grad=grads,
-        shape=list(layer.shape),
+        shape=list(layer.shape), findings=weight_findings,
     )
     if cand_layer is not layer or candidate.eps is not None:
         result.candidate_eps = {"value": cand_eps, "source": "option:--candidate-eps" if candidate.eps is not None
@@ -536,7 +540,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                                  weight=_weight_stats(layer.weight), strata=[], shape=list(layer.shape))
         else:
             result = _check_layer(layer, reference, candidate, strata, tol, opts, cand_layer=other, grad_tol=grad_tol)
-        result.findings = findings
+        result.findings = result.findings + findings
         results.append(result)
 
     header = {

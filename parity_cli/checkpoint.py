@@ -155,6 +155,22 @@ class Checkpoint:
         return None, None
 
 
+def _inside(path: Path, root: Path) -> bool:
+    """Whether a file (after following symlinks) stays inside the checkpoint directory. A Hugging
+    Face cache snapshot (…/snapshots/<rev>/) links into its repository's blobs/, which counts."""
+    target = path.resolve()
+    roots = [root.resolve()]
+    if root.resolve().parent.name == "snapshots":
+        roots.append(root.resolve().parent.parent / "blobs")
+    return any(target == r or r in target.parents for r in roots)
+
+
+def _checked(path: Path, root: Path, what: str) -> Path:
+    if not _inside(path, root):
+        raise InputError(f"{path}: {what} resolves to {path.resolve()}, outside the checkpoint directory {root}; refused")
+    return path
+
+
 def _load_json(path: Path) -> object:
     try:
         with open(path, encoding="utf-8") as fh:
@@ -183,14 +199,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise InputError(f"{path}: no config.json in the checkpoint directory")
-    config = _load_json(config_path)
+    config = _load_json(_checked(config_path, path, "config.json"))
     if not isinstance(config, dict):
         raise InputError(f"{config_path}: expected a JSON object")
 
     index_path = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index_path.is_file():
-        index = _load_json(index_path)
+        index = _load_json(_checked(index_path, path, "the index"))
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise InputError(f"{index_path}: no valid 'weight_map' object")
@@ -201,7 +217,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 raise InputError(f"{index_path}: shard '{shard}' points outside the checkpoint directory")
             if not shard_path.is_file():
                 raise InputError(f"{index_path}: names shard '{shard}', which does not exist")
-            files[shard] = shard_path
+            files[shard] = _checked(shard_path, path, f"shard '{shard}'")
         return Checkpoint(
             path=path,
             format="safetensors-sharded",
@@ -210,7 +226,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             _weight_map={k: files[v] for k, v in weight_map.items()},
         )
     if single.is_file():
-        headers = read_safetensors_header(single)
+        headers = read_safetensors_header(_checked(single, path, "model.safetensors"))
         ckpt = Checkpoint(
             path=path,
             format="safetensors",
@@ -249,8 +265,9 @@ def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None,
             number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
         except OverflowError:
             number = math.inf
-        if not math.isfinite(number) or number < 0:
-            raise InputError(f"{ckpt.path / 'config.json'}: '{where}' must be a finite number >= 0, got {value!r}")
+        if not math.isfinite(number) or number <= 0:
+            # eps = 0 is the bug this tool exists to catch, never a trained model's setting
+            raise InputError(f"{ckpt.path / 'config.json'}: '{where}' must be a finite number > 0, got {value!r}")
         return Eps(number, where if where.startswith("gguf:") else f"config:{where}")
     inherited = sem.eps_keys == family.eps_keys and sem.eps_default == family.eps_default
     return Eps(family.eps_default_for(ckpt.model_type) if inherited else sem.eps_default, "family-default")

@@ -408,6 +408,14 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("parity: interrupted", err=True)
         code = EXIT_INTERRUPT
+    except Exception as exc:  # a bug or an input no check anticipated: still one line, still exit 2
+        import os
+
+        if os.environ.get("PARITY_DEBUG"):
+            raise
+        first = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        click.echo(f"parity: internal error: {first} (rerun with PARITY_DEBUG=1 for the traceback)", err=True)
+        code = EXIT_INPUT
     sys.exit(code if isinstance(code, int) else 0)
 
 

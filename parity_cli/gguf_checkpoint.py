@@ -118,8 +118,10 @@ def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
         raise InputError(f"{path}: reading GGUF needs the gguf package: pip install 'parity-cli[gguf]'") from None
     try:
         reader = gguf.GGUFReader(str(path), "r")
-    except (ValueError, OSError, struct.error, IndexError, KeyError, TypeError) as exc:
-        raise InputError(f"{path}: not a readable GGUF file: {exc}") from None
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # gguf raises many kinds on a damaged file
+        raise InputError(f"{path}: not a readable GGUF file: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise InputError(f"{path}: GGUF without general.architecture")

@@ -202,11 +202,15 @@ def test_family_forced_over_model_type(ckpt):
     assert {d.code for l in report.layers for d in l.diagnoses} == {"weight_offset_mismatch"}
 
 
-def test_nonfinite_stored_weights_are_warned_about(ckpt):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_stored_weights_fail_the_layer(ckpt, bad):
     import torch
 
     w = torch.ones(64, dtype=torch.bfloat16)
-    w[5] = float("nan")
+    w[5] = bad
     report = api.check(ckpt("llama", layers=1, weights={"model.norm.weight": w}), candidate="hf")
     norm = [l for l in report.layers if l.name == "model.norm"][0]
-    assert norm.weight["nonfinite"] == 1 and any("non-finite" in w for w in norm.warnings)
+    assert norm.weight["nonfinite"] == 1
+    assert [f["code"] for f in norm.findings] == ["nonfinite_weight"] and norm.status == "fail"
+    assert not report.passed and report.exit_code == 1
+    assert all(l.passed for l in report.layers if l.name != "model.norm")
