@@ -87,34 +87,23 @@ def _cases():
                 fh.truncate(cut)
             return "model.safetensors"
         add("strict", truncate)
-    # flipped bytes in the header JSON: usually unreadable, sometimes a harmless rename
-    for k in range(70):
-        seed = rng.randrange(1 << 30)
+    # flipped bytes in the header JSON (usually unreadable, sometimes a harmless rename), and in
+    # tensor data (stays readable)
+    for region, count in (("header", 70), ("data", 60)):
+        for k in range(count):
+            seed = rng.randrange(1 << 30)
 
-        def flip_header(d, seed=seed):
-            p = d / "model.safetensors"
-            n = _header_len(p)
-            r = random.Random(seed)
-            data = bytearray(p.read_bytes())
-            i = 8 + r.randrange(n)
-            data[i] ^= 1 << r.randrange(8)
-            p.write_bytes(bytes(data))
-            return "model.safetensors"
-        add("lenient", flip_header)
-    # flipped bytes in tensor data: stays readable
-    for k in range(60):
-        seed = rng.randrange(1 << 30)
-
-        def flip_data(d, seed=seed):
-            p = d / "model.safetensors"
-            n = _header_len(p)
-            r = random.Random(seed)
-            data = bytearray(p.read_bytes())
-            i = 8 + n + r.randrange(len(data) - 8 - n)
-            data[i] ^= 1 << r.randrange(8)
-            p.write_bytes(bytes(data))
-            return "model.safetensors"
-        add("lenient", flip_data)
+            def flip(d, seed=seed, region=region):
+                p = d / "model.safetensors"
+                n = _header_len(p)
+                r = random.Random(seed)
+                data = bytearray(p.read_bytes())
+                i = 8 + r.randrange(n) if region == "header" else 8 + n + r.randrange(len(data) - 8 - n)
+                data[i] ^= 1 << r.randrange(8)
+                p.write_bytes(bytes(data))
+                return "model.safetensors"
+            flip.__name__ = f"flip_{region}"
+            add("lenient", flip)
     # header length field beyond the file, or huge (refused before reading)
     for value in [10**6, 2**31, 2**40, 2**63, 100 * 1024 * 1024 + 1, 0] + [rng.randrange(10**4, 10**9) for _ in range(9)]:
         def big_length(d, value=value):
