@@ -24,8 +24,9 @@ def layer_summary(layer: dict) -> dict:
         values = [v for v in values if not isinstance(v, str)]
         return fn(values) if values else None
 
+    failing_grad = [g["name"] for g in layer.get("grad", []) if g["status"] != "pass"]
     return {
-        "failing": [s["name"] for s in failing],
+        "failing": [s["name"] for s in failing] + failing_grad + [f["code"] for f in layer.get("findings", [])],
         "max_abs_err": extreme("max_abs_err", None, max),
         "max_rel_err": extreme("max_rel_err", None, max),
         "q_over_eps": (extreme("q_over_eps", "min", min), extreme("q_over_eps", "max", max)),
@@ -45,6 +46,8 @@ def failure_message(layer: dict) -> str:
         parts.append(f"error: {layer['error']}")
     if s["diagnoses"]:
         parts.append(f"diagnoses: {', '.join(s['diagnoses'])}")
+    for finding in layer.get("findings", []):
+        parts.append(f"{finding['code']}: {finding['message']}")
     return "; ".join(parts)
 
 
@@ -89,7 +92,8 @@ def to_markdown(report: dict) -> str:
         f"- eps: {report['eps']['value']:g} ({report['eps']['source']})",
         f"- candidate: `{cand['impl']}` {cand['dtype']} on {cand['device']}, eps {cand['eps']:g}",
         f"- reference: `{ref['impl']}` {ref['dtype']} on {ref['device']}, eps {ref['eps']:g}",
-        f"- tolerance: atol {tol['atol']:g}, rtol {tol['rtol']:g}",
+        f"- tolerance: atol {tol['atol']:g}, rtol {tol['rtol']:g}" + (" (bitwise)" if tol.get("exact") else "")
+        + (" + gradients" if report["probes"].get("grad") else ""),
         f"- strata covered: {', '.join(report['probes']['strata'])}"
         + (f" (not covered: {', '.join(report['probes'].get('not_covered', []))})"
            if report["probes"].get("not_covered") else ""),
@@ -102,7 +106,8 @@ def to_markdown(report: dict) -> str:
         for layer in bad:
             sm = layer_summary(layer)
             lo, hi = sm["q_over_eps"]
-            diag = "; ".join(f"{d['code']}: {d['message']}" for d in layer["diagnoses"]) or (layer.get("error") or "")
+            diag = "; ".join([f"{d['code']}: {d['message']}" for d in layer["diagnoses"]]
+                             + [f"{f['code']}: {f['message']}" for f in layer.get("findings", [])]) or (layer.get("error") or "")
             lines.append("| " + " | ".join(_cell(c) for c in (
                 f"`{layer['name']}`", layer["status"], ", ".join(sm["failing"]),
                 "" if sm["max_abs_err"] is None else _num(sm["max_abs_err"]),
@@ -111,6 +116,12 @@ def to_markdown(report: dict) -> str:
         lines.append("")
     else:
         lines += ["All layers within tolerance on every covered stratum.", ""]
+    conv = cand.get("checkpoint")
+    if conv:
+        lines.insert(6, f"- candidate checkpoint: `{conv['path']}` ({conv['format']}), eps {conv['eps']['value']:g} "
+                        f"({conv['eps']['source']}), {conv['findings']} difference(s)")
+    for finding in report.get("findings", []):
+        lines.append(f"> {finding['code']}: {_cell(finding['message'])}")
     for warning in report.get("warnings", []):
         lines.append(f"> warning: {_cell(warning)}")
     return "\n".join(lines).rstrip() + "\n"
