@@ -169,8 +169,9 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     else:
         module = cls(size, eps=eps)
     module = module.to(device=weight.device, dtype=weight.dtype)
+    baked = (layer.semantic_offset or 0.0) - layer.gain_offset  # GGUF Gemma stores 1 + w; the class adds 1
     with torch.no_grad():
-        module.weight.copy_(weight)
+        module.weight.copy_(weight - baked if baked else weight)  # as transformers' GGUF loader does
         if bias is not None:
             module.bias.copy_(bias)
     return module.eval()

@@ -32,6 +32,7 @@ class NormLayer:
     inverse_sqrt: str = "rsqrt"
     hf_class: str | None = None
     tensor: str = ""  # the weight tensor's full name
+    semantic_offset: float | None = None  # the family's offset when gain_offset differs (GGUF Gemma: baked in)
 
     @property
     def stored_dtype(self) -> str:
@@ -158,6 +159,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                 inverse_sqrt=sem.inverse_sqrt,
                 hf_class=family.hf_class_for(pattern, ckpt.model_type),
                 tensor=tensor,
+                semantic_offset=sem.gain_offset,
             )
         )
     return Discovery(layers=layers, unmatched=sorted(unmatched), warnings=warnings)

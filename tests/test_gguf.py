@@ -143,3 +143,9 @@ def test_unknown_architecture_and_corrupt_gguf_are_input_errors(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 7)
     r = run_parity("inspect", tmp_path / "bad.gguf")
     assert r.returncode == 2 and "bad.gguf" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_transformers_builtin_on_a_gguf_gemma_does_not_add_one_twice(pair):
+    pytest.importorskip("transformers", reason="the transformers built-in needs transformers")
+    _, g = pair("gemma3")
+    assert api.check(g, candidate="transformers").passed
