@@ -322,13 +322,16 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
     probes = build_probes(strata, layer.dim, eps, candidate.dtype, opts.seed)
     for probe in probes:
         x = spread(probe.x)
-        ref, ref_err, _ = _call(ref_fn, x.to(reference.dtype).to(reference.device))
+        # each side gets its own copy: an in-place kernel must not change what the other side
+        # or the comparison sees
+        ref, ref_err, _ = _call(ref_fn, x.to(device=reference.device, dtype=reference.dtype, copy=True))
         if ref_err:
             raise InputError(f"--reference {reference.spec} failed on {layer.name}, stratum {probe.stratum}: {ref_err}")
         if layer_error:
             cand, cand_err = None, layer_error
         else:
-            cand, cand_err, got = _call(cand_fn, x.to(candidate.dtype).to(candidate.device), deadline)
+            cand, cand_err, got = _call(cand_fn, x.to(device=candidate.device, dtype=candidate.dtype, copy=True),
+                                        deadline)
             if cand_err == "timed out":
                 layer_error = cand_err = "candidate timed out after %gs" % opts.timeout
             if got:

@@ -96,16 +96,18 @@ class StratumResult:
         return self.violations / self.elements if self.elements else 0.0
 
 
-def q_over_eps_stats(x, eps: float, kind: str):
+def q_over_eps_stats(x, eps: float, kind: str, q=None):
     """(min, max) of q/eps and of the attenuation A = sqrt(q / (q + eps)) over the rows.
 
     A zero row has q/eps = 0 and A = 0 (its output is zero); with eps = 0 every nonzero row
     has q/eps = inf and A = 1."""
     from parity_cli.implementations import mean_square
 
-    ratios = [0.0 if q == 0 else (q / eps if eps > 0 else math.inf) for q in mean_square(x, kind).tolist()]
-    att = [attenuation(r) for r in ratios]
-    return (min(ratios), max(ratios)), (min(att), max(att))
+    if q is None:
+        q = mean_square(x, kind)
+    lo, hi = float(q.min()), float(q.max())
+    ratios = [0.0 if v == 0 else (v / eps if eps > 0 else math.inf) for v in (lo, hi)]
+    return (ratios[0], ratios[1]), (attenuation(ratios[0]), attenuation(ratios[1]))
 
 
 def attenuation(q_over_eps: float) -> float:
@@ -148,53 +150,77 @@ def mean_rounding_allowance(x, gain, eps: float, tol: Tolerance):
 
 
 def ulp_distance(ref, cand, dtype):
-    """|cand - ref| in units in the last place of `dtype` at |ref| (subnormals: the smallest step)."""
+    """|cand - ref| in units in the last place of `dtype` at |ref| (subnormals: the smallest step).
+    frexp is exact where log2 can round just below a power of two."""
     import torch
 
     info = torch.finfo(dtype)
-    mag = ref.abs().clamp_min(info.tiny)
-    ulp = torch.pow(2.0, torch.floor(torch.log2(mag))) * info.eps
+    _, exponent = torch.frexp(ref.abs().clamp_min(info.tiny))
+    ulp = torch.ldexp(torch.full_like(ref, info.eps), exponent - 1)
     return (cand - ref).abs() / ulp
 
 
 def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
             max_violation_fraction: float = 0.0, extra=None, dtype=None) -> StratumResult:
     """Elementwise |cand - ref| <= atol + rtol*|ref|; a non-finite candidate value where the
-    reference is finite is always a violation (NaN fails every comparison)."""
+    reference is finite is always a violation (NaN fails every comparison).
+
+    When every difference is finite (the common case) one pass computes it and the masks the
+    general path needs for inf/NaN are skipped; both paths give the same result."""
     import torch
 
-    qe, att = q_over_eps_stats(x, eps, kind)
-    if tuple(cand.shape) != tuple(ref.shape):
-        return errored(name, x, eps, kind, f"candidate returned shape {list(cand.shape)}, expected {list(ref.shape)}")
-    ref = ref.to(torch.float64)
-    cand = cand.to(torch.float64)
-    finite = torch.isfinite(ref) & torch.isfinite(cand)
-    diff = torch.where(finite, (cand - ref).abs(), torch.zeros_like(ref))
-    allowed = tol.atol + tol.rtol * ref.abs()
-    if extra is not None:
-        allowed = allowed + extra
-    ok = (finite & (diff <= allowed)) | (cand == ref) | (torch.isnan(cand) & torch.isnan(ref))
-    violations = int((~ok).sum())
-    nonzero = finite & (ref != 0)
-    rel = torch.where(nonzero, diff / torch.where(nonzero, ref.abs(), torch.ones_like(ref)), torch.zeros_like(ref))
-    # Worst element: largest error relative to its allowance; a violating non-finite value beats all.
-    score = torch.where(finite, diff / allowed.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(ref))
-    score = torch.where(ok, score, torch.where(finite, score, torch.full_like(ref, math.inf)))
-    flat = int(torch.argmax(score.reshape(-1)))
-    v, i = divmod(flat, ref.shape[-1])
-    elements = ref.numel()
-    fraction = violations / elements if elements else 0.0
-    # A non-finite value where the reference is finite fails the stratum whatever the allowed share,
-    # and makes the error maxima infinite rather than hiding it.
-    nonfinite_bad = int((~ok & ~finite).sum())
-    max_abs = math.inf if nonfinite_bad else (float(diff.max()) if elements else 0.0)
-    max_rel = math.inf if nonfinite_bad else (float(rel.max()) if elements else 0.0)
     from parity_cli.implementations import mean_square
 
+    if tuple(cand.shape) != tuple(ref.shape):
+        return errored(name, x, eps, kind, f"candidate returned shape {list(cand.shape)}, expected {list(ref.shape)}")
     q = mean_square(x, kind)
+    qe, att = q_over_eps_stats(x, eps, kind, q)
     row_q = (q / eps if eps > 0 else torch.where(q > 0, torch.full_like(q, math.inf), q)).tolist()
-    scale = ref.abs().nan_to_num(0.0, posinf=0.0).amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
-    row_err = torch.where((~ok & ~finite).any(-1), torch.full_like(scale, math.inf), diff.amax(-1) / scale).tolist()
+    ref = ref.to(torch.float64)
+    cand = cand.to(torch.float64)
+    tiny = torch.finfo(torch.float64).tiny
+    elements = ref.numel()
+    aref = ref.abs()
+    allowed = tol.atol + tol.rtol * aref
+    if extra is not None:
+        allowed = allowed + extra
+    diff = (cand - ref).abs_()
+    max_diff = float(diff.max()) if elements else 0.0
+    if math.isfinite(max_diff):  # every value on both sides is finite
+        ok = diff <= allowed
+        violations = elements - int(ok.sum())
+        rel = diff / aref
+        rel = torch.where(aref > 0, rel, torch.zeros_like(rel))
+        flat = int(torch.argmax(diff / allowed.clamp_min(tiny)))
+        nonfinite_bad = nonfinite_ref = nonfinite_cand = 0
+        max_abs, max_rel = max_diff, (float(rel.max()) if elements else 0.0)
+        row_err = (diff.amax(-1) / aref.amax(-1).clamp_min(tiny)).tolist()
+        max_ulp = None if dtype is None or not elements else float(ulp_distance(ref, cand, dtype).max())
+    else:
+        finite = torch.isfinite(ref) & torch.isfinite(cand)
+        diff = torch.where(finite, diff, torch.zeros_like(ref))
+        ok = (finite & (diff <= allowed)) | (cand == ref) | (torch.isnan(cand) & torch.isnan(ref))
+        violations = int((~ok).sum())
+        nonzero = finite & (ref != 0)
+        rel = torch.where(nonzero, diff / torch.where(nonzero, aref, torch.ones_like(ref)), torch.zeros_like(ref))
+        # Worst element: largest error relative to its allowance; a violating non-finite value beats all.
+        score = torch.where(finite, diff / allowed.clamp_min(tiny), torch.zeros_like(ref))
+        score = torch.where(ok, score, torch.where(finite, score, torch.full_like(ref, math.inf)))
+        flat = int(torch.argmax(score.reshape(-1)))
+        # A non-finite value where the reference is finite fails the stratum whatever the allowed
+        # share, and makes the error maxima infinite rather than hiding it.
+        nonfinite_bad = int((~ok & ~finite).sum())
+        nonfinite_ref = int((~torch.isfinite(ref)).sum())
+        nonfinite_cand = int((~torch.isfinite(cand)).sum())
+        max_abs = math.inf if nonfinite_bad else float(diff.max())
+        max_rel = math.inf if nonfinite_bad else float(rel.max())
+        scale = aref.nan_to_num(0.0, posinf=0.0).amax(-1).clamp_min(tiny)
+        row_err = torch.where((~ok & ~finite).any(-1), torch.full_like(scale, math.inf), diff.amax(-1) / scale).tolist()
+        max_ulp = None if dtype is None else (
+            math.inf if nonfinite_bad else float(ulp_distance(ref, cand, dtype)[finite].max())
+            if bool(finite.any()) else 0.0)
+    v, i = divmod(flat, ref.shape[-1])
+    fraction = violations / elements if elements else 0.0
     return StratumResult(
         row_q_over_eps=row_q,
         row_error=row_err,
@@ -207,11 +233,9 @@ def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
         violations=violations,
         max_abs_err=max_abs,
         max_rel_err=max_rel,
-        nonfinite_reference=int((~torch.isfinite(ref)).sum()),
-        nonfinite_candidate=int((~torch.isfinite(cand)).sum()),
-        max_ulp=None if dtype is None or not elements else (
-            math.inf if nonfinite_bad else float(ulp_distance(ref, cand, dtype)[finite].max())
-            if bool(finite.any()) else 0.0),
+        nonfinite_reference=nonfinite_ref,
+        nonfinite_candidate=nonfinite_cand,
+        max_ulp=max_ulp,
         worst=Worst(vector=v, index=i, input=float(x[v, i]), reference=float(ref[v, i]),
                     candidate=float(cand[v, i]), allowed=float(allowed[v, i])),
         x=x,

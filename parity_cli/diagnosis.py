@@ -41,6 +41,7 @@ class Context:
     tol: Tolerance
     dtype: object  # candidate torch dtype
     strata: list[StratumResult]
+    cache: dict = field(default_factory=dict, repr=False)  # per-stratum masks shared by every variant
 
     @property
     def eps(self) -> float:
@@ -183,7 +184,10 @@ def _match(ctx: Context, variant_outputs) -> float | None:
         err = torch.where(both_nan | (s.cand == v), torch.zeros_like(v), (s.cand - v).abs() / allowed)
         err = torch.nan_to_num(err, nan=math.inf)
         ok = err <= MATCH_SLACK
-        ref_bad = ~(((s.cand - s.ref).abs() <= ctx.tol.atol + ctx.tol.rtol * s.ref.abs()) | (s.cand == s.ref))
+        key = ("ref_bad", id(s))
+        if key not in ctx.cache:  # depends on the stratum only, not on the variant
+            ctx.cache[key] = ~(((s.cand - s.ref).abs() <= ctx.tol.atol + ctx.tol.rtol * s.ref.abs()) | (s.cand == s.ref))
+        ref_bad = ctx.cache[key]
         total += ok.numel()
         hit += int(ok.sum())
         bad_total += int(ref_bad.sum())

@@ -94,7 +94,8 @@ def _gaussian(p, dim, eps, dtype, rng):
 def _constant(p, dim, eps, dtype, rng):
     import torch
 
-    return torch.tensor([[float(v)] * dim for v in p["values"]], dtype=torch.float64)
+    values = torch.tensor([float(v) for v in p["values"]], dtype=torch.float64)
+    return values[:, None].expand(-1, dim).clone()
 
 
 def _signed_log_uniform(n, dim, lo, hi, rng):
@@ -140,8 +141,24 @@ GENERATORS = {
 }
 
 
+_CACHE: dict = {}
+_CACHE_SIZE = 8
+
+
 def build_probes(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
-    """One Probe per stratum; each stratum has its own stream, so adding one changes no other."""
+    """One Probe per stratum; each stratum has its own stream, so adding one changes no other.
+
+    Every layer with the same dim, eps and dtype gets the same probes: they are built once and
+    handed out as copies (a candidate may write into its input)."""
+    key = (tuple((s.name, s.generator, repr(sorted(s.params.items()))) for s in strata), dim, eps, str(dtype), seed)
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = _build(strata, dim, eps, dtype, seed)
+    return [Probe(stratum=p.stratum, x=p.x.clone()) for p in _CACHE[key]]
+
+
+def _build(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
     import torch
 
     probes = []

@@ -76,3 +76,15 @@ def test_extreme_goes_toward_the_dtype_limit():
     x = probes(torch.float32, names=["extreme"])["extreme"].abs()
     assert x.min() >= 1.8e19 and torch.isfinite(x).all()
     assert torch.isinf((x.to(torch.float32)) ** 2).all()
+
+
+def test_a_candidate_writing_into_its_input_does_not_change_later_layers(ckpt):
+    from conftest import plugin
+    from parity_cli import api
+
+    report = api.check(ckpt("llama", layers=2, eps=1e-5), candidate=plugin("mutates_input"), dtype="float64",
+                       reference="oracle")
+    spans = {tuple(s.q_over_eps for s in layer.strata) for layer in report.layers}
+    assert len(spans) == 1  # every layer saw the same probes
+    normal = next(s for s in report.layers[-1].strata if s.name == "normal")
+    assert normal.q_over_eps[0] > 0
