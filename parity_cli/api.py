@@ -345,8 +345,11 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
             extra = None
             if layer.kind == "layer_norm" and tol.mean_rounding:
                 extra = rows(mean_rounding_allowance(x, layer.gain_offset + w_ref.cpu(), eps, tol))
+            q = probe.mean_square(layer.kind)
+            if heads:
+                q = q.repeat_interleave(rows(x).shape[0] // q.shape[0])
             results.append(compare(probe.stratum, rows(x), rows(ref), rows(cand), eps, layer.kind, tol,
-                                   opts.max_violation_fraction, extra, candidate.dtype))
+                                   opts.max_violation_fraction, extra, candidate.dtype, q))
         if opts.grad:
             grads.extend(_grad_strata(probe, x, rows, layer, cand_layer, reference, candidate, w_ref, b_ref, w_cand, b_cand,
                                       ref_fn, cand_eps, eps, grad_tol, opts, deadline,

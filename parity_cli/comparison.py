@@ -161,19 +161,21 @@ def ulp_distance(ref, cand, dtype):
 
 
 def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
-            max_violation_fraction: float = 0.0, extra=None, dtype=None) -> StratumResult:
+            max_violation_fraction: float = 0.0, extra=None, dtype=None, q=None) -> StratumResult:
     """Elementwise |cand - ref| <= atol + rtol*|ref|; a non-finite candidate value where the
     reference is finite is always a violation (NaN fails every comparison).
 
     When every difference is finite (the common case) one pass computes it and the masks the
-    general path needs for inf/NaN are skipped; both paths give the same result."""
+    general path needs for inf/NaN are skipped; both paths give the same result. `q` is the
+    rows' mean square when the caller has it; the distance in ulps of `dtype` is computed for
+    bitwise comparisons and for strata that fail (where it says how far off they are)."""
     import torch
 
     from parity_cli.implementations import mean_square
 
     if tuple(cand.shape) != tuple(ref.shape):
         return errored(name, x, eps, kind, f"candidate returned shape {list(cand.shape)}, expected {list(ref.shape)}")
-    q = mean_square(x, kind)
+    q = mean_square(x, kind) if q is None else q
     qe, att = q_over_eps_stats(x, eps, kind, q)
     row_q = (q / eps if eps > 0 else torch.where(q > 0, torch.full_like(q, math.inf), q)).tolist()
     ref = ref.to(torch.float64)
@@ -195,7 +197,8 @@ def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
         nonfinite_bad = nonfinite_ref = nonfinite_cand = 0
         max_abs, max_rel = max_diff, (float(rel.max()) if elements else 0.0)
         row_err = (diff.amax(-1) / aref.amax(-1).clamp_min(tiny)).tolist()
-        max_ulp = None if dtype is None or not elements else float(ulp_distance(ref, cand, dtype).max())
+        want_ulp = dtype is not None and elements and (violations or (tol.atol == 0 and tol.rtol == 0))
+        max_ulp = float(ulp_distance(ref, cand, dtype).max()) if want_ulp else None
     else:
         finite = torch.isfinite(ref) & torch.isfinite(cand)
         diff = torch.where(finite, diff, torch.zeros_like(ref))

@@ -29,6 +29,15 @@ class StratumSpec:
 class Probe:
     stratum: str
     x: object  # torch.float64 tensor (vectors, dim), values exactly representable in the candidate dtype
+    q: dict = field(default_factory=dict, repr=False)  # kind -> per-row q (mean square / variance), shared
+
+    def mean_square(self, kind: str):
+        """q of every row, computed once per probe set (every layer of a dim shares it)."""
+        if kind not in self.q:
+            from parity_cli.implementations import mean_square
+
+            self.q[kind] = mean_square(self.x, kind)
+        return self.q[kind]
 
 
 @cache
@@ -155,7 +164,7 @@ def build_probes(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: i
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = _build(strata, dim, eps, dtype, seed)
-    return [Probe(stratum=p.stratum, x=p.x.clone()) for p in _CACHE[key]]
+    return [Probe(stratum=p.stratum, x=p.x.clone(), q=p.q) for p in _CACHE[key]]
 
 
 def _build(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
