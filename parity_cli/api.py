@@ -45,6 +45,8 @@ class CheckOptions:
     candidate_checkpoint: str | None = None  # a converted copy: the candidate uses its weights and eps
     grad: bool = False  # backward parity too
     timeout: float | None = None  # seconds per layer for the candidate
+    jobs: int = 1  # worker processes over layers (each with one torch thread); 1: this process
+    only: tuple | None = None  # internal: the layer names a --jobs worker checks
 
 
 def dtype_name(name: str) -> str:
@@ -244,6 +246,66 @@ def _failure(prefix: str, exc: BaseException) -> str:
 
 def _every(t, n):
     return None if t is None else t[::n]
+
+
+def _run_layers(layers, pairing, reference, candidate, strata, tol, opts, grad_tol, progress=None):
+    from parity_cli.report import LayerResult
+
+    results = []
+    for k, layer in enumerate(layers):
+        if progress is not None:
+            progress(k, len(layers), layer.name)
+        if pairing is None:
+            results.append(_check_layer(layer, reference, candidate, strata, tol, opts, grad_tol=grad_tol))
+            continue
+        findings = pairing.layer_findings.get(layer.name, [])
+        other = pairing.candidate_layers.get(layer.name)
+        if other is None:  # nothing to probe: the copy lacks the layer
+            result = LayerResult(name=layer.name, kind=layer.kind, dim=layer.dim,
+                                 eps={"value": layer.eps.value, "source": layer.eps.source},
+                                 weight=_weight_stats(layer.weight), strata=[], shape=list(layer.shape))
+        else:
+            result = _check_layer(layer, reference, candidate, strata, tol, opts, cand_layer=other, grad_tol=grad_tol)
+        result.findings = result.findings + findings
+        results.append(result)
+    return results
+
+
+def _worker_init():
+    import torch
+
+    torch.set_num_threads(1)  # the processes are the parallelism; threads would fight over the cores
+
+
+def _worker(path, opts, names):
+    """A --jobs worker: the same check restricted to `names`, in its own process."""
+    return check(path, dataclasses.replace(opts, jobs=1, only=tuple(names))).layers
+
+
+def _run_parallel(path, opts, names, progress):
+    """Layers are independent: spread them over processes (spawned, so no torch state is
+    inherited) in small chunks for balance, and put the results back in layer order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    jobs = min(opts.jobs, len(names))
+    size = max(1, len(names) // (jobs * 4))
+    chunks = [names[k:k + size] for k in range(0, len(names), size)]
+    done: dict = {}
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_init)
+    try:
+        futures = [pool.submit(_worker, str(path), opts, chunk) for chunk in chunks]
+        for future in as_completed(futures):
+            for result in future.result():
+                done[result.name] = result
+            if progress is not None:
+                progress(len(done), len(names), f"{len(done)} layers")
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return [done[name] for name in names]
 
 
 def _leaf(t):
@@ -498,7 +560,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     ref_impl = impls.resolve(opts.reference)
 
     ckpt, fam, eps = load(path, opts.family, opts.eps)
-    found = discover_layers(ckpt, fam, eps, opts.layers)
+    found = discover_layers(ckpt, fam, eps, opts.layers, names=None if opts.only is None else set(opts.only))
     if not found.layers:
         raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else _stored_dtype(found.layers)
@@ -531,23 +593,10 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
                         f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
 
-    results = []
-    for k, layer in enumerate(found.layers):
-        if progress is not None:
-            progress(k, len(found.layers), layer.name)
-        if pairing is None:
-            results.append(_check_layer(layer, reference, candidate, strata, tol, opts, grad_tol=grad_tol))
-            continue
-        findings = pairing.layer_findings.get(layer.name, [])
-        other = pairing.candidate_layers.get(layer.name)
-        if other is None:  # nothing to probe: the copy lacks the layer
-            result = LayerResult(name=layer.name, kind=layer.kind, dim=layer.dim,
-                                 eps={"value": layer.eps.value, "source": layer.eps.source},
-                                 weight=_weight_stats(layer.weight), strata=[], shape=list(layer.shape))
-        else:
-            result = _check_layer(layer, reference, candidate, strata, tol, opts, cand_layer=other, grad_tol=grad_tol)
-        result.findings = result.findings + findings
-        results.append(result)
+    if opts.jobs > 1 and len(found.layers) > 1 and opts.only is None:
+        results = _run_parallel(path, opts, [layer.name for layer in found.layers], progress)
+    else:
+        results = _run_layers(found.layers, pairing, reference, candidate, strata, tol, opts, grad_tol, progress)
 
     header = {
         "tool": {"name": "parity-cli", "version": __version__},

@@ -55,6 +55,8 @@ def cli():
 @click.option("--exact", is_flag=True, help="Bitwise parity: --atol 0 --rtol 0, no allowance.")
 @click.option("--grad", is_flag=True, help="Backward parity too: dx and dweight against the reference's autograd.")
 @click.option("--timeout", type=float, default=None, help="Seconds per layer before the candidate counts as hung.")
+@click.option("--jobs", "-j", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Worker processes over layers, one torch thread each (0: one per CPU). Pays off on big models.")
 @click.option("--explain", is_flag=True,
               help="For each failing layer, change one factor at a time (dtype, kernel, eps) and show which carries the error.")
 @click.option("--dtype", default=None, help="Candidate input/weight dtype (float32, bfloat16, float16, float64); default: as stored.")
@@ -81,7 +83,7 @@ def cli():
               help="Write error against q/eps with the attenuation curve (.svg or .png; needs matplotlib).")
 @click.option("--quiet", "-q", is_flag=True, help="No terminal table; the exit code says it all.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
-          exact, grad, timeout, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
+          exact, grad, timeout, jobs, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
           plot_path, quiet):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
@@ -104,6 +106,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
         candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
+        jobs=jobs or (__import__("os").cpu_count() or 1),
     )
     with _progress(quiet) as progress:
         report = run_check(checkpoint, options, progress=progress)

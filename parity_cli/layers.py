@@ -90,7 +90,7 @@ def _split(tensor: str, suffixes: tuple[str, ...]) -> str | None:
 
 
 def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = None,
-                    layers_glob: str | None = None) -> Discovery:
+                    layers_glob: str | None = None, names: set | None = None) -> Discovery:
     """Every tensor a pattern claims becomes a layer; every other norm-looking tensor is listed
     as unmatched, never skipped silently. `eps` is the --eps override (an Eps or a float)."""
     override = eps.value if isinstance(eps, Eps) and eps.source == "override" else (
@@ -117,6 +117,8 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         matched = [m for m in matched if fnmatch.fnmatchcase(m[0], layers_glob)]
         if not matched:
             raise InputError(f"--layers '{layers_glob}' matches no norm layer of {ckpt.path}")
+    if names is not None:  # a --jobs worker's share
+        matched = [m for m in matched if m[0] in names]
 
     layers, warnings = [], []
     for name, tensor, pattern in matched:

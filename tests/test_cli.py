@@ -251,3 +251,14 @@ def test_grad_and_conversion_reports_validate(ckpt, tmp_path):
     again = run_parity("check", src, "--candidate", plugin("dropped_shared_term"), "--grad",
                        "--candidate-checkpoint", copy, "--baseline", out)
     assert again.returncode == 0, again.stdout
+
+
+def test_jobs_gives_the_same_report(ckpt, tmp_path):
+    path = ckpt("llama", layers=3, eps=1e-5)
+    outs = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"r{jobs}.json"
+        r = run_parity("check", path, "--candidate-eps", "1e-6", "--jobs", jobs, "--json", out, "-q")
+        assert r.returncode == 1, r.stderr
+        outs.append(load_json(out))
+    assert outs[0]["layers"] == outs[1]["layers"] and len(outs[0]["layers"]) == 7
