@@ -540,7 +540,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     )
     from parity_cli.layers import discover_layers
     from parity_cli.probes import load_strata, select_strata
-    from parity_cli.report import LayerResult, Report
+    from parity_cli.report import Report
 
     opts = options or CheckOptions(**kwargs)
     if not 0.0 <= opts.max_violation_fraction <= 1.0:

@@ -266,8 +266,7 @@ def _panel(ctx: Context):
         if e != ctx.eps:
             label = "estimated" if est and e == est[0] and e not in EPS_PANEL else f"{e:g}"
             out.append((f"eps={label}" if label != "estimated" else f"eps~{e:.3g}",
-                        (lambda e: lambda c, x: _affine(c, _eps_zero(c, x) if e == 0 else
-                                                        oracle_normalize(x, e, c.layer.kind)))(e)))
+                        _eps_variant_fn(e)))
     if ctx.layer.kind == "rms_norm":
         out.append(("eps outside sqrt", lambda c, x: _affine(c, _rms_eps_outside(x, c.eps))))
         out.append(("mean subtracted", lambda c, x: _affine(c, oracle_normalize(x, c.eps, "layer_norm"))))
@@ -281,6 +280,13 @@ def _panel(ctx: Context):
         out.append((f"{order} cast order", (lambda o: lambda c, x: _ordered(c, x, o))(order)))
     out.append(("no upcast", lambda c, x: _affine(c, _no_upcast(c, x))))
     return out
+
+
+def _eps_variant_fn(value: float):
+    def variant(c, x):
+        return _affine(c, _eps_zero(c, x) if value == 0 else oracle_normalize(x, value, c.layer.kind))
+
+    return variant
 
 
 def _ordered(ctx: Context, x, order: str):

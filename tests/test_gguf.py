@@ -4,7 +4,6 @@ HF directories, and HF -> GGUF conversion faults each found and named."""
 import struct
 
 import pytest
-import torch
 
 from conftest import load_json, run_parity
 from parity_cli import api
