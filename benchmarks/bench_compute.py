@@ -25,7 +25,6 @@ Sections (--only NAME,...; all but `profile` by default):
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -301,68 +300,6 @@ def section_failing(args):
     print(f"  => a 405B-shaped model that fails every layer: ~{253 * t_fail / n:.0f}s of checking "
           f"(+ start-up), vs ~{253 * t_pass / n:.0f}s when it passes")
     return t_pass / n, t_fail / n
-
-
-# --- what-if ---------------------------------------------------------------------------------------
-
-def _cached_probes(original):
-    """build_probes memoised on (strata, dim, eps, dtype, seed): every layer of a model with one
-    dim and one eps gets the same probes, so they are generated once; callers get clones (a
-    candidate may write into its input)."""
-    from parity_cli.probes import Probe
-
-    cache = {}
-
-    def build_probes(strata, dim, eps, dtype, seed):
-        key = (tuple((s.name, s.generator, repr(sorted(s.params.items()))) for s in strata), dim, float(eps),
-               str(dtype), seed)
-        if key not in cache:
-            cache[key] = original(strata, dim, eps, dtype, seed)
-        return [Probe(stratum=p.stratum, x=p.x.clone()) for p in cache[key]]
-
-    return build_probes
-
-
-def _hoisted_match(original):
-    """diagnosis._match with the 'violates against the reference' mask computed once per
-    stratum instead of once per stratum and hypothesis/variant (it does not depend on them)."""
-    import torch
-
-    from parity_cli import diagnosis as D
-
-    def _match(ctx, variant_outputs):
-        total = hit = bad_total = bad_hit = 0
-        closeness = 0.0
-        for s, v in variant_outputs:
-            allowed = ctx.tol.atol + ctx.tol.rtol * v.abs()
-            both_nan = torch.isnan(v) & torch.isnan(s.cand)
-            err = torch.where(both_nan | (s.cand == v), torch.zeros_like(v), (s.cand - v).abs() / allowed)
-            err = torch.nan_to_num(err, nan=math.inf)
-            ok = err <= D.MATCH_SLACK
-            cached = s.__dict__.get("_bench_ref_bad")
-            if cached is None or cached[0] is not ctx.tol or cached[1] is not s.cand:
-                ref_bad = ~(((s.cand - s.ref).abs() <= ctx.tol.atol + ctx.tol.rtol * s.ref.abs()) | (s.cand == s.ref))
-                cached = (ctx.tol, s.cand, ref_bad, int(ref_bad.sum()))
-                s.__dict__["_bench_ref_bad"] = cached
-            ref_bad, n_bad = cached[2], cached[3]
-            total += ok.numel()
-            hit += int(ok.sum())
-            bad_total += n_bad
-            both = ok & ref_bad
-            bad_hit += int(both.sum())
-            closeness += float(err[both].sum())
-        if bad_total == 0 or hit < D.MATCH_SHARE * total or bad_hit < D.MATCH_SHARE * bad_total:
-            return None
-        return closeness / max(bad_hit, 1)
-
-    return _match
-
-
-def _report_key(report) -> list:
-    """What must not change: every layer's dict (report.to_dict) plus the per-row plot data."""
-    d = report.to_dict()
-    rows = [[(s.name, s.row_q_over_eps, s.row_error) for s in layer.strata] for layer in report.layers]
-    return [d["layers"], d.get("summary"), rows]
 
 
 def section_profile(args):

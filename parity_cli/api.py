@@ -688,10 +688,9 @@ def explain(path: str | Path, options: CheckOptions | None = None, layer_names: 
     reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, check_device(opts.reference_device))
     device = check_device(opts.device)
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
-    run_opts = dataclasses.replace(opts, grad=False)
+    run_opts = opts
     out = {}
-    for name in sorted(wanted, key=lambda n: [l.name for l in report.layers].index(n) if n in
-                       [l.name for l in report.layers] else 0):
+    for name in [n for n in found if n in wanted]:  # discovery (table) order
         layer = found[name]
         steps = []
         as_run = Side(cand_impl, opts.candidate, cand_dtype, device, opts.candidate_eps)

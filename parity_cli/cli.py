@@ -87,6 +87,8 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
           plot_path, quiet):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
+    import os
+
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
     from parity_cli.gate import gate, load_report
@@ -106,7 +108,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
         candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
-        jobs=jobs or (__import__("os").cpu_count() or 1),
+        jobs=jobs or os.cpu_count() or 1,
     )
     with _progress(quiet) as progress:
         report = run_check(checkpoint, options, progress=progress)
