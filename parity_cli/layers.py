@@ -137,6 +137,11 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         expected = config_dim(ckpt, pattern.dim)
         if expected is not None and expected != dim:
             layer_warnings.append(f"weight has {dim} channels but config {pattern.dim} = {expected}")
+        layer_eps = resolve_eps(ckpt, family, override, sem)
+        if layer_eps.source == "family-default" and sem.eps_keys != family.eps_keys:
+            # the family-wide eps warning does not cover a norm with its own eps key
+            layer_warnings.append(f"eps is not in the config (looked for {', '.join(sem.eps_keys)}); "
+                                  f"the default {layer_eps.value:g} is assumed")
         bias = None
         if sem.kind == "layer_norm":
             for b in family.bias_names:
@@ -153,7 +158,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                 dim=dim,
                 order=sem.order,
                 gain_offset=gain_offset,
-                eps=resolve_eps(ckpt, family, override, sem),
+                eps=layer_eps,
                 weight=ckpt.read(tensor),
                 bias=bias,
                 family=family.name,

@@ -1,6 +1,7 @@
 """Every family of BRIEF §5: discovery with the real HF names, the `hf` built-in bitwise equal to
 transformers' own module classes, and wrong-family semantics caught."""
 
+import importlib.util
 import re
 import warnings
 
@@ -95,9 +96,24 @@ def test_old_bert_gamma_beta_names(ckpt):
     assert found.unmatched == ["bert.pooler.LayerNorm.gamma"]  # looks like a norm, matches no pattern
 
 
+def test_a_norm_with_its_own_eps_key_warns_when_defaulted(ckpt):
+    # Gemma 3's projector norm takes vision_config.layer_norm_eps, not the text rms_norm_eps
+    w = torch.zeros(32, dtype=torch.bfloat16)
+    path = ckpt("gemma3", layers=1, eps=1e-6, config_extra={"vision_config": {"hidden_size": 32}},
+                weights={"multi_modal_projector.mm_soft_emb_norm.weight": w})
+    c, fam, eps = api.load(path)
+    layers = {l.name: l for l in discover_layers(c, fam, eps).layers}
+    proj = layers["multi_modal_projector.mm_soft_emb_norm"]
+    assert proj.eps.source == "family-default" and proj.gain_offset == 1.0
+    assert any("vision_config.layer_norm_eps" in w for w in proj.warnings)
+    assert not layers["model.norm"].warnings
+
+
 # --- transformers itself -------------------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers", reason="transformers is not importable; bitwise tests need it")
+# Only the tests below need transformers; the ones above run without it.
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not importable; bitwise tests need it")
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
@@ -131,6 +147,7 @@ def _hf_norm_names(model_type):
     return {n for n in model.state_dict() if NORM_NAME.search(n) and n.endswith(".weight")}
 
 
+@needs_transformers
 @pytest.mark.parametrize("model_type", sorted(set(EXPECTED_LAYERS) - {"gemma3"}))  # gemma3 is multimodal
 def test_synthetic_names_are_transformers_names(ckpt, model_type):
     """The synthetic checkpoints are only evidence if their names are the ones HF writes."""
@@ -154,6 +171,7 @@ def _hf_module(model_type, layer_name, size, eps, bias):
     return getattr(module, classes.get(name, default))(size, eps=eps)
 
 
+@needs_transformers
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model_type", sorted(EXPECTED_LAYERS))
 def test_hf_is_bitwise_transformers(ckpt, model_type, dtype):
@@ -180,6 +198,7 @@ def test_hf_is_bitwise_transformers(ckpt, model_type, dtype):
                                        msg=lambda m, n=layer.name, st=probe.stratum: f"{n} {st}: {m}")
 
 
+@needs_transformers
 @pytest.mark.parametrize("model_type", ["llama", "gemma3", "cohere", "gpt2", "t5", "gemma3n_text"])
 def test_transformers_builtin_passes(ckpt, model_type):
     report = api.check(ckpt(model_type, layers=1, eps=1e-5), candidate="transformers")
