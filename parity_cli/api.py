@@ -81,6 +81,17 @@ def load(path: str | Path, family: str | None = None, eps: float | None = None):
     return ckpt, fam, resolve_eps(ckpt, fam, eps)
 
 
+def _config_name(ckpt) -> str:
+    return str(ckpt.path) if ckpt.format == "gguf" else str(ckpt.path / "config.json")
+
+
+def _eps_keys(ckpt, fam) -> str:
+    if ckpt.format == "gguf":
+        arch = getattr(ckpt, "architecture", "{arch}")
+        return f"{arch}.attention.layer_norm_rms_epsilon, {arch}.attention.layer_norm_epsilon"
+    return ", ".join(fam.eps_keys)
+
+
 def _eps_dict(eps) -> dict:
     """eps with its source; a value stored as float32 (GGUF) also gives the decimal it came from."""
     out = {"value": eps.value, "source": eps.source}
@@ -143,7 +154,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     found = discover_layers(ckpt, fam, resolved)
     warnings = list(found.warnings)
     if resolved.source == "family-default":
-        warnings.append(f"eps is not in {ckpt.path / 'config.json'} (looked for {', '.join(fam.eps_keys)}); "
+        warnings.append(f"eps is not in {_config_name(ckpt)} (looked for {_eps_keys(ckpt, fam)}); "
                         f"the family default {resolved.value:g} is assumed")
     if found.unmatched:
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family '{fam.name}'")
@@ -246,6 +257,19 @@ def _failure(prefix: str, exc: BaseException) -> str:
 
 def _every(t, n):
     return None if t is None else t[::n]
+
+
+def first_head(layer, strata, gain, bias):
+    """Diagnosis reasons about one gain vector: for per-head gains (heads, dim) it looks at the
+    first head's rows (every head sees the same probes). 1-D layers pass through unchanged."""
+    heads = layer.shape[:-1]
+    if not heads:
+        return strata, gain, bias
+    n = 1
+    for h in heads:
+        n *= h
+    first = [dataclasses.replace(s, x=_every(s.x, n), ref=_every(s.ref, n), cand=_every(s.cand, n)) for s in strata]
+    return first, gain.reshape(-1, layer.dim)[0], None if bias is None else bias.reshape(-1, layer.dim)[0]
 
 
 def _run_layers(layers, pairing, reference, candidate, strata, tol, opts, grad_tol, progress=None):
@@ -415,7 +439,7 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
         if opts.grad:
             grads.extend(_grad_strata(probe, x, rows, layer, cand_layer, reference, candidate, w_ref, b_ref, w_cand, b_cand,
                                       ref_fn, cand_eps, eps, grad_tol, opts, deadline,
-                                      None if layer_error else cand_err))
+                                      layer_error or cand_err))
     stats = _weight_stats(layer.weight)
     warnings = list(layer.warnings)
     weight_findings = []
@@ -440,18 +464,11 @@ def _check_layer(layer, reference: Side, candidate: Side, strata, tol, opts: Che
                                 else cand_layer.eps.source}
     gain = layer.gain_offset + w_ref.cpu()
     bias = None if b_ref is None else b_ref.cpu()
-    if heads:  # diagnosis reasons about one gain vector: look at the first head's rows
-        n = 1
-        for h in heads:
-            n *= h
-        first = [dataclasses.replace(s, x=_every(s.x, n), ref=_every(s.ref, n), cand=_every(s.cand, n))
-                 for s in results]
-        result.diagnoses = diagnose(layer, first, gain.reshape(-1, layer.dim)[0],
-                                    tol, candidate.dtype, None if bias is None else bias.reshape(-1, layer.dim)[0])
-    elif opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
-        result.diagnoses = bitwise_diagnosis(results, candidate.dtype, layer, gain, tol, bias)
+    strata_d, gain_d, bias_d = first_head(layer, results, gain, bias)
+    if opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
+        result.diagnoses = bitwise_diagnosis(strata_d, candidate.dtype, layer, gain_d, tol, bias_d)
     else:
-        result.diagnoses = diagnose(layer, results, gain, tol, candidate.dtype, bias)
+        result.diagnoses = diagnose(layer, strata_d, gain_d, tol, candidate.dtype, bias_d)
     if opts.grad:
         result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
     if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
@@ -586,7 +603,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     warnings = list(found.warnings)
     if eps.source == "family-default":
         warnings.append(
-            f"eps is not in {ckpt.path / 'config.json'} (looked for {', '.join(fam.eps_keys)}); "
+            f"eps is not in {_config_name(ckpt)} (looked for {_eps_keys(ckpt, fam)}); "
             f"using the family default {eps.value:g}"
         )
     if found.unmatched:
@@ -689,44 +706,53 @@ def explain(path: str | Path, options: CheckOptions | None = None, layer_names: 
     device = check_device(opts.device)
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
     run_opts = opts
+    copies = None  # --candidate-checkpoint: the candidate keeps the copy's weights and eps in every step
+    if opts.candidate_checkpoint:
+        from parity_cli.pairing import pair
+
+        ckpt2, fam2, eps2 = load(opts.candidate_checkpoint)
+        copies = pair(list(found.values()), discover_layers(ckpt2, fam2, eps2).layers, str(ckpt2.path)).candidate_layers
     out = {}
     for name in [n for n in found if n in wanted]:  # discovery (table) order
         layer = found[name]
+        other = None if copies is None else copies.get(name)
+        if copies is not None and other is None:
+            out[name] = [{"step": "candidate checkpoint", "changes": "nothing", "status": "skipped",
+                          "error": "the layer is missing from the candidate checkpoint", "max_abs_err": None,
+                          "max_rel_err": None, "failing": []}]
+            continue
         steps = []
         as_run = Side(cand_impl, opts.candidate, cand_dtype, device, opts.candidate_eps)
-        checked = _check_layer(layer, reference, as_run, strata, tol, run_opts)
+        checked = _check_layer(layer, reference, as_run, strata, tol, run_opts, cand_layer=other)
         steps.append(_step(f"candidate at {cand_dtype_name} (as checked)", "nothing", checked))
         # 1. the candidate at the reference's dtype: does the error belong to the dtype?
         ref_dtype_name = str(ref_dtype).removeprefix("torch.")
         hi = Side(cand_impl, opts.candidate, ref_dtype, device, opts.candidate_eps)
         steps.append(_step(f"candidate at {ref_dtype_name}", "dtype",
-                           _check_layer(layer, reference, hi, strata, tolerance_for(ref_dtype_name), run_opts)))
+                           _check_layer(layer, reference, hi, strata, tolerance_for(ref_dtype_name), run_opts,
+                                        cand_layer=other)))
         # 2. the family's own numerics at the candidate dtype: the floor that dtype imposes
         own = Side(impls.resolve("hf"), "hf", cand_dtype, "cpu", opts.candidate_eps)
         steps.append(_step(f"{layer.family} numerics (hf) at {cand_dtype_name}", "kernel",
-                           _check_layer(layer, reference, own, strata, tol, run_opts)))
+                           _check_layer(layer, reference, own, strata, tol, run_opts, cand_layer=other)))
         # 3. the reference with the eps the candidate appears to use
         gain = layer.gain_offset + layer.weight.to(cand_dtype).double()
-        ctx = Context(layer=layer, gain=gain, bias=None if layer.bias is None else layer.bias.to(cand_dtype).double(),
-                      tol=tol, dtype=cand_dtype, strata=_with_tensors(layer, reference, as_run, strata, tol, run_opts))
-        est = estimate_eps(ctx)
+        bias = None if layer.bias is None else layer.bias.to(cand_dtype).double()
+        kept = _check_layer(layer, reference, as_run, strata, tol, run_opts, cand_layer=other, keep_tensors=True).strata
+        kept, gain, bias = first_head(layer, kept, gain, bias)
+        est = estimate_eps(Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=cand_dtype, strata=kept))
         if est is not None and est[0] > 0:
             shifted = dataclasses.replace(layer, eps=Eps(est[0], "estimated from the candidate"))
             keep = Side(cand_impl, opts.candidate, cand_dtype, device,
-                        opts.candidate_eps if opts.candidate_eps is not None else layer.eps.value)
+                        opts.candidate_eps if opts.candidate_eps is not None else (other or layer).eps.value)
             steps.append(_step(f"reference with eps {est[0]:.3g} (estimated)", "eps",
-                               _check_layer(shifted, reference, keep, strata, tol, run_opts)))
+                               _check_layer(shifted, reference, keep, strata, tol, run_opts, cand_layer=other)))
         else:
             steps.append({"step": "reference with the candidate's eps", "changes": "eps", "status": "skipped",
                           "error": "no eps could be estimated (the tiny and constant strata show none)",
                           "max_abs_err": None, "max_rel_err": None, "failing": []})
         out[name] = steps
     return out
-
-
-def _with_tensors(layer, reference, candidate, strata, tol, opts):
-    """Strata with their tensors kept (for estimating eps), from a fresh run of one layer."""
-    return _check_layer(layer, reference, candidate, strata, tol, opts, keep_tensors=True).strata
 
 
 def options_from_report(data: dict, where: str) -> tuple[str, CheckOptions]:
@@ -738,8 +764,11 @@ def options_from_report(data: dict, where: str) -> tuple[str, CheckOptions]:
             family=data["checkpoint"].get("family"),
             eps=data["eps"]["value"] if data["eps"]["source"] == "override" else None,
             candidate_eps=cand["eps"] if cand.get("eps_source") == "option:--candidate-eps" else None,
-            atol=data["tolerance"]["atol"] if data["tolerance"].get("source") == "option" else None,
-            rtol=data["tolerance"]["rtol"] if data["tolerance"].get("source") == "option" else None,
+            # a one-sided override is recorded as "option+profile:..."; the profile's own value is harmless
+            atol=data["tolerance"]["atol"] if str(data["tolerance"].get("source", "")).startswith("option") else None,
+            rtol=data["tolerance"]["rtol"] if str(data["tolerance"].get("source", "")).startswith("option") else None,
+            max_violation_fraction=float(data["tolerance"].get("max_violation_fraction", 0.0)),
+            timeout=cand.get("timeout"),
             strata=list(probes["strata"]), seed=int(probes["seed"]),
             reference_dtype=ref.get("dtype", "float64"), reference_device=ref.get("device", "cpu"),
             exact=bool(data["tolerance"].get("exact", False)), candidate_args=cand.get("args") or None,

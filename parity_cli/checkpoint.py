@@ -292,7 +292,8 @@ def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None,
             number = math.inf
         if not math.isfinite(number) or number <= 0:
             # eps = 0 is the bug this tool exists to catch, never a trained model's setting
-            raise InputError(f"{ckpt.path / 'config.json'}: '{where}' must be a finite number > 0, got {value!r}")
+            config = ckpt.path if ckpt.format == "gguf" else ckpt.path / "config.json"
+            raise InputError(f"{config}: '{where}' must be a finite number > 0, got {value!r}")
         return Eps(number, where if where.startswith("gguf:") else f"config:{where}")
     inherited = sem.eps_keys == family.eps_keys and sem.eps_default == family.eps_default
     return Eps(family.eps_default_for(ckpt.model_type) if inherited else sem.eps_default, "family-default")

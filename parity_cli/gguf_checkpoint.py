@@ -99,8 +99,13 @@ class GGUFCheckpoint:
                              "only F32, F16, BF16 norm weights can be checked")
         shape = [int(d) for d in reversed(t.shape)]
         raw = np.ascontiguousarray(t.data)
+        if not raw.dtype.isnative:  # a big-endian GGUF: bring the bytes to this machine's order
+            raw = raw.astype(raw.dtype.newbyteorder("="))
         if kind == "BF16":
-            out = torch.from_numpy(raw.view(np.uint16).astype(np.int16).copy()).view(torch.bfloat16)
+            bits = raw.view(np.uint16)
+            if getattr(self._reader, "byte_order", "=") == "S":  # raw bytes of a byte-swapped file
+                bits = bits.byteswap()
+            out = torch.from_numpy(bits.astype(np.int16).copy()).view(torch.bfloat16)
         else:
             out = torch.from_numpy(raw.copy())
         return out.reshape(shape)

@@ -25,6 +25,13 @@ def _bits(dtype) -> int:
     return {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}.get(dtype, 24)
 
 
+def _rounded(values, dtype):
+    """float64 values as the copy's dtype stores them (float32 first where a gain was baked in)."""
+    import torch
+
+    return values.to(dtype).to(torch.float64)
+
+
 def eps_equal(a: float, b: float) -> bool:
     """Equal once both are float32: GGUF stores eps as float32, so 1e-5 read back as
     9.99999974738e-06 is the same eps; 1e-6 against 1e-5 is not."""
@@ -68,7 +75,8 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked:
         finding["uniform_shift"] = float(shift)
         finding["message"] += (f"; every channel is shifted by {shift:+g}: a gain offset (1 + w) "
                                + ("applied twice" if shift > 0 else "missing") + " in the conversion")
-    elif _bits(cand_dtype) < _bits(ref_dtype) or float(diff[bad].max()) < 1e-2 * float(ref64.abs().max()):
+    elif bool((cand64[bad] == _rounded(ref64, cand_dtype)[bad]).all()):
+        # every differing channel is the reference rounded to the copy's dtype, and nothing else
         finding["precision_loss"] = True
         finding["message"] += (f"; the candidate stores {str(cand_dtype).removeprefix('torch.')}, which does not hold "
                                f"the reference's {str(ref_dtype).removeprefix('torch.')} values exactly")

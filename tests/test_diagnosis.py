@@ -107,3 +107,30 @@ def test_explain_reruns_a_saved_report(ckpt, tmp_path):
     assert [s["changes"] for s in ladder["model.norm"]] == ["nothing", "dtype", "kernel", "eps"]
     r = run_parity("check", path, "--candidate", plugin("eps_hardcoded_1e5"), "--layers", "model.norm", "--explain")
     assert r.returncode == 1 and "one factor at a time" in r.stdout
+
+
+def test_ladder_on_per_head_gains(ckpt):
+    path = ckpt("cohere", layers=1, eps=1e-5)
+    ladder = api.explain(path, candidate="hf", candidate_eps=1e-3, layers="*q_norm")
+    steps = {s["changes"]: s for s in ladder["model.layers.0.self_attn.q_norm"]}
+    assert steps["nothing"]["status"] == "fail" and steps["eps"]["status"] == "pass"
+
+
+def test_exact_on_per_head_gains_reports_ulps(ckpt):
+    report = api.check(ckpt("cohere", layers=1, eps=1e-5), candidate="torch", reference="hf",
+                       reference_dtype="bfloat16", exact=True)
+    q = next(l for l in report.layers if l.name.endswith("q_norm"))
+    if not q.passed:
+        assert [d.code for d in q.diagnoses] in (["bitwise_difference"], ["cast_order"])
+
+
+def test_explain_from_a_report_keeps_its_options(ckpt, tmp_path):
+    from parity_cli.api import options_from_report
+
+    path = ckpt("llama", layers=1, eps=1e-5)
+    out = tmp_path / "r.json"
+    r = run_parity("check", path, "--candidate-eps", "1e-4", "--atol", "1", "--max-violation-fraction", "0.5",
+                   "--timeout", "5", "--json", out, "-q")
+    assert r.returncode == 0, r.stdout
+    _, opts = options_from_report(load_json(out), str(out))
+    assert (opts.atol, opts.max_violation_fraction, opts.timeout, opts.candidate_eps) == (1.0, 0.5, 5.0, 1e-4)

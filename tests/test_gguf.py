@@ -148,3 +148,22 @@ def test_transformers_builtin_on_a_gguf_gemma_does_not_add_one_twice(pair):
     pytest.importorskip("transformers", reason="the transformers built-in needs transformers")
     _, g = pair("gemma3")
     assert api.check(g, candidate="transformers").passed
+
+
+def test_big_endian_gguf_is_read(pair, tmp_path):
+    import numpy as np
+
+    hf, little = pair("llama")
+    w = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.add_embedding_length(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("output_norm.weight", np.array([1.0, 2.0, 0.5, 0.25], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    info = api.inspect(tmp_path / "be.gguf")
+    (layer,) = info["layers"]
+    assert layer["name"] == "model.norm" and (layer["weight"]["min"], layer["weight"]["max"]) == (0.25, 2.0)
+    assert info["eps"]["decimal"] == "1e-05"

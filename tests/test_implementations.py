@@ -272,3 +272,24 @@ def test_cuda_reference_device(ckpt):
     report = api.check(ckpt("gemma3", layers=1), candidate="torch", device="cuda", reference="hf",
                        reference_device="cuda", reference_dtype="float32")
     assert report.header["reference"]["device"].startswith("cuda")
+
+
+def test_permuted_weights_in_a_copy_are_not_called_precision_loss(ckpt, tmp_path):
+    src = ckpt("llama", layers=1, eps=1e-6, dtype="float32")
+    name = "model.norm.weight"
+
+    def permute(t):
+        t[name] = t[name].flip(0).to(torch.bfloat16)
+
+    report = api.check(src, candidate="hf", candidate_checkpoint=str(_copy(src, tmp_path / "copy", edit=permute)))
+    (finding,) = next(l for l in report.layers if l.name == "model.norm").findings
+    assert finding["code"] == "checkpoint_weight_mismatch" and "precision_loss" not in finding
+
+
+def test_explain_uses_the_candidate_checkpoint(ckpt, tmp_path):
+    src = ckpt("llama", layers=1, eps=1e-6)
+    copy = _copy(src, tmp_path / "copy", config={"rms_norm_eps": 1e-5})
+    ladder = api.explain(src, candidate="hf", candidate_checkpoint=str(copy), layers="model.norm")
+    steps = {s["changes"]: s for s in ladder["model.norm"]}
+    assert steps["nothing"]["status"] == "fail"  # the copy's eps, as in the check
+    assert steps["eps"]["status"] == "pass" and "1e-05" in steps["eps"]["step"]
