@@ -6,6 +6,7 @@ check() wires the stages: checkpoint -> layers -> probes -> implementations -> c
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -687,17 +688,21 @@ def explain(path: str | Path, options: CheckOptions | None = None, layer_names: 
     from parity_cli.probes import select_strata
 
     opts = dataclasses.replace(options or CheckOptions(**kwargs), grad=False)
-    report = check(path, opts)
-    wanted = set(layer_names) if layer_names else {l.name for l in report.layers if not l.passed}
-    if not wanted:
-        return {}
+    if layer_names:  # the caller has the report already (check --explain, parity explain REPORT.json)
+        wanted = set(layer_names)
+    else:
+        wanted = {l.name for l in check(path, opts).layers if not l.passed}
+        if not wanted:
+            return {}
     ckpt, fam, eps = load(path, opts.family, opts.eps)
     found = {l.name: l for l in discover_layers(ckpt, fam, eps).layers}
     unknown = sorted(wanted - set(found))
     if unknown:
         raise InputError(f"explain: no layer named {', '.join(unknown)} in {ckpt.path}")
     strata = select_strata(opts.strata)
-    cand_dtype_name = report.header["candidate"]["dtype"]
+    # the candidate dtype exactly as check() chooses it
+    checked_layers = [l for n, l in found.items() if not opts.layers or fnmatch.fnmatchcase(n, opts.layers)]
+    cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else _stored_dtype(checked_layers)
     cand_dtype = getattr(torch, cand_dtype_name)
     ref_dtype = getattr(torch, dtype_name(opts.reference_dtype))
     cand_impl = impls.resolve(opts.candidate, opts.candidate_args if isinstance(opts.candidate_args, dict)
@@ -723,7 +728,8 @@ def explain(path: str | Path, options: CheckOptions | None = None, layer_names: 
             continue
         steps = []
         as_run = Side(cand_impl, opts.candidate, cand_dtype, device, opts.candidate_eps)
-        checked = _check_layer(layer, reference, as_run, strata, tol, run_opts, cand_layer=other)
+        # kept tensors: the same run also gives the rows the eps is estimated from (step 3)
+        checked = _check_layer(layer, reference, as_run, strata, tol, run_opts, cand_layer=other, keep_tensors=True)
         steps.append(_step(f"candidate at {cand_dtype_name} (as checked)", "nothing", checked))
         # 1. the candidate at the reference's dtype: does the error belong to the dtype?
         ref_dtype_name = str(ref_dtype).removeprefix("torch.")
@@ -738,8 +744,7 @@ def explain(path: str | Path, options: CheckOptions | None = None, layer_names: 
         # 3. the reference with the eps the candidate appears to use
         gain = layer.gain_offset + layer.weight.to(cand_dtype).double()
         bias = None if layer.bias is None else layer.bias.to(cand_dtype).double()
-        kept = _check_layer(layer, reference, as_run, strata, tol, run_opts, cand_layer=other, keep_tensors=True).strata
-        kept, gain, bias = first_head(layer, kept, gain, bias)
+        kept, gain, bias = first_head(layer, checked.strata, gain, bias)
         est = estimate_eps(Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=cand_dtype, strata=kept))
         if est is not None and est[0] > 0:
             shifted = dataclasses.replace(layer, eps=Eps(est[0], "estimated from the candidate"))

@@ -18,15 +18,8 @@ class Pairing:
     report_findings: list[dict] = field(default_factory=list)
 
 
-def _bits(dtype) -> int:
-    """Significand bits (with the implicit one) of a float dtype: how finely it stores a gain."""
-    import torch
-
-    return {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}.get(dtype, 24)
-
-
 def _rounded(values, dtype):
-    """float64 values as the copy's dtype stores them (float32 first where a gain was baked in)."""
+    """float64 values as the copy's dtype stores them."""
     import torch
 
     return values.to(dtype).to(torch.float64)

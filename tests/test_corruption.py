@@ -224,25 +224,20 @@ def test_the_sweep_is_at_least_300_cases():
     assert len(CASES) + len(INDEX_CASES) >= 300
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_corrupted_single_file(base, tmp_path, capsys, case):
-    _, kind, mutate = case
-    d = _copy(base[0], tmp_path / "ckpt")
+# single-file cases run on the one-file checkpoint, index cases on the sharded one (base[1])
+ALL_CASES = [(0, *c) for c in CASES] + [(1, *c) for c in INDEX_CASES]
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=[c[1] for c in ALL_CASES])
+def test_corrupted_checkpoint(base, tmp_path, capsys, case):
+    which, _, kind, mutate = case
+    d = _copy(base[which], tmp_path / "ckpt")
     name = mutate(d)
     code, err, out = run(d, tmp_path, capsys)
     if kind == "strict":
         expect_input_error(code, err, out, name, tmp_path)
     else:
         expect_no_crash(code, err, out, tmp_path)
-
-
-@pytest.mark.parametrize("case", INDEX_CASES, ids=[c[0] for c in INDEX_CASES])
-def test_corrupted_index(base, tmp_path, capsys, case):
-    _, kind, mutate = case
-    d = _copy(base[1], tmp_path / "ckpt")
-    name = mutate(d)
-    code, err, out = run(d, tmp_path, capsys)
-    expect_input_error(code, err, out, name, tmp_path)
 
 
 def test_pickle_checkpoints_are_refused_without_unpickling(tmp_path, capsys, monkeypatch):
