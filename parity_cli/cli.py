@@ -13,7 +13,16 @@ import click
 from parity_cli import __version__
 from parity_cli.errors import InputError
 
-EXIT_PASS, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT = 0, 1, 2, 130
+EXIT_PASS, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_TERMINATED = 0, 1, 2, 130, 143
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every finally block (children killed,
+    staged outputs removed) runs before the exit."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def _console(stderr: bool = False):
@@ -54,9 +63,17 @@ def cli():
 @click.option("--reference-device", default="cpu", show_default=True, help="Device the reference runs on.")
 @click.option("--exact", is_flag=True, help="Bitwise parity: --atol 0 --rtol 0, no allowance.")
 @click.option("--grad", is_flag=True, help="Backward parity too: dx and dweight against the reference's autograd.")
-@click.option("--timeout", type=float, default=None, help="Seconds per layer before the candidate counts as hung.")
+@click.option("--timeout", type=float, default=None,
+              help="Seconds per layer before the candidate's process is killed and the layer fails "
+                   "[default: 120; inf: no limit].")
+@click.option("--candidate-memory", default=None, metavar="SIZE",
+              help="Kill the candidate's process past this resident memory, a finding (8G, 512M, none) "
+                   "[default: half of RAM].")
+@click.option("--isolation", type=click.Choice(["auto", "process", "none"]), default="auto", show_default=True,
+              help="Where the candidate runs: auto (plugins and GPU runs in a supervised process, the "
+                   "built-ins oracle/torch/hf here), process (always supervised), none (here; for debugging).")
 @click.option("--jobs", "-j", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Worker processes over layers, one torch thread each (0: one per CPU). Pays off on big models.")
+              help="Supervised candidate workers over layers, one torch thread each (0: one per CPU).")
 @click.option("--explain", is_flag=True,
               help="For each failing layer, change one factor at a time (dtype, kernel, eps) and show which carries the error.")
 @click.option("--dtype", default=None, help="Candidate input/weight dtype (float32, bfloat16, float16, float64); default: as stored.")
@@ -83,7 +100,7 @@ def cli():
               help="Write error against q/eps with the attenuation curve (.svg or .png; needs matplotlib).")
 @click.option("--quiet", "-q", is_flag=True, help="No terminal table; the exit code says it all.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
-          exact, grad, timeout, jobs, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
+          exact, grad, timeout, candidate_memory, isolation, jobs, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
           plot_path, quiet):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
@@ -108,7 +125,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
         candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
-        jobs=jobs or os.cpu_count() or 1,
+        candidate_memory=candidate_memory, isolation=isolation, jobs=jobs or os.cpu_count() or 1,
     )
     with _progress(quiet) as progress:
         report = run_check(checkpoint, options, progress=progress)
@@ -400,6 +417,12 @@ def schema():
 
 
 def main(argv: list[str] | None = None) -> None:
+    import signal
+
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (an embedding caller): its signals are its own
+        pass
     try:
         code = cli.main(args=argv, prog_name="parity", standalone_mode=False)
     except InputError as exc:
@@ -411,8 +434,13 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"parity: error: {' '.join(exc.format_message().split())}", err=True)
         code = EXIT_INPUT
     except (KeyboardInterrupt, click.exceptions.Abort):
+        _stop_children()
         click.echo("parity: interrupted", err=True)
         code = EXIT_INTERRUPT
+    except Terminated:
+        _stop_children()
+        click.echo("parity: terminated", err=True)
+        code = EXIT_TERMINATED
     except Exception as exc:  # a bug or an input no check anticipated: still one line, still exit 2
         import os
 
@@ -422,6 +450,11 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"parity: internal error: {first} (rerun with PARITY_DEBUG=1 for the traceback)", err=True)
         code = EXIT_INPUT
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _stop_children() -> None:
+    if "parity_cli.supervisor" in sys.modules:
+        sys.modules["parity_cli.supervisor"].kill_all()
 
 
 if __name__ == "__main__":

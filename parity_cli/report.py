@@ -156,12 +156,22 @@ def write_json(data: dict, path: str | Path) -> None:
 def write_files(outputs: dict) -> None:
     """All or nothing: every output goes to a temporary file first, then all are renamed, so an
     interrupted or failed run leaves no partial report and no half of the set."""
+    import signal
+
     staged = []
     try:
         for path, text in outputs.items():
             staged.append((_stage(text, Path(path)), Path(path)))
-        for tmp, path in staged:
-            os.replace(tmp, path)
+        # Ctrl-C or SIGTERM between two renames would leave half a set: hold them off for the
+        # few renames; a pending signal lands right after, with the set complete.
+        held = {signal.SIGINT, signal.SIGTERM}
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held) if hasattr(signal, "pthread_sigmask") else None
+        try:
+            for tmp, path in staged:
+                os.replace(tmp, path)
+        finally:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     except OSError as exc:
         from parity_cli.errors import InputError
 

@@ -1,0 +1,121 @@
+"""The explain ladder: for a failing layer, change one factor at a time (dtype, kernel, eps)
+and see which change makes the error collapse. Each rung is a full layer check."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from pathlib import Path
+
+from parity_cli.errors import InputError
+
+
+def _step(label: str, factor: str, result) -> dict:
+    finite = [s for s in result.strata if s.status != "error"]
+    return {
+        "step": label,
+        "changes": factor,
+        "status": result.status,
+        "error": result.error or next((f"{s.name}: {s.error}" for s in result.strata if s.error), None),
+        "max_abs_err": max((s.max_abs_err for s in finite), default=None),
+        "max_rel_err": max((s.max_rel_err for s in finite), default=None),
+        "failing": [s.name for s in result.strata if s.status != "pass"],
+    }
+
+
+def _skipped(label: str, factor: str, why: str) -> dict:
+    return {"step": label, "changes": factor, "status": "skipped", "error": why, "max_abs_err": None,
+            "max_rel_err": None, "failing": []}
+
+
+def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dict:
+    """The one-factor-at-a-time ladder for each failing layer (or the named ones): the check as
+    run, then the candidate at the reference dtype, the family's own numerics at the candidate
+    dtype, and the reference with the eps the candidate appears to use. The step whose errors
+    collapse names the factor that carries them."""
+    import torch
+
+    from parity_cli import api
+    from parity_cli import implementations as impls
+    from parity_cli.checkpoint import Eps
+    from parity_cli.comparison import tolerance_for
+    from parity_cli.diagnosis import Context, estimate_eps
+    from parity_cli.layer_check import Side, check_layer, first_head
+    from parity_cli.layers import discover_layers
+    from parity_cli.probes import select_strata
+    from parity_cli.runners import InProcessRunner
+    from parity_cli.supervisor import close_runners, open_runners, parse_memory
+
+    opts = dataclasses.replace(opts, grad=False)
+    if layer_names:  # the caller has the report already (check --explain, parity explain REPORT.json)
+        wanted = set(layer_names)
+    else:
+        wanted = {l.name for l in api.check(path, opts).layers if not l.passed}
+        if not wanted:
+            return {}
+    ckpt, fam, eps = api.load(path, opts.family, opts.eps)
+    found = {l.name: l for l in discover_layers(ckpt, fam, eps).layers}
+    unknown = sorted(wanted - set(found))
+    if unknown:
+        raise InputError(f"explain: no layer named {', '.join(unknown)} in {ckpt.path}")
+    strata = select_strata(opts.strata)
+    # the candidate dtype exactly as check() chooses it
+    checked_layers = [l for n, l in found.items() if not opts.layers or fnmatch.fnmatchcase(n, opts.layers)]
+    cand_dtype_name = api.dtype_name(opts.dtype) if opts.dtype else api.stored_dtype(checked_layers)
+    cand_dtype = getattr(torch, cand_dtype_name)
+    ref_dtype = getattr(torch, api.dtype_name(opts.reference_dtype))
+    reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, api.check_device(opts.reference_device))
+    device = api.check_device(opts.device)
+    tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
+    copies = None  # --candidate-checkpoint: the candidate keeps the copy's weights and eps in every step
+    if opts.candidate_checkpoint:
+        from parity_cli.pairing import pair
+
+        ckpt2, fam2, eps2 = api.load(opts.candidate_checkpoint)
+        copies = pair(list(found.values()), discover_layers(ckpt2, fam2, eps2).layers, str(ckpt2.path)).candidate_layers
+    cand_impl, runners = open_runners(opts.candidate, api.candidate_args(opts), device, opts.isolation,
+                                      api.timeout_of(opts), parse_memory(opts.candidate_memory))
+    own_runner = InProcessRunner(impls.resolve("hf"))
+
+    def cand(dtype, eps_value=opts.candidate_eps):
+        return Side(cand_impl, opts.candidate, dtype, device, eps_value, runners[0])
+
+    out = {}
+    try:
+        for name in [n for n in found if n in wanted]:  # discovery (table) order
+            layer = found[name]
+            other = None if copies is None else copies.get(name)
+            if copies is not None and other is None:
+                out[name] = [_skipped("candidate checkpoint", "nothing", "the layer is missing from the candidate checkpoint")]
+                continue
+            steps = []
+            # kept tensors: the same run also gives the rows the eps is estimated from (step 3)
+            checked = check_layer(layer, reference, cand(cand_dtype), strata, tol, opts, cand_layer=other,
+                                  keep_tensors=True)
+            steps.append(_step(f"candidate at {cand_dtype_name} (as checked)", "nothing", checked))
+            # 1. the candidate at the reference's dtype: does the error belong to the dtype?
+            ref_dtype_name = str(ref_dtype).removeprefix("torch.")
+            steps.append(_step(f"candidate at {ref_dtype_name}", "dtype",
+                               check_layer(layer, reference, cand(ref_dtype), strata, tolerance_for(ref_dtype_name),
+                                           opts, cand_layer=other)))
+            # 2. the family's own numerics at the candidate dtype: the floor that dtype imposes
+            own = Side(own_runner.impl, "hf", cand_dtype, "cpu", opts.candidate_eps, own_runner)
+            steps.append(_step(f"{layer.family} numerics (hf) at {cand_dtype_name}", "kernel",
+                               check_layer(layer, reference, own, strata, tol, opts, cand_layer=other)))
+            # 3. the reference with the eps the candidate appears to use
+            gain = layer.gain_offset + layer.weight.to(cand_dtype).double()
+            bias = None if layer.bias is None else layer.bias.to(cand_dtype).double()
+            kept, gain, bias = first_head(layer, checked.strata, gain, bias)
+            est = estimate_eps(Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=cand_dtype, strata=kept))
+            if est is not None and est[0] > 0:
+                shifted = dataclasses.replace(layer, eps=Eps(est[0], "estimated from the candidate"))
+                keep = cand(cand_dtype, opts.candidate_eps if opts.candidate_eps is not None else (other or layer).eps.value)
+                steps.append(_step(f"reference with eps {est[0]:.3g} (estimated)", "eps",
+                                   check_layer(shifted, reference, keep, strata, tol, opts, cand_layer=other)))
+            else:
+                steps.append(_skipped("reference with the candidate's eps", "eps",
+                                      "no eps could be estimated (the tiny and constant strata show none)"))
+            out[name] = steps
+    finally:
+        close_runners(runners)
+    return out

@@ -1,0 +1,263 @@
+"""The layer loop: one NormLayer through both sides, compared stratum by stratum, diagnosed.
+
+The parent owns everything the verdict rests on: the stored weight and its statistics, the
+probes, the reference outputs, the comparison and the diagnosis. The candidate gets copies
+through its runner (in this process for trusted built-ins, a supervised child otherwise) and
+hands back values; nothing it does can reach what this module reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from parity_cli.errors import InputError
+from parity_cli.runners import CandidateJob, failure
+
+
+@dataclass
+class Side:
+    """One side of the comparison: an implementation at a dtype on a device."""
+
+    impl: object  # implementations.Implementation (the reference; a candidate's name and source)
+    spec: str  # as the user wrote it, for messages
+    dtype: object  # torch dtype
+    device: str
+    eps: float | None = None  # None: the layer's own eps
+    runner: object = None  # the candidate's: runners.InProcessRunner or supervisor.Supervisor
+
+
+def weight_stats(weight) -> dict:
+    import torch
+
+    w = weight.to(torch.float64)
+    finite = w[torch.isfinite(w)]
+    return {
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "min": float(finite.min()) if finite.numel() else None,
+        "max": float(finite.max()) if finite.numel() else None,
+        "mean": float(finite.mean()) if finite.numel() else None,
+        "nonfinite": int(w.numel() - finite.numel()),
+    }
+
+
+def _every(t, n):
+    return None if t is None else t[::n]
+
+
+def first_head(layer, strata, gain, bias):
+    """Diagnosis reasons about one gain vector: for per-head gains (heads, dim) it looks at the
+    first head's rows (every head sees the same probes). 1-D layers pass through unchanged."""
+    heads = layer.shape[:-1]
+    if not heads:
+        return strata, gain, bias
+    n = 1
+    for h in heads:
+        n *= h
+    first = [dataclasses.replace(s, x=_every(s.x, n), ref=_every(s.ref, n), cand=_every(s.cand, n)) for s in strata]
+    return first, gain.reshape(-1, layer.dim)[0], None if bias is None else bias.reshape(-1, layer.dim)[0]
+
+
+def crc(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode())
+
+
+def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand_layer=None, grad_tol=None,
+                keep_tensors=False):
+    """Probes one layer through both sides. A fault in the reference is the user's input
+    (exit 2); a fault in the candidate (raise, hang, crash, garbage) is a finding in the result.
+
+    `cand_layer` is the same layer from --candidate-checkpoint: the candidate then gets that
+    checkpoint's weight, eps and conventions while the reference keeps the original's."""
+    import torch
+
+    from parity_cli.comparison import compare, errored, mean_rounding_allowance
+    from parity_cli.diagnosis import bitwise_diagnosis, diagnose, diagnose_grad
+    from parity_cli.gradients import grad_strata, upstream_for
+    from parity_cli.probes import build_probes
+    from parity_cli.report import LayerResult
+
+    cand_layer = cand_layer or layer
+    eps = layer.eps.value
+    cand_eps = candidate.eps if candidate.eps is not None else cand_layer.eps.value
+    stats = weight_stats(layer.weight)  # before anyone runs: the report states what is stored
+    # Both sides see the weight as the candidate receives it (rounded to its dtype); each gets
+    # its own copy, so a scribbling kernel changes nothing the other side or the report reads.
+    w_ref = layer.weight.to(candidate.dtype).to(reference.dtype, copy=True)
+    b_ref = None if layer.bias is None else layer.bias.to(candidate.dtype).to(reference.dtype, copy=True)
+
+    heads = layer.shape[:-1]  # per-head gains (Cohere q/k norms): every head sees every probe
+
+    def spread(x):
+        return x if not heads else x.reshape(x.shape[0], *([1] * len(heads)), x.shape[-1]).expand(
+            x.shape[0], *heads, x.shape[-1]).contiguous()
+
+    def rows(y):
+        return y if y is None or not heads else y.reshape(-1, y.shape[-1])
+
+    probes = build_probes(strata, layer.dim, eps, candidate.dtype, opts.seed)
+    xs = [spread(probe.x) for probe in probes]
+    upstream = [upstream_for(opts.seed, probe.stratum, layer.dim, x) for probe, x in zip(probes, xs)] \
+        if opts.grad else None
+    job = CandidateJob(
+        layer=cand_layer, weight=cand_layer.weight.to(candidate.dtype, copy=True),
+        bias=None if cand_layer.bias is None else cand_layer.bias.to(candidate.dtype, copy=True),
+        eps=cand_eps, device=candidate.device, inputs=[x.to(candidate.dtype, copy=True) for x in xs],
+        upstream=None if upstream is None else [u.to(candidate.dtype) for u in upstream])
+    run = candidate.runner.run(job)
+    layer_error = run.error
+
+    try:
+        ref_fn = reference.impl.prepare(layer, w_ref.to(reference.device),
+                                        None if b_ref is None else b_ref.to(reference.device), eps)
+    except Exception as exc:
+        raise InputError(failure(f"--reference {reference.spec}: cannot build {layer.name}: ", exc)) from None
+
+    results, grads, returned_dtypes = [], [], set()
+    for k, (probe, x) in enumerate(zip(probes, xs)):
+        ref = _reference(ref_fn, x, reference, layer, probe)
+        out = run.output(k)
+        if out.dtype:
+            returned_dtypes.add(out.dtype)
+        if out.error:
+            results.append(errored(probe.stratum, rows(x), eps, layer.kind, out.error))
+        elif tuple(out.value.shape) != tuple(ref.shape):
+            results.append(errored(probe.stratum, rows(x), eps, layer.kind,
+                                   f"candidate returned shape {list(out.value.shape)}, expected {list(ref.shape)}"))
+        else:
+            extra = None
+            if layer.kind == "layer_norm" and tol.mean_rounding:
+                extra = rows(mean_rounding_allowance(x, layer.gain_offset + w_ref.cpu(), eps, tol))
+            q = probe.mean_square(layer.kind)
+            if heads:
+                q = q.repeat_interleave(rows(x).shape[0] // q.shape[0])
+            results.append(compare(probe.stratum, rows(x), rows(ref), rows(out.value), eps, layer.kind, tol,
+                                   opts.max_violation_fraction, extra, candidate.dtype, q))
+        if opts.grad:
+            grads.extend(grad_strata(probe, x, upstream[k], rows, layer, reference, w_ref, b_ref, eps, grad_tol,
+                                     run.grad(k), layer_error or out.error))
+    warnings = list(layer.warnings)
+    weight_findings = []
+    if stats["nonfinite"]:
+        # Both sides then output NaN and "agree": the checkpoint itself is broken, and that fails.
+        weight_findings.append({"code": "nonfinite_weight",
+                                "message": f"{stats['nonfinite']} non-finite value(s) in the stored weight "
+                                           f"{layer.tensor or layer.name}: every output of this layer is NaN or inf",
+                                "count": stats["nonfinite"]})
+    wrong_dtype = sorted(returned_dtypes - {str(candidate.dtype).removeprefix("torch.")})
+    if wrong_dtype:
+        warnings.append(f"candidate returned {', '.join(wrong_dtype)} for {str(candidate.dtype).removeprefix('torch.')} "
+                        "input (compared after upcasting to float64)")
+    result = LayerResult(
+        name=layer.name, kind=layer.kind, dim=layer.dim,
+        eps={"value": eps, "source": layer.eps.source},
+        weight=stats, strata=results, error=layer_error, warnings=warnings, grad=grads,
+        shape=list(layer.shape), findings=weight_findings,
+    )
+    if cand_layer is not layer or candidate.eps is not None:
+        result.candidate_eps = {"value": cand_eps, "source": "option:--candidate-eps" if candidate.eps is not None
+                                else cand_layer.eps.source}
+    gain = layer.gain_offset + w_ref.cpu().to(torch.float64)
+    bias = None if b_ref is None else b_ref.cpu().to(torch.float64)
+    strata_d, gain_d, bias_d = first_head(layer, results, gain, bias)
+    if opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
+        result.diagnoses = bitwise_diagnosis(strata_d, candidate.dtype, layer, gain_d, tol, bias_d)
+    else:
+        result.diagnoses = diagnose(layer, strata_d, gain_d, tol, candidate.dtype, bias_d)
+    if opts.grad:
+        result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
+    if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
+        for s in results + grads:
+            s.x = s.ref = s.cand = None
+    return result
+
+
+def _reference(ref_fn, x, reference: Side, layer, probe):
+    """The reference's output as float64 on the CPU; any fault in it is the user's input."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            y = ref_fn(x.to(device=reference.device, dtype=reference.dtype, copy=True))
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"returned {type(y).__name__}, not a tensor")
+        return y.detach().to("cpu", torch.float64)
+    except Exception as exc:
+        raise InputError(failure(f"--reference {reference.spec} failed on {layer.name}, "
+                                 f"stratum {probe.stratum}: ", exc)) from None
+
+
+def missing_layer(layer):
+    """A layer the --candidate-checkpoint lacks: nothing to probe, the pairing's findings say why."""
+    from parity_cli.report import LayerResult
+
+    return LayerResult(name=layer.name, kind=layer.kind, dim=layer.dim,
+                       eps={"value": layer.eps.value, "source": layer.eps.source},
+                       weight=weight_stats(layer.weight), strata=[], shape=list(layer.shape))
+
+
+def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata, tol, opts, grad_tol,
+               progress=None):
+    """Every layer, in order. With several candidate sides (--jobs N: N supervised children),
+    layers go to whichever is free; the parent's work for a layer runs in that side's thread."""
+
+    def one(layer, candidate):
+        if pairing is None:
+            return check_layer(layer, reference, candidate, strata, tol, opts, grad_tol=grad_tol)
+        other = pairing.candidate_layers.get(layer.name)
+        result = missing_layer(layer) if other is None else check_layer(
+            layer, reference, candidate, strata, tol, opts, cand_layer=other, grad_tol=grad_tol)
+        result.findings = result.findings + pairing.layer_findings.get(layer.name, [])
+        return result
+
+    if len(candidates) == 1 or len(layers) == 1:
+        results = []
+        for k, layer in enumerate(layers):
+            if progress is not None:
+                progress(k, len(layers), layer.name)
+            results.append(one(layer, candidates[0]))
+        return results
+    return _threaded(layers, candidates, one, progress)
+
+
+def _threaded(layers, candidates, one, progress):
+    import queue
+    import threading
+
+    todo: queue.Queue = queue.Queue()
+    for k, layer in enumerate(layers):
+        todo.put((k, layer))
+    done: dict = {}
+    failed: list = []
+    stop = threading.Event()
+
+    def work(candidate):
+        while not stop.is_set():
+            try:
+                k, layer = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done[k] = one(layer, candidate)
+            except BaseException as exc:  # an InputError from the reference: the whole run stops
+                failed.append(exc)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=work, args=(c,), daemon=True, name=f"parity-layers-{i}")
+               for i, c in enumerate(candidates)]
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.1)
+            if progress is not None:
+                progress(len(done), len(layers), f"{len(done)} layers")
+    except BaseException:
+        stop.set()  # Ctrl-C / SIGTERM: the caller kills the children, which frees the threads
+        raise
+    if failed:
+        raise failed[0]
+    return [done[k] for k in range(len(layers))]

@@ -1,0 +1,226 @@
+"""Stage 4b: how a candidate is run. One layer's work for the candidate is a CandidateJob; what
+comes back is a CandidateRun. The same `execute` runs in this process (trusted built-ins) and
+in a supervised child process (everything else, parity_cli.supervisor), so both paths
+convert, validate and word a result identically.
+
+Why the split: a candidate is untrusted code. Whatever it returns is turned into plain
+float64 values *inside* the guard, and it only ever sees copies of the probes and weights."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+# dtypes a result may travel in; anything else floating is widened to float32 first
+WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# the kinds of implementation that run in the parent: our own code, pure functions of copies
+IN_PROCESS_BUILTINS = ("oracle", "torch", "hf")
+
+
+@dataclass
+class CandidateJob:
+    """Everything the candidate needs for one layer, as copies it may scribble on."""
+
+    layer: object  # layers.NormLayer (the candidate's: its weight, eps and conventions)
+    weight: object  # torch.Tensor at the candidate dtype, on the CPU
+    bias: object
+    eps: float
+    device: str
+    inputs: list  # probe batches at the candidate dtype, on the CPU
+    upstream: list | None = None  # --grad: one upstream gradient per input
+
+
+@dataclass
+class Output:
+    value: object = None  # float64 tensor on the CPU, or None
+    error: str | None = None
+    dtype: str | None = None  # what the candidate returned
+
+
+@dataclass
+class CandidateRun:
+    """One layer's candidate results. `error` is a layer-wide fault (build failed, process
+    died, timed out, memory cap): the inputs without an output share it."""
+
+    error: str | None = None
+    outputs: list[Output] = field(default_factory=list)
+    grads: list[tuple] = field(default_factory=list)  # per input: (dx, dweight or None, error)
+
+    def output(self, k: int) -> Output:
+        return self.outputs[k] if k < len(self.outputs) else Output(error=self.error or "no output")
+
+    def grad(self, k: int) -> tuple:
+        return self.grads[k] if k < len(self.grads) else (None, None, self.error or "no gradient")
+
+
+def failure(prefix: str, exc: BaseException) -> str:
+    return f"{prefix}{type(exc).__name__}: {exc}".splitlines()[0][:500] if str(exc) else \
+        f"{prefix}{type(exc).__name__}"[:500]
+
+
+def readable(y, expected_numel: int):
+    """(contiguous CPU tensor in a WIRE_DTYPES dtype, dtype it came as, error). Every way a
+    return value can be unusable is a message here, never an exception later."""
+    import torch
+
+    if not isinstance(y, torch.Tensor):
+        return None, None, f"returned {type(y).__name__}, not a tensor"
+    try:
+        y = y.detach()
+        if type(y) is not torch.Tensor:  # a subclass may override .to/.cpu: read it as a plain tensor
+            y = y.as_subclass(torch.Tensor)
+        if y.layout != torch.strided:
+            return None, None, f"returned a {str(y.layout).removeprefix('torch.')} tensor, not a dense one"
+        if y.device.type == "meta":
+            return None, None, "returned a meta tensor (it holds no values)"
+        dtype = str(y.dtype).removeprefix("torch.")
+        if y.is_complex():
+            return None, dtype, f"returned {dtype}: a norm's output is real"
+        if not y.is_floating_point():
+            return None, dtype, f"returned {dtype}, not a floating-point tensor"
+        if y.numel() > 4 * expected_numel + 1024:
+            return None, dtype, f"returned shape {list(y.shape)} ({y.numel()} values for {expected_numel} inputs)"
+        y = y.to("cpu")
+        if dtype not in WIRE_DTYPES:  # float8 and friends: exactly representable in float32
+            y = y.to(torch.float32)
+        return y.contiguous(), dtype, None
+    except Exception as exc:
+        return None, None, failure("returned a tensor that cannot be read: ", exc)
+
+
+def execute(impl, job: CandidateJob, guard=None):
+    """Runs the job, yielding ("built", error), then ("out", k, tensor, dtype, error) per input,
+    then ("grad", k, dx, dweight, error) per input under --grad. `guard()` runs after every
+    call into candidate code (the child uses it to stop a process the candidate forked)."""
+    import torch
+
+    guard = guard or (lambda: None)
+    dev = job.device
+    try:
+        weight = job.weight.to(dev)
+        bias = None if job.bias is None else job.bias.to(dev)
+        try:
+            fn = impl.prepare(job.layer, weight, bias, job.eps)
+        finally:
+            guard()
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt from the candidate: findings too
+        yield ("built", failure("building the candidate failed: ", exc))
+        return
+    yield ("built", None)
+    failed = set()
+    for k, x in enumerate(job.inputs):
+        try:
+            with torch.no_grad():
+                y = fn(x.to(dev))
+        except BaseException as exc:
+            y, err = None, failure("", exc)
+        else:
+            err = None
+        finally:
+            guard()
+        if err is None:
+            y, dtype, err = readable(y, x.numel())
+        else:
+            dtype = None
+        if err:
+            failed.add(k)
+        yield ("out", k, y, dtype, err)
+    for k, (x, up) in enumerate(zip(job.inputs, job.upstream or ())):
+        if k in failed:
+            yield ("grad", k, None, None, "the forward pass failed")
+            continue
+        try:
+            dx, dw = autograd(impl, job, x.to(dev), up.to(dev))
+        except BaseException as exc:
+            yield ("grad", k, None, None, failure("backward: ", exc))
+        else:
+            yield ("grad", k, dx, dw, None)
+        finally:
+            guard()
+
+
+def autograd(impl, job: CandidateJob, x, upstream):
+    """(dx, dweight) by autograd of sum(upstream * fn(x)). A candidate that is not
+    differentiable is a finding; dweight comes from a module's own weight when fn is one."""
+    import torch
+
+    w_leaf = job.weight.to(job.device).clone().requires_grad_(True)
+    bias = None if job.bias is None else job.bias.to(job.device)
+    fn = impl.prepare(job.layer, w_leaf, bias, job.eps)
+    xl = x.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        y = fn(xl)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"returned {type(y).__name__}, not a tensor")
+        if not y.requires_grad:
+            raise TypeError("output does not require grad: not differentiable")
+        (y.to(upstream.dtype) * upstream).sum().backward()
+    w = fn.weight if isinstance(fn, torch.nn.Module) and isinstance(getattr(fn, "weight", None), torch.Tensor) \
+        else w_leaf
+    if xl.grad is None:
+        raise TypeError("no gradient reached the input")
+    dx, _, err = readable(xl.grad, x.numel())
+    if err:
+        raise TypeError(f"dx {err}")
+    dw = None
+    if w is not None and w.grad is not None:
+        dw, _, err = readable(w.grad, job.weight.numel())
+        if err:
+            raise TypeError(f"dweight {err}")
+    return dx, dw
+
+
+def collect(events, run: CandidateRun) -> CandidateRun:
+    """Folds execute()'s events into a CandidateRun (float64 values on the CPU)."""
+    import torch
+
+    for event in events:
+        if event[0] == "built":
+            run.error = event[1]
+        elif event[0] == "out":
+            _, _, y, dtype, err = event
+            run.outputs.append(Output(None if y is None else y.to(torch.float64), err, dtype))
+        else:
+            _, _, dx, dw, err = event
+            run.grads.append((None if dx is None else dx.to(torch.float64),
+                              None if dw is None else dw.to(torch.float64), err))
+    return run
+
+
+class InProcessRunner:
+    """Runs a trusted built-in here. Its inputs are still copies. `timeout` can only abandon
+    the work in a thread, never stop it: untrusted code goes to the Supervisor instead."""
+
+    isolated = False
+
+    def __init__(self, impl, timeout: float | None = None):
+        self.impl = impl
+        self.timeout = timeout
+
+    def run(self, job: CandidateJob) -> CandidateRun:
+        if self.timeout is None:
+            return collect(execute(self.impl, job), CandidateRun())
+        import threading
+
+        run = CandidateRun()
+        done = threading.Event()
+
+        def target():
+            try:
+                collect(execute(self.impl, job), run)
+            finally:
+                done.set()
+
+        threading.Thread(target=target, daemon=True, name="parity-candidate").start()
+        if not done.wait(self.timeout):
+            run.outputs = list(run.outputs)  # what arrived in time stands; the rest shares the error
+            return CandidateRun(error=f"candidate timed out after {self.timeout:g}s",
+                                outputs=run.outputs, grads=run.grads)
+        return run
+
+    def close(self) -> None:
+        pass
+
+
+def monotonic_deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout

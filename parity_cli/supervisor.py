@@ -1,0 +1,451 @@
+"""The parent side of a supervised candidate: a child process (parity_cli.worker) that the
+parent can always stop.
+
+A candidate is untrusted code. Here it cannot change what the parent reads (it gets copies
+through a pipe), cannot end the run (its exit is a finding), cannot hang it (a per-layer
+deadline kills the child's whole process group) and cannot take the machine's memory (an RSS
+watchdog kills it past a cap). After a kill the next layer gets a fresh child. The design
+follows pytest-timeout / pytest-xdist: test code and the runner never share a process."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from parity_cli.errors import InputError
+from parity_cli.runners import WIRE_DTYPES, CandidateJob, CandidateRun, Output
+
+DEFAULT_TIMEOUT = 120.0  # seconds per layer: a CI run can never hang forever
+LOAD_TIMEOUT = 60.0  # a fresh child imports torch and the candidate; never shorter than this
+TICK = 0.05  # how often the watchdog looks at the child while waiting
+OUTPUT_CAP = 64 << 20  # bytes of captured candidate stdout/stderr kept before it is truncated
+MAX_HEADER = 64 << 10
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_live: set = set()
+_live_lock = threading.Lock()
+
+
+def kill_all() -> None:
+    """Every child this process started, and whatever they forked: no orphans on any exit."""
+    with _live_lock:
+        children = list(_live)
+    for sup in children:
+        sup.kill()
+
+
+atexit.register(kill_all)
+
+
+def parse_memory(value) -> int | None:
+    """--candidate-memory: '8G', '512M', '1.5GiB', a byte count, 'none'; None: half of RAM."""
+    if value is None or value == "auto":
+        return _total_memory() // 2 if _total_memory() else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise InputError(f"--candidate-memory must be > 0, got {value}")
+        return int(value)
+    import re
+
+    text = str(value).strip().lower()
+    if text in ("none", "off", "0"):
+        return None
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?b)?", text)
+    if m is None:
+        raise InputError(f"--candidate-memory: '{value}' is not a size (e.g. 8G, 512M, none)")
+    size = float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
+    if not size > 0 or size == float("inf"):
+        raise InputError(f"--candidate-memory must be > 0, got {value}")
+    return int(size)
+
+
+def _total_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of the child and the processes it forked (Linux /proc; 0 elsewhere)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, pids = 0, [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            pids += [int(p) for p in fh.read().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/statm") as fh:
+                total += int(fh.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+class _Stop(Exception):
+    """The child has to go: the message says why, for the layer's error."""
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """One supervised child for one candidate spec; `run(job)` is one layer."""
+
+    isolated = True
+
+    def __init__(self, spec: str, args: dict | None, timeout: float | None = DEFAULT_TIMEOUT,
+                 memory: int | None = None, threads: int | None = None):
+        self.spec, self.args = spec, dict(args or {})
+        self.timeout, self.memory, self.threads = timeout, memory, threads
+        self.proc = None
+        self.info: dict | None = None
+        self.printed = 0  # bytes the candidate wrote to stdout/stderr, over every child
+        self.first_line = ""
+        self._out_fd = None
+        self._out_base = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Supervisor:
+        """Spawns the child and asks it to load the candidate; `loaded()` waits for the answer,
+        so the parent can read the checkpoint meanwhile."""
+        import tempfile
+
+        import parity_cli
+
+        p2c_r, p2c_w = os.pipe()
+        c2p_r, c2p_w = os.pipe()
+        for fd in (p2c_w, c2p_w):
+            try:
+                import fcntl
+
+                fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ: fewer wake-ups per megabyte
+            except (ImportError, OSError):
+                pass
+        if self._out_fd is None:
+            fd, path = tempfile.mkstemp(prefix="parity-candidate-", suffix=".log")
+            os.close(fd)
+            self._out_fd = os.open(path, os.O_RDWR | os.O_APPEND)
+            os.unlink(path)  # nothing left behind, whatever happens
+        root = os.path.dirname(os.path.dirname(os.path.abspath(parity_cli.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                   PYTHONUNBUFFERED="1")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "parity_cli.worker", str(p2c_r), str(c2p_w), str(os.getpid())],
+                stdin=subprocess.DEVNULL, stdout=self._out_fd, stderr=self._out_fd, pass_fds=(p2c_r, c2p_w),
+                start_new_session=True, env=env)  # own session: the terminal's Ctrl-C is ours, and killpg reaches forks
+        finally:
+            os.close(p2c_r)
+            os.close(c2p_w)
+        self.wfd, self.rfd = p2c_w, c2p_r
+        os.set_blocking(self.wfd, False)
+        with _live_lock:
+            _live.add(self)
+        self._started = time.monotonic()
+        self._send(("load", self.spec, self.args, list(sys.path), self.threads),
+                   time.monotonic() + max(self.timeout or 0, LOAD_TIMEOUT))
+        return self
+
+    def loaded(self) -> dict:
+        """The candidate's name/source as the child loaded it; InputError if it cannot load."""
+        if self.info is not None:
+            return self.info
+        if self.proc is None:
+            self.start()
+        deadline = self._started + max(self.timeout or 0, LOAD_TIMEOUT)
+        try:
+            head, _ = self._frame(deadline, None)
+        except _Stop as why:
+            self.kill()
+            raise InputError(f"implementation '{self.spec}': its process {why} while loading it") from None
+        if head.get("type") == "load_error":
+            self.kill()
+            raise InputError(str(head.get("error"))[:500])
+        if head.get("type") != "loaded":
+            self.kill()
+            raise InputError(f"implementation '{self.spec}': its process answered {head.get('type')!r} while loading")
+        self.info = {k: str(head.get(k, ""))[:300] for k in ("name", "source", "description")}
+        return self.info
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own group: this also stops its forks
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for fd in (self.wfd, self.rfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        with _live_lock:
+            _live.discard(self)
+
+    def close(self) -> None:
+        self.kill()
+        if self._out_fd is not None:
+            self._note_output()
+            os.close(self._out_fd)
+            self._out_fd = None
+
+    # --- one layer ------------------------------------------------------------------------------
+
+    def run(self, job: CandidateJob) -> CandidateRun:
+        """The candidate's outputs for one layer. Whatever the child does, this returns."""
+        run = CandidateRun()
+        if self.proc is None:  # the previous layer killed it, or it died: a fresh child
+            self.info = None
+            try:
+                self.start()
+                self.loaded()
+            except InputError as exc:
+                return CandidateRun(error=f"a fresh candidate process failed to load: {exc}")
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            self._send(job, deadline)
+            expected = [x.shape for x in job.inputs]
+            while True:
+                head, payload = self._frame(deadline, expected)
+                kind = head.get("type")
+                if kind == "done":
+                    break
+                if kind == "built":
+                    run.error = _text(head.get("error"))
+                elif kind == "out":
+                    run.outputs.append(self._output(head, payload, len(run.outputs)))
+                elif kind == "grad":
+                    run.grads.append(self._grads(head, payload, len(run.grads), job))
+                else:
+                    raise _Stop(f"sent an unknown message {str(kind)[:40]!r}")
+        except _Stop as why:
+            self.kill()
+            run.error = f"candidate process {why}{self._last_line()}"
+        return run
+
+    def _output(self, head: dict, payload: bytes, k: int) -> Output:
+        if head.get("k") != k:
+            raise _Stop("sent results out of order")
+        returned = head.get("returned")
+        returned = returned if isinstance(returned, str) and len(returned) < 40 else None
+        if head.get("error") is not None:
+            return Output(error=_text(head["error"]), dtype=returned)
+        return Output(_tensor(head, payload), None, returned)
+
+    def _grads(self, head: dict, payload: bytes, k: int, job: CandidateJob) -> tuple:
+        if head.get("k") != k:
+            raise _Stop("sent gradients out of order")
+        if head.get("error") is not None:
+            return None, None, _text(head["error"])
+        dx_head = head.get("dx")
+        if not isinstance(dx_head, dict):
+            raise _Stop("sent a gradient without dx")
+        split = _nbytes(dx_head)
+        dx = _tensor(dx_head, payload[:split])
+        dw = None if head.get("dw") is None else _tensor(head["dw"], payload[split:])
+        return dx, dw, None
+
+    # --- frames -------------------------------------------------------------------------------
+
+    def _send(self, message, deadline: float | None) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(struct.pack("<Q", len(data)) + data)
+        while view:
+            self._wait(deadline, write=True)
+            try:
+                view = view[os.write(self.wfd, view):]
+            except BlockingIOError:
+                continue
+            except (BrokenPipeError, OSError):
+                raise _Stop(self._gone()) from None
+
+    def _frame(self, deadline: float | None, expected) -> tuple[dict, bytes]:
+        """One header and its payload, every declared size checked before anything is read."""
+        (size,) = struct.unpack("<I", self._read(4, deadline))
+        if size > MAX_HEADER:
+            raise _Stop(f"sent a {size}-byte header (protocol violation)")
+        try:
+            head = json.loads(self._read(size, deadline))
+        except (ValueError, RecursionError):
+            raise _Stop("sent a malformed header (protocol violation)") from None
+        if not isinstance(head, dict):
+            raise _Stop("sent a malformed header (protocol violation)")
+        nbytes = head.get("nbytes", 0)
+        limit = 0 if expected is None else 2 * sum(8 * _numel(s) for s in expected) + (1 << 20)
+        if type(nbytes) is not int or not 0 <= nbytes <= limit:
+            raise _Stop(f"declared a {nbytes!r}-byte payload (at most {limit}; protocol violation)")
+        return head, self._read(nbytes, deadline) if nbytes else b""
+
+    def _read(self, n: int, deadline: float | None) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            self._wait(deadline)
+            chunk = os.read(self.rfd, min(n - len(buf), 1 << 22))
+            if not chunk:
+                raise _Stop(self._gone())
+            buf += chunk
+        return bytes(buf)
+
+    def _wait(self, deadline: float | None, write: bool = False) -> None:
+        """Blocks until the pipe is ready, watching the clock and the child's memory."""
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise _Stop(f"timed out after {self.timeout:g}s and was killed")
+            wait = TICK if deadline is None else min(TICK, deadline - now)
+            ready = select.select([], [self.wfd], [], wait)[1] if write else select.select([self.rfd], [], [], wait)[0]
+            self._watch()
+            if ready:
+                return
+
+    def _watch(self) -> None:
+        if self.memory is not None and self.proc is not None:
+            rss = _rss(self.proc.pid)
+            if rss > self.memory:
+                raise _Stop(f"exceeded the memory cap of {_gib(self.memory)} (resident {_gib(rss)}) and was killed")
+        if self._out_fd is not None and os.fstat(self._out_fd).st_size > OUTPUT_CAP:
+            self._note_output()
+            os.ftruncate(self._out_fd, 0)
+            self._out_base = 0
+
+    def _gone(self) -> str:
+        try:
+            code = self.proc.wait(timeout=5) if self.proc is not None else None
+        except subprocess.TimeoutExpired:
+            return "closed its pipe"
+        return f"died ({_describe_exit(code)})"
+
+    # --- what the candidate printed -----------------------------------------------------------
+
+    def _note_output(self) -> None:
+        size = os.fstat(self._out_fd).st_size
+        if size > self._out_base:
+            if not self.first_line:
+                head = os.pread(self._out_fd, 4096, self._out_base).decode("utf-8", "replace")
+                self.first_line = next((line.strip() for line in head.splitlines() if line.strip()), "")[:200]
+            self.printed += size - self._out_base
+            self._out_base = size
+
+    def _last_line(self) -> str:
+        """The child's last line of output (a traceback's last line, a fatal error): why it died."""
+        if self._out_fd is None:
+            return ""
+        size = os.fstat(self._out_fd).st_size
+        tail = os.pread(self._out_fd, 4096, max(self._out_base, size - 4096)).decode("utf-8", "replace")
+        self._note_output()
+        lines = [line.strip() for line in tail.splitlines() if line.strip()]
+        return f"; its last output: {lines[-1][:200]}" if lines else ""
+
+
+def _text(value) -> str | None:
+    return None if value is None else str(value)[:500]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _nbytes(head: dict) -> int:
+    dtype, shape = head.get("dtype"), head.get("shape")
+    if dtype not in WIRE_DTYPES or not isinstance(shape, list) or len(shape) > 8 or \
+            not all(type(s) is int and 0 <= s < 2**40 for s in shape):
+        raise _Stop(f"declared a tensor of dtype {str(dtype)[:20]!r} and shape {str(shape)[:60]} (protocol violation)")
+    return _numel(shape) * _ITEMSIZE[dtype]
+
+
+def _tensor(head: dict, payload: bytes):
+    """float64 CPU tensor from a checked header and exactly its bytes."""
+    import torch
+
+    if _nbytes(head) != len(payload):
+        raise _Stop("sent a tensor whose size disagrees with its header (protocol violation)")
+    if not payload:
+        return torch.empty(head["shape"], dtype=torch.float64)
+    flat = torch.frombuffer(bytearray(payload), dtype=getattr(torch, head["dtype"]))
+    return flat.reshape(head["shape"]).to(torch.float64)
+
+
+ISOLATION = ("auto", "process", "none")
+
+
+def open_runners(spec: str, args: dict, device: str, isolation: str = "auto",
+                 timeout: float | None = DEFAULT_TIMEOUT, memory: int | None = None, count: int = 1):
+    """(Implementation, [runner] * count) for the candidate. `auto`: the built-ins that are our
+    own pure code (oracle, torch, hf) run here on the CPU; everything else, and anything on a
+    GPU (the child owns the CUDA context), runs supervised. `process`: everything supervised.
+    `none`: everything here, for debugging a plugin (then --timeout cannot stop it)."""
+    from parity_cli import implementations as impls
+    from parity_cli.runners import IN_PROCESS_BUILTINS, InProcessRunner
+
+    if isolation not in ISOLATION:
+        raise InputError(f"--isolation: '{isolation}' is not one of {', '.join(ISOLATION)}")
+    here = isolation == "none" or (isolation == "auto" and spec in IN_PROCESS_BUILTINS and device == "cpu")
+    if here:
+        impl = impls.resolve(spec, args)
+        return impl, [InProcessRunner(impl, timeout) for _ in range(count)]
+    if spec in impls.BUILTINS and args:
+        raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
+    sups = [Supervisor(spec, args, timeout, memory, threads=1 if count > 1 else None) for _ in range(count)]
+    try:
+        for sup in sups:
+            sup.start()  # all load at once; the first answer decides whether the spec is good
+        info = sups[0].loaded()
+        for sup in sups[1:]:
+            sup.loaded()
+    except BaseException:
+        for sup in sups:
+            sup.close()
+        raise
+    return impls.Implementation(info["name"], info["source"], None, info["description"]), sups
+
+
+def close_runners(runners) -> None:
+    for runner in runners:
+        runner.close()
+
+
+def printed_note(runners) -> str | None:
+    """A run-level warning when the candidate wrote to stdout/stderr (captured, not shown)."""
+    total, first = 0, ""
+    for runner in runners:
+        if isinstance(runner, Supervisor):
+            if runner._out_fd is not None:
+                runner._note_output()
+            total += runner.printed
+            first = first or runner.first_line
+    if not total:
+        return None
+    return f"the candidate wrote {total} byte(s) to stdout/stderr (captured, not shown); first line: {first!r}"

@@ -1,0 +1,145 @@
+"""The supervised child process a candidate runs in (`python -m parity_cli.worker R W PARENT`).
+
+It loads the candidate, then runs one CandidateJob per message from the parent and answers
+with frames of a deliberately dumb format: a JSON header and raw little-endian bytes. The
+parent never unpickles anything from here, so nothing the candidate does in this process
+(even rewriting this module) can run code in the parent; the parent checks every header
+before it reads a byte of payload."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pickle
+import signal
+import struct
+import sys
+
+_PID = os.getpid()
+_CWD = os.getcwd()
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _receive(fd: int):
+    head = _read_exact(fd, 8)
+    if head is None:
+        return None
+    body = _read_exact(fd, struct.unpack("<Q", head)[0])
+    return None if body is None else pickle.loads(body)  # from the parent, which we trust
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _send(fd: int, header: dict, payload: list | None = None) -> None:
+    payload = payload or []
+    header["nbytes"] = sum(len(p) for p in payload)
+    head = json.dumps(header).encode()
+    _write_all(fd, struct.pack("<I", len(head)) + head)
+    for p in payload:
+        _write_all(fd, p)
+
+
+def _raw(t) -> bytes:
+    """A contiguous CPU tensor's bytes, without numpy (not a dependency)."""
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+
+
+def _tensor_header(t) -> dict:
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+
+
+def _guard() -> None:
+    """After every call into candidate code: a process the candidate forked must not go on to
+    speak on our pipe, and a chdir must not move later relative paths."""
+    if os.getpid() != _PID:
+        os._exit(0)
+    if os.getcwd() != _CWD:
+        os.chdir(_CWD)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when the parent dies, even mid-candidate."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    rfd, wfd, parent = int(argv[1]), int(argv[2]), int(argv[3])
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a segfaulting candidate leaves no core file
+    except (ImportError, ValueError, OSError):
+        pass
+    hello = _receive(rfd)
+    if hello is None:
+        return
+    _, spec, args, path, threads = hello
+    sys.path[:0] = [p for p in path if p not in sys.path]
+    from parity_cli import runners
+
+    try:
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        from parity_cli.implementations import resolve
+
+        impl = resolve(spec, args)
+    except BaseException as exc:  # an import that raises, or exits, is the user's input at fault
+        from parity_cli.errors import InputError
+
+        _send(wfd, {"type": "load_error", "error": str(exc) if isinstance(exc, InputError)
+                    else runners.failure(f"implementation '{spec}' raised while loading: ", exc)})
+        return
+    finally:
+        _guard()
+    _send(wfd, {"type": "loaded", "name": impl.name, "source": impl.source, "description": impl.description})
+    while True:
+        job = _receive(rfd)
+        if job is None:
+            return
+        for event in runners.execute(impl, job, _guard):
+            if event[0] == "built":
+                _send(wfd, {"type": "built", "error": event[1]})
+            elif event[0] == "out":
+                _, k, y, dtype, err = event
+                if y is None:
+                    _send(wfd, {"type": "out", "k": k, "error": err, "returned": dtype})
+                else:
+                    _send(wfd, {"type": "out", "k": k, "error": None, "returned": dtype, **_tensor_header(y)},
+                          [_raw(y)])
+            else:
+                _, k, dx, dw, err = event
+                if err:
+                    _send(wfd, {"type": "grad", "k": k, "error": err})
+                else:
+                    parts = [_raw(dx)] + ([] if dw is None else [_raw(dw)])
+                    _send(wfd, {"type": "grad", "k": k, "error": None, "dx": _tensor_header(dx),
+                                "dw": None if dw is None else _tensor_header(dw)}, parts)
+        _send(wfd, {"type": "done"})
+
+
+if __name__ == "__main__":
+    main(sys.argv)
