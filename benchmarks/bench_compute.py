@@ -45,7 +45,7 @@ from _common import (  # noqa: E402
     wait_quiet,
 )
 
-SECTIONS = ("micro", "full", "scaling", "rss", "failing")
+SECTIONS = ("micro", "full", "isolation", "scaling", "rss", "failing")
 
 
 def timeit(fn, iters: int, warmup: int = 3) -> float:
@@ -203,6 +203,37 @@ def section_full(args):
               f"peak RSS {median([r['maxrss_kb'] for r in runs]) / 1024:5.0f} MiB; {ref / wall:4.2f}x the default")
     print(f"  => default full check {ref:.1f}s (aim: under 60 s on 2 cores: {'met' if ref < 60 else 'NOT met'})")
     args.full_rss_kb = median([r["maxrss_kb"] for r in res["1 process, OMP_NUM_THREADS=2"]])
+    return res
+
+
+# --- isolation ---------------------------------------------------------------------------------
+
+def section_isolation(args):
+    """Issue 12: what running the candidate in a supervised child costs on the full check. The
+    baseline is the `torch` built-in in the parent (the default); the same kernel supervised
+    (`--isolation process`), and as a user plugin (always supervised), are timed in the same run."""
+    model = ensure_model(DEFAULT_ROOT / "llama405b", 126, 16384)
+    out = Path(tempfile.mkdtemp(prefix="parity-bench-iso-"))
+    plugin = str(Path(__file__).resolve().parent / "plugins" / "fused.py") + ":rms_norm"
+    base = parity_cmd() + ["check", str(model), "-q", "--json", str(out / "r.json")]
+    configs = {
+        "torch built-in, in the parent (default)": ["--candidate", "torch"],
+        "torch built-in, --isolation process": ["--candidate", "torch", "--isolation", "process"],
+        "the same kernel as a plugin (supervised)": ["--candidate", plugin],
+        "plugin, --jobs 2 (2 supervised workers)": ["--candidate", plugin, "--jobs", "2"],
+    }
+    print(f"\n== isolation: full check of the 405B shape (253 norm layers, dim 16384), median of {args.repeat} ==")
+    res = {}
+    for _ in range(args.repeat):  # interleaved, so a slow spell on the machine hits every config
+        for label, extra in configs.items():
+            wait_quiet(args.quiet_wait)
+            res.setdefault(label, []).append(run_child(base + extra))
+    ref = median([r["wall"] for r in res[next(iter(configs))]])
+    for label, runs in res.items():
+        wall = median([r["wall"] for r in runs])
+        walls = " ".join(f"{r['wall']:.1f}" for r in runs)
+        print(f"  {label:<42} wall {wall:6.2f}s (runs {walls}); peak RSS (parent) "
+              f"{median([r['maxrss_kb'] for r in runs]) / 1024:5.0f} MiB; {wall / ref:4.2f}x the in-parent time")
     return res
 
 

@@ -201,6 +201,11 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     """Runs the whole check and returns a Report; raises InputError for bad input.
 
     `progress(done, total, layer_name)` is called before each layer (the CLI's progress bar)."""
+    opts = options or CheckOptions(**kwargs)
+    from parity_cli import supervisor
+
+    if supervisor.supervised(opts.candidate, opts.device, opts.isolation):
+        supervisor.warm()
     import torch
 
     from parity_cli import implementations as impls
@@ -215,7 +220,6 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     from parity_cli.report import Report
     from parity_cli.supervisor import close_runners, open_runners, parse_memory, printed_note
 
-    opts = options or CheckOptions(**kwargs)
     if not 0.0 <= opts.max_violation_fraction <= 1.0:
         raise InputError("--max-violation-fraction must be between 0 and 1")
     for flag, value in (("--eps", opts.eps), ("--candidate-eps", opts.candidate_eps),

@@ -434,13 +434,9 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"parity: error: {' '.join(exc.format_message().split())}", err=True)
         code = EXIT_INPUT
     except (KeyboardInterrupt, click.exceptions.Abort):
-        _stop_children()
-        click.echo("parity: interrupted", err=True)
-        code = EXIT_INTERRUPT
+        code = _signal_exit("interrupted", EXIT_INTERRUPT, hard=argv is None)
     except Terminated:
-        _stop_children()
-        click.echo("parity: terminated", err=True)
-        code = EXIT_TERMINATED
+        code = _signal_exit("terminated", EXIT_TERMINATED, hard=argv is None)
     except Exception as exc:  # a bug or an input no check anticipated: still one line, still exit 2
         import os
 
@@ -452,9 +448,25 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _stop_children() -> None:
+def _signal_exit(word: str, code: int, hard: bool) -> int:
+    """After Ctrl-C or SIGTERM: children killed, one line, and out at once. The interpreter's
+    normal shutdown is skipped on purpose: torch's static destructors can abort (SIGABRT,
+    'terminate called without an active exception') when a run is cut short mid-layer, and
+    nothing is left to flush: outputs are written all-or-nothing and temporary files are gone.
+    `hard` only for the real command line: a caller of main(argv) keeps its process."""
+    import os
+
     if "parity_cli.supervisor" in sys.modules:
         sys.modules["parity_cli.supervisor"].kill_all()
+    click.echo(f"parity: {word}", err=True)
+    if not hard:
+        return code
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -328,6 +328,26 @@ def available() -> list[dict]:
     return rows
 
 
+def precheck(spec: str, args: dict | None = None) -> None:
+    """What can be said of a spec without running any of its code (the parent never imports a
+    plugin): its form, that its file exists, that an entry point of that name is installed."""
+    if spec in BUILTINS:
+        if args:
+            raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
+        return
+    if ":" not in spec:
+        found = entry_points()
+        if spec not in found:
+            known = ", ".join([*BUILTINS, *sorted(found)])
+            raise InputError(f"unknown implementation '{spec}'; known: {known}; or MODULE:ATTR, FILE.py:ATTR")
+        return
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise InputError(f"implementation '{spec}': expected a built-in name ({', '.join(BUILTINS)}), MODULE:ATTR or FILE.py:ATTR")
+    if (target.endswith(".py") or "/" in target or "\\" in target) and not Path(target).is_file():
+        raise InputError(f"implementation '{spec}': no such file {Path(target)}")
+
+
 def resolve(spec: str, args: dict | None = None) -> Implementation:
     if spec in BUILTINS:
         if args:

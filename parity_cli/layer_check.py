@@ -256,7 +256,13 @@ def _threaded(layers, candidates, one, progress):
             if progress is not None:
                 progress(len(done), len(layers), f"{len(done)} layers")
     except BaseException:
-        stop.set()  # Ctrl-C / SIGTERM: the caller kills the children, which frees the threads
+        # Ctrl-C / SIGTERM: no new layer starts, the children die (their readers see EOF), and
+        # every thread is joined before the exit, so no torch call is cut off by the shutdown
+        stop.set()
+        for candidate in candidates:
+            candidate.runner.stop()
+        for t in threads:
+            t.join(30)
         raise
     if failed:
         raise failed[0]

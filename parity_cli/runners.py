@@ -96,13 +96,19 @@ def execute(impl, job: CandidateJob, guard=None):
 
     guard = guard or (lambda: None)
     dev = job.device
-    try:
-        weight = job.weight.to(dev)
-        bias = None if job.bias is None else job.bias.to(dev)
+
+    def build():
+        # a fresh copy of the weight for every call: what a kernel writes into it after
+        # computing one output cannot reach the next
+        weight = job.weight.to(dev, copy=True)
+        bias = None if job.bias is None else job.bias.to(dev, copy=True)
         try:
-            fn = impl.prepare(job.layer, weight, bias, job.eps)
+            return impl.prepare(job.layer, weight, bias, job.eps)
         finally:
             guard()
+
+    try:
+        fn = build()
     except BaseException as exc:  # SystemExit, KeyboardInterrupt from the candidate: findings too
         yield ("built", failure("building the candidate failed: ", exc))
         return
@@ -110,8 +116,10 @@ def execute(impl, job: CandidateJob, guard=None):
     failed = set()
     for k, x in enumerate(job.inputs):
         try:
+            if k:
+                fn = build()
             with torch.no_grad():
-                y = fn(x.to(dev))
+                y = fn(x.to(dev, copy=True))
         except BaseException as exc:
             y, err = None, failure("", exc)
         else:
@@ -144,8 +152,8 @@ def autograd(impl, job: CandidateJob, x, upstream):
     differentiable is a finding; dweight comes from a module's own weight when fn is one."""
     import torch
 
-    w_leaf = job.weight.to(job.device).clone().requires_grad_(True)
-    bias = None if job.bias is None else job.bias.to(job.device)
+    w_leaf = job.weight.to(job.device, copy=True).requires_grad_(True)
+    bias = None if job.bias is None else job.bias.to(job.device, copy=True)
     fn = impl.prepare(job.layer, w_leaf, bias, job.eps)
     xl = x.detach().clone().requires_grad_(True)
     with torch.enable_grad():
@@ -217,6 +225,9 @@ class InProcessRunner:
             return CandidateRun(error=f"candidate timed out after {self.timeout:g}s",
                                 outputs=run.outputs, grads=run.grads)
         return run
+
+    def stop(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

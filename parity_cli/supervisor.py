@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing  # noqa: F401  (before atexit.register: kill_all runs before its exit joins)
 import os
 import pickle
 import select
 import signal
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +33,38 @@ MAX_HEADER = 64 << 10
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _live: set = set()
 _live_lock = threading.Lock()
+
+
+_ctx = None
+_mp_lock = threading.Lock()
+
+
+def _exit_code(proc, timeout: float):
+    """The child's exit status, waiting up to `timeout`. A fork-server child's status is one
+    message on a pipe: two threads polling the same child at once (multiprocessing's start()
+    polls all children) can split it and read 255, so every poll here is serialised."""
+    from multiprocessing.connection import wait
+
+    wait([proc.sentinel], timeout)
+    with _mp_lock:
+        return proc.exitcode
+
+
+def _context():
+    """A fork server that has imported torch and the worker once: every child after the first
+    is a fork of it. Falls back to spawn where there is no fork server (Windows)."""
+    global _ctx
+    if _ctx is None:
+        import multiprocessing
+
+        try:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", "parity_cli.worker", "parity_cli.runners",
+                                        "parity_cli.implementations", "parity_cli.layers"])
+        except ValueError:
+            ctx = multiprocessing.get_context("spawn")
+        _ctx = ctx
+    return _ctx
 
 
 def kill_all() -> None:
@@ -126,48 +158,47 @@ class Supervisor:
         self.printed = 0  # bytes the candidate wrote to stdout/stderr, over every child
         self.first_line = ""
         self._out_fd = None
+        self._out_path = None
         self._out_base = 0
+        self._conns = ()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> Supervisor:
-        """Spawns the child and asks it to load the candidate; `loaded()` waits for the answer,
-        so the parent can read the checkpoint meanwhile."""
+        """Forks the child (from the fork server) and asks it to load the candidate; `loaded()`
+        waits for the answer, so the parent can read the checkpoint meanwhile."""
         import tempfile
 
-        import parity_cli
-
-        p2c_r, p2c_w = os.pipe()
-        c2p_r, c2p_w = os.pipe()
-        for fd in (p2c_w, c2p_w):
+        ctx = _context()
+        if self._out_path is None:
+            fd, self._out_path = tempfile.mkstemp(prefix="parity-candidate-", suffix=".log")
+            os.close(fd)
+            self._out_fd = os.open(self._out_path, os.O_RDWR | os.O_APPEND)
+        p2c_r, p2c_w = ctx.Pipe(duplex=False)
+        c2p_r, c2p_w = ctx.Pipe(duplex=False)
+        for conn in (p2c_w, c2p_w):
             try:
                 import fcntl
 
-                fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ: fewer wake-ups per megabyte
+                fcntl.fcntl(conn.fileno(), 1031, 1 << 20)  # F_SETPIPE_SZ: fewer wake-ups per megabyte
             except (ImportError, OSError):
                 pass
-        if self._out_fd is None:
-            fd, path = tempfile.mkstemp(prefix="parity-candidate-", suffix=".log")
-            os.close(fd)
-            self._out_fd = os.open(path, os.O_RDWR | os.O_APPEND)
-            os.unlink(path)  # nothing left behind, whatever happens
-        root = os.path.dirname(os.path.dirname(os.path.abspath(parity_cli.__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                   PYTHONUNBUFFERED="1")
+        from parity_cli.worker import serve
+
+        self.proc = ctx.Process(target=serve, args=(p2c_r, c2p_w, self._out_path), name="parity-candidate")
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "parity_cli.worker", str(p2c_r), str(c2p_w), str(os.getpid())],
-                stdin=subprocess.DEVNULL, stdout=self._out_fd, stderr=self._out_fd, pass_fds=(p2c_r, c2p_w),
-                start_new_session=True, env=env)  # own session: the terminal's Ctrl-C is ours, and killpg reaches forks
+            with _mp_lock:  # start() polls every other child: see _exit_code
+                self.proc.start()
         finally:
-            os.close(p2c_r)
-            os.close(c2p_w)
-        self.wfd, self.rfd = p2c_w, c2p_r
+            p2c_r.close()
+            c2p_w.close()
+        self._conns = (p2c_w, c2p_r)
+        self.wfd, self.rfd = p2c_w.fileno(), c2p_r.fileno()
         os.set_blocking(self.wfd, False)
         with _live_lock:
             _live.add(self)
         self._started = time.monotonic()
-        self._send(("load", self.spec, self.args, list(sys.path), self.threads),
+        self._send(("load", self.spec, self.args, list(sys.path), self.threads, os.getcwd(), dict(os.environ)),
                    time.monotonic() + max(self.timeout or 0, LOAD_TIMEOUT))
         return self
 
@@ -192,6 +223,16 @@ class Supervisor:
         self.info = {k: str(head.get(k, ""))[:300] for k in ("name", "source", "description")}
         return self.info
 
+    def stop(self) -> None:
+        """Kills the child's group but leaves the pipes to the thread that reads them: it sees
+        EOF and finishes its layer (used on Ctrl-C / SIGTERM, from another thread)."""
+        proc = self.proc
+        if proc is not None and proc.pid:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def kill(self) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
@@ -201,14 +242,12 @@ class Supervisor:
         except (ProcessLookupError, PermissionError):
             pass
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            proc.kill()  # in case it had not reached setsid yet
+        except (OSError, ValueError):
             pass
-        for fd in (self.wfd, self.rfd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _exit_code(proc, 10)
+        for conn in self._conns:
+            conn.close()
         with _live_lock:
             _live.discard(self)
 
@@ -218,6 +257,10 @@ class Supervisor:
             self._note_output()
             os.close(self._out_fd)
             self._out_fd = None
+            try:
+                os.unlink(self._out_path)
+            except OSError:
+                pass
 
     # --- one layer ------------------------------------------------------------------------------
 
@@ -251,6 +294,9 @@ class Supervisor:
         except _Stop as why:
             self.kill()
             run.error = f"candidate process {why}{self._last_line()}"
+            return run
+        if job.device.startswith("cuda") and (run.error or any(o.error for o in run.outputs)):
+            self.kill()  # a device-side assert or an OOM can poison the CUDA context: the next layer gets a fresh one
         return run
 
     def _output(self, head: dict, payload: bytes, k: int) -> Output:
@@ -339,9 +385,10 @@ class Supervisor:
             self._out_base = 0
 
     def _gone(self) -> str:
-        try:
-            code = self.proc.wait(timeout=5) if self.proc is not None else None
-        except subprocess.TimeoutExpired:
+        if self.proc is None:
+            return "died"
+        code = _exit_code(self.proc, 5)
+        if code is None:
             return "closed its pipe"
         return f"died ({_describe_exit(code)})"
 
@@ -408,16 +455,14 @@ def open_runners(spec: str, args: dict, device: str, isolation: str = "auto",
     GPU (the child owns the CUDA context), runs supervised. `process`: everything supervised.
     `none`: everything here, for debugging a plugin (then --timeout cannot stop it)."""
     from parity_cli import implementations as impls
-    from parity_cli.runners import IN_PROCESS_BUILTINS, InProcessRunner
+    from parity_cli.runners import InProcessRunner
 
     if isolation not in ISOLATION:
         raise InputError(f"--isolation: '{isolation}' is not one of {', '.join(ISOLATION)}")
-    here = isolation == "none" or (isolation == "auto" and spec in IN_PROCESS_BUILTINS and device == "cpu")
-    if here:
+    if not supervised(spec, device, isolation):
         impl = impls.resolve(spec, args)
         return impl, [InProcessRunner(impl, timeout) for _ in range(count)]
-    if spec in impls.BUILTINS and args:
-        raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
+    impls.precheck(spec, args)
     sups = [Supervisor(spec, args, timeout, memory, threads=1 if count > 1 else None) for _ in range(count)]
     try:
         for sup in sups:
@@ -430,6 +475,25 @@ def open_runners(spec: str, args: dict, device: str, isolation: str = "auto",
             sup.close()
         raise
     return impls.Implementation(info["name"], info["source"], None, info["description"]), sups
+
+
+def supervised(spec: str, device: str, isolation: str) -> bool:
+    from parity_cli.runners import IN_PROCESS_BUILTINS
+
+    return isolation == "process" or (isolation == "auto" and not (spec in IN_PROCESS_BUILTINS and device == "cpu"))
+
+
+def warm() -> None:
+    """Starts the fork server now (it does not wait for it): its torch import then overlaps the
+    parent's own, instead of following it."""
+    _context()
+    try:
+        from multiprocessing import forkserver
+
+        if _ctx.get_start_method() == "forkserver":
+            forkserver.ensure_running()
+    except Exception:  # only an optimisation: the first child starts it anyway
+        pass
 
 
 def close_runners(runners) -> None:

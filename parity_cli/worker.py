@@ -1,4 +1,5 @@
-"""The supervised child process a candidate runs in (`python -m parity_cli.worker R W PARENT`).
+"""The supervised child process a candidate runs in: `serve`, forked by a fork server that
+has torch imported already (a fresh child costs a fork, not a 1.5 s import).
 
 It loads the candidate, then runs one CandidateJob per message from the parent and answers
 with frames of a deliberately dumb format: a JSON header and raw little-endian bytes. The
@@ -71,31 +72,52 @@ def _guard() -> None:
         os.chdir(_CWD)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this process when the parent dies, even mid-candidate."""
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent (the fork server, which exits with
+    the parity process) dies, even in the middle of a candidate call."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent:
-        os._exit(0)
 
 
-def main(argv: list[str]) -> None:
-    rfd, wfd, parent = int(argv[1]), int(argv[2]), int(argv[3])
-    _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+def serve(rconn, wconn, out_path: str) -> None:
+    """The child's life: its own session (the terminal's Ctrl-C is the parent's; a kill of the
+    group also stops what the candidate forks), output captured, then load and run jobs."""
+    global _PID, _CWD
+    _PID = os.getpid()
+    try:
+        os.setsid()
+    except OSError:
+        pass
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         import resource
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a segfaulting candidate leaves no core file
     except (ImportError, ValueError, OSError):
         pass
+    out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+    rfd, wfd = rconn.fileno(), wconn.fileno()
     hello = _receive(rfd)
     if hello is None:
         return
-    _, spec, args, path, threads = hello
+    _, spec, args, path, threads, cwd, environ = hello
+    os.chdir(cwd)  # the parent's, now: a fork server keeps the one it started in
+    _CWD = os.getcwd()
+    os.environ.clear()
+    os.environ.update(environ)
     sys.path[:0] = [p for p in path if p not in sys.path]
     from parity_cli import runners
 
@@ -140,6 +162,3 @@ def main(argv: list[str]) -> None:
                                 "dw": None if dw is None else _tensor_header(dw)}, parts)
         _send(wfd, {"type": "done"})
 
-
-if __name__ == "__main__":
-    main(sys.argv)

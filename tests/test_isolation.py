@@ -1,0 +1,289 @@
+"""Issue 12: a candidate is untrusted code. Whatever it does, the verdict, the stored weights in
+the report and the run itself are the parent's: every case ends as an error or fail layer in a
+complete, schema-valid report with exit 1 (or, for signals to parity itself, 130/143 with no
+report and no process left behind)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parity_cli import api
+from tests.conftest import load_json, run_parity
+from tests.test_cli import validate
+
+MISBEHAVE = Path(__file__).resolve().parent / "plugins" / "misbehave.py"
+
+
+def bad(name: str) -> str:
+    return f"{MISBEHAVE}:{name}"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """One decoder layer: three norms (input, post-attention, final), eps 1e-6, bf16."""
+    from parity_cli.synthetic import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("iso") / "llama", "llama", layers=1, hidden=64, heads=4,
+                            eps=1e-6, seed=5)
+
+
+def check_cli(path, tmp_path, *args, timeout=180):
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "parity_cli", "check", str(path), "--json", str(out), "-q", *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout)
+    data = load_json(out) if out.exists() else None
+    if data is not None:
+        validate(data)
+    return r, data
+
+
+def stored_norm_weights(path):
+    """The checkpoint's norm weights read straight from the file, not through parity."""
+    from safetensors.torch import load_file
+
+    return {k.removesuffix(".weight"): v.double() for k, v in load_file(Path(path) / "model.safetensors").items()
+            if k.endswith("norm.weight")}
+
+
+# --- the weight it is handed ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("reference", [[], ["--reference", "hf", "--reference-dtype", "float32"]],
+                         ids=["oracle", "hf-float32"])
+def test_writing_into_the_weight_cannot_turn_a_wrong_kernel_into_a_pass(llama, tmp_path, reference):
+    r, data = check_cli(llama, tmp_path, "--candidate", bad("scribble_weight_then_use"), *reference)
+    assert r.returncode == 1, r.stderr
+    assert all(l["status"] == "fail" for l in data["layers"])
+    stored = stored_norm_weights(llama)
+    for layer in data["layers"]:  # the report states what is stored, not what the candidate wrote
+        w = stored[layer["name"]]
+        assert (layer["weight"]["min"], layer["weight"]["max"]) == (float(w.min()), float(w.max()))
+    control, _ = check_cli(llama, tmp_path, "--candidate", bad("wrong_gain"), *reference)
+    assert control.returncode == 1
+
+
+def test_scribbling_after_computing_still_passes_and_zeroing_the_input_first_fails(llama):
+    assert api.check(llama, candidate=bad("scribble_after")).passed
+    report = api.check(llama, candidate=bad("zero_input_then_use"))
+    assert not report.passed and all(l.status == "fail" for l in report.layers)
+
+
+# --- the process ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,words", [("os_exit_0", "exited with code 0"), ("os_exit_1", "exited with code 1"),
+                                        ("segfault", "SIGSEGV")])
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_candidate_that_ends_its_process_is_an_error_layer_in_a_complete_report(llama, tmp_path, name, words, jobs):
+    r, data = check_cli(llama, tmp_path, "--candidate", bad(name), "--jobs", jobs)
+    assert r.returncode == 1, r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr
+    assert [l["status"] for l in data["layers"]] == ["error"] * 3
+    assert all(words in l["error"] for l in data["layers"]), [l["error"] for l in data["layers"]]
+    assert data["summary"]["verdict"] == "fail"
+
+
+@pytest.mark.parametrize("name,words", [("sys_exit", "SystemExit"), ("keyboard_interrupt", "KeyboardInterrupt")])
+def test_exit_and_keyboard_interrupt_raised_by_the_candidate_are_its_errors(llama, tmp_path, name, words):
+    r, data = check_cli(llama, tmp_path, "--candidate", bad(name), "--layers", "model.norm")
+    assert r.returncode == 1, r.stderr  # not 130: the user pressed nothing
+    (layer,) = data["layers"]
+    assert layer["status"] == "error"
+    assert all(words in s["error"] for s in layer["strata"])
+
+
+def test_a_gil_hog_is_killed_at_its_timeout_and_the_run_goes_on(llama, tmp_path):
+    start = time.monotonic()
+    r, data = check_cli(llama, tmp_path, "--candidate", bad("gil_hog"), "--timeout", "1",
+                        "--layers", "model.layers.0.*")
+    assert r.returncode == 1, r.stderr
+    assert [l["status"] for l in data["layers"]] == ["error", "error"]
+    assert all("timed out after 1s" in l["error"] for l in data["layers"])
+    assert time.monotonic() - start < 60  # two kills and two fresh children, not a regex that runs for ages
+
+
+def test_a_memory_hoarder_is_killed_at_the_cap(llama, tmp_path):
+    r, data = check_cli(llama, tmp_path, "--candidate", bad("memory_hoarder"), "--candidate-memory", "1G",
+                        "--layers", "model.norm")
+    assert r.returncode == 1, r.stderr
+    (layer,) = data["layers"]
+    assert "memory cap of 1 GiB" in layer["error"], layer["error"]
+    assert data["candidate"]["memory_cap"] == 2**30
+
+
+def test_the_timeout_has_a_default_and_inf_lifts_it(llama):
+    report = api.check(llama, candidate=bad("forks"), layers="model.norm")
+    assert report.header["candidate"]["timeout"] == 120.0
+    report = api.check(llama, candidate=bad("forks"), layers="model.norm", timeout=float("inf"))
+    assert report.header["candidate"]["timeout"] is None
+
+
+def test_a_sleeper_is_killed_at_the_timeout(llama):
+    report = api.check(llama, candidate=bad("sleeps_forever"), timeout=0.5, layers="model.norm")
+    assert "timed out after 0.5s" in report.layers[0].error
+
+
+@pytest.mark.parametrize("name,words", [
+    ("returns_meta", "meta tensor"), ("returns_sparse", "sparse"), ("returns_complex", "complex64"),
+    ("returns_hostile", "cannot be read"), ("returns_numpy", "ndarray, not a tensor"),
+    ("returns_none", "NoneType, not a tensor"), ("returns_int", "int64, not a floating-point"),
+    ("returns_huge", "values for"),
+])
+def test_unusable_return_values_are_findings(llama, name, words):
+    report = api.check(llama, candidate=bad(name), layers="model.norm")
+    (layer,) = report.layers
+    assert layer.status == "error"
+    assert all(words in s.error for s in layer.strata), [s.error for s in layer.strata]
+    validate(json.loads(json.dumps(report.to_dict(), default=str)))
+
+
+def test_a_subclass_whose_conversions_raise_is_read_as_the_plain_tensor_it_holds(llama):
+    assert api.check(llama, candidate=bad("returns_subclass"), layers="model.norm").passed
+
+
+def test_printing_forking_and_chdir_do_not_disturb_the_run(llama, tmp_path):
+    for name in ("prints", "forks", "chdir"):
+        r, data = check_cli(llama, tmp_path, "--candidate", bad(name))
+        assert r.returncode == 0, (name, r.stderr)
+        assert r.stdout == "" and "hello" not in r.stderr  # -q: the candidate's prints are captured
+        assert len(data["layers"]) == 3
+    assert any("hello from the candidate" in w for w in api.check(llama, candidate=bad("prints")).warnings)
+
+
+def test_garbage_on_the_pipe_is_a_finding_not_a_crash(llama):
+    report = api.check(llama, candidate=bad("writes_to_every_fd"), layers="model.norm")
+    assert report.layers[0].status == "error" and "protocol violation" in report.layers[0].error
+
+
+def test_a_plugin_that_exits_on_import_is_a_one_line_input_error(llama, tmp_path):
+    r, data = check_cli(llama, tmp_path, "--candidate", f"{MISBEHAVE.parent / 'exits_on_import.py'}:f")
+    assert r.returncode == 2 and data is None
+    assert r.stderr.count("\n") == 1 and "exited with code 0" in r.stderr, r.stderr
+
+
+def test_a_module_that_exits_in_its_constructor_is_an_error_layer(llama):
+    report = api.check(llama, candidate=bad("ExitsInInit"), layers="model.norm")
+    assert "exited with code 3" in report.layers[0].error
+
+
+def test_isolation_none_runs_in_process_and_says_so(llama):
+    report = api.check(llama, candidate=bad("prints"), isolation="none", layers="model.norm")
+    assert report.passed and report.header["candidate"]["isolated"] is False
+    assert api.check(llama, candidate="torch", layers="model.norm").header["candidate"]["isolated"] is False
+    assert api.check(llama, candidate="torch", isolation="process",
+                     layers="model.norm").header["candidate"]["isolated"] is True
+
+
+# --- GPU -------------------------------------------------------------------------------------------
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_a_device_side_assert_is_a_finding_and_the_next_layer_gets_a_fresh_context(llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("PARITY_TEST_FLAG", str(tmp_path / "asserted"))
+    report = api.check(llama, candidate=bad("device_assert_once"), device="cuda")
+    assert [l.status for l in report.layers] == ["error", "pass", "pass"], [l.error for l in report.layers]
+    errors = [report.layers[0].error or ""] + [s.error or "" for s in report.layers[0].strata]
+    assert any("device-side assert" in e or "CUDA error" in e or "died" in e for e in errors), errors
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_a_cuda_out_of_memory_is_a_finding(llama):
+    report = api.check(llama, candidate=bad("cuda_oom"), device="cuda", layers="model.norm")
+    assert report.layers[0].status == "error"
+    assert all("OutOfMemoryError" in s.error for s in report.layers[0].strata)
+
+
+# --- signals to parity itself ----------------------------------------------------------------------
+
+def _workers_with(marker: Path) -> list[int]:
+    """Processes whose environment names this test's marker: the run's workers, if any are left."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if str(marker).encode() in (proc / "environ").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find leftover processes")
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_signals_with_jobs_stop_everything_cleanly(llama, tmp_path, sig, code, word):
+    out, xml = tmp_path / "r.json", tmp_path / "r.xml"
+    marker = tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-m", "parity_cli", "check", str(llama), "--candidate",
+                             bad("sleeps_forever"), "--jobs", "2", "--json", str(out), "--junit", str(xml)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PARITY_TEST_MARKER": str(marker)})
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline:  # a candidate is running
+        time.sleep(0.05)
+    assert marker.exists()
+    assert len(_workers_with(marker)) >= 2
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert err.strip().splitlines() == [f"parity: {word}"], err
+    assert not out.exists() and not xml.exists() and not list(tmp_path.glob(".*.tmp"))
+    time.sleep(0.2)
+    assert _workers_with(marker) == []
+
+
+# --- the seeded sweep -----------------------------------------------------------------------------
+
+SEED = 20261130
+# fault -> (status of the layer it hits, words in that layer's error)
+EXPECTED = {
+    "raise": ("error", "RuntimeError: planted"), "exit0": ("error", "exited with code 0"),
+    "exit1": ("error", "exited with code 1"), "sys_exit": ("error", "SystemExit"),
+    "keyboard_interrupt": ("error", "KeyboardInterrupt"), "segfault": ("error", "SIGSEGV"),
+    "sigkill": ("error", "SIGKILL"), "hang": ("error", "timed out"), "gil": ("error", "timed out"),
+    "garbage": ("error", "protocol violation"), "meta": ("error", "meta tensor"), "sparse": ("error", "sparse"),
+    "complex": ("error", "complex64"), "subclass": ("error", "cannot be read"), "numpy": ("error", "ndarray"),
+    "none": ("error", "NoneType"), "int": ("error", "int64"), "huge": ("error", "values for"),
+    "scribble": ("fail", None), "scribble_after": ("pass", None), "prints": ("pass", None),
+    "fork": ("pass", None), "chdir": ("pass", None), "nan": ("fail", None),
+}
+STRATA = 7  # calls per layer: one per default stratum
+SAMPLE = int(os.environ.get("PARITY_SWEEP_SAMPLE", "10"))
+
+
+def _cases():
+    rng = random.Random(SEED)
+    faults = sorted(EXPECTED)
+    rng.shuffle(faults)
+    return [(fault, rng.randint(1, 3 * STRATA)) for fault in faults[:SAMPLE]]
+
+
+@pytest.mark.parametrize("fault,at", _cases())
+def test_misbehaving_candidate_sweep(llama, fault, at):
+    """The fault hits call `at` of a child; the layers before it pass, the one it hits has the
+    expected status, and the report is complete and valid."""
+    report = api.check(llama, candidate=f"{MISBEHAVE}:misbehave", candidate_args={"fault": fault, "at": at},
+                       timeout=2)
+    data = json.loads(json.dumps(report.to_dict(), default=str))
+    validate(data)
+    assert len(report.layers) == 3
+    hit = (at - 1) // STRATA
+    assert all(l.passed for l in report.layers[:hit]), [l.status for l in report.layers]
+    status, words = EXPECTED[fault]
+    layer = report.layers[hit]
+    assert layer.status == status, (fault, at, layer.status, layer.error)
+    if words:
+        errors = [layer.error or ""] + [s.error or "" for s in layer.strata]
+        assert any(words in e for e in errors), (fault, errors)
+    assert report.passed == (status == "pass")
