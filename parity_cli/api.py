@@ -271,6 +271,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
 
     workers = max(1, min(opts.jobs, len(found.layers)))
     timeout = timeout_of(opts)
+    if opts.candidate_memory is None and memory is not None:
+        memory //= workers  # the default is half of RAM for all the workers together
     cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers)
     isolated = any(getattr(r, "isolated", False) for r in runners)
     threads = torch.get_num_threads()

@@ -105,18 +105,20 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         bias=None if cand_layer.bias is None else cand_layer.bias.to(candidate.dtype, copy=True),
         eps=cand_eps, device=candidate.device, inputs=[x.to(candidate.dtype, copy=True) for x in xs],
         upstream=None if upstream is None else [u.to(candidate.dtype) for u in upstream])
-    run = candidate.runner.run(job)
-    layer_error = run.error
+    candidate.runner.submit(job)  # the candidate computes while the reference does, below
 
     try:
         ref_fn = reference.impl.prepare(layer, w_ref.to(reference.device),
                                         None if b_ref is None else b_ref.to(reference.device), eps)
     except Exception as exc:
         raise InputError(failure(f"--reference {reference.spec}: cannot build {layer.name}: ", exc)) from None
+    refs = [_reference(ref_fn, x, reference, layer, probe) for probe, x in zip(probes, xs)]
+    run = candidate.runner.collect()
+    layer_error = run.error
 
     results, grads, returned_dtypes = [], [], set()
     for k, (probe, x) in enumerate(zip(probes, xs)):
-        ref = _reference(ref_fn, x, reference, layer, probe)
+        ref = refs[k]
         out = run.output(k)
         if out.dtype:
             returned_dtypes.add(out.dtype)
@@ -258,11 +260,14 @@ def _threaded(layers, candidates, one, progress):
     except BaseException:
         # Ctrl-C / SIGTERM: no new layer starts, the children die (their readers see EOF), and
         # every thread is joined before the exit, so no torch call is cut off by the shutdown
+        import time
+
         stop.set()
         for candidate in candidates:
             candidate.runner.stop()
+        deadline = time.monotonic() + 30
         for t in threads:
-            t.join(30)
+            t.join(max(0.0, deadline - time.monotonic()))
         raise
     if failed:
         raise failed[0]

@@ -156,22 +156,13 @@ def write_json(data: dict, path: str | Path) -> None:
 def write_files(outputs: dict) -> None:
     """All or nothing: every output goes to a temporary file first, then all are renamed, so an
     interrupted or failed run leaves no partial report and no half of the set."""
-    import signal
-
     staged = []
     try:
         for path, text in outputs.items():
             staged.append((_stage(text, Path(path)), Path(path)))
-        # Ctrl-C or SIGTERM between two renames would leave half a set: hold them off for the
-        # few renames; a pending signal lands right after, with the set complete.
-        held = {signal.SIGINT, signal.SIGTERM}
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held) if hasattr(signal, "pthread_sigmask") else None
-        try:
+        with _signals_held():
             for tmp, path in staged:
                 os.replace(tmp, path)
-        finally:
-            if blocked is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     except OSError as exc:
         from parity_cli.errors import InputError
 
@@ -180,6 +171,37 @@ def write_files(outputs: dict) -> None:
         for tmp, _ in staged:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+class _signals_held:
+    """Ctrl-C or SIGTERM between two renames would leave half a set: for the few renames the
+    handlers only take note, and the first signal noted is acted on right after, with the set
+    complete. (Masking would not do: the kernel hands a process signal to any thread, and torch
+    has threads.) Outside the main thread handlers cannot be changed, and nothing is held."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.noted, self.saved = [], {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.saved[sig] = signal.signal(sig, lambda signum, frame: self.noted.append((signum, frame)))
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        if self.noted and exc[0] is None:
+            signum, frame = self.noted[0]
+            handler = self.saved.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+        return False
 
 
 def _stage(text: str, path: Path) -> str:

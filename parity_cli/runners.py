@@ -80,7 +80,7 @@ def readable(y, expected_numel: int):
             return None, dtype, f"returned {dtype}, not a floating-point tensor"
         if y.numel() > 4 * expected_numel + 1024:
             return None, dtype, f"returned shape {list(y.shape)} ({y.numel()} values for {expected_numel} inputs)"
-        y = y.to("cpu")
+        y = y.to("cpu").resolve_neg()  # a lazily negated view must travel as its values
         if dtype not in WIRE_DTYPES:  # float8 and friends: exactly representable in float32
             y = y.to(torch.float32)
         return y.contiguous(), dtype, None
@@ -88,10 +88,13 @@ def readable(y, expected_numel: int):
         return None, None, failure("returned a tensor that cannot be read: ", exc)
 
 
-def execute(impl, job: CandidateJob, guard=None):
+def execute(impl, job: CandidateJob, guard=None, in_child: bool = False):
     """Runs the job, yielding ("built", error), then ("out", k, tensor, dtype, error) per input,
     then ("grad", k, dx, dweight, error) per input under --grad. `guard()` runs after every
-    call into candidate code (the child uses it to stop a process the candidate forked)."""
+    call into candidate code (the child uses it to stop a process the candidate forked).
+
+    In the child a KeyboardInterrupt can only come from the candidate (the child ignores SIGINT),
+    so it is that call's error; here in the parent it is the user's Ctrl-C and goes up."""
     import torch
 
     guard = guard or (lambda: None)
@@ -110,6 +113,8 @@ def execute(impl, job: CandidateJob, guard=None):
     try:
         fn = build()
     except BaseException as exc:  # SystemExit, KeyboardInterrupt from the candidate: findings too
+        if isinstance(exc, KeyboardInterrupt) and not in_child:
+            raise
         yield ("built", failure("building the candidate failed: ", exc))
         return
     yield ("built", None)
@@ -121,6 +126,8 @@ def execute(impl, job: CandidateJob, guard=None):
             with torch.no_grad():
                 y = fn(x.to(dev, copy=True))
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and not in_child:
+                raise
             y, err = None, failure("", exc)
         else:
             err = None
@@ -140,6 +147,8 @@ def execute(impl, job: CandidateJob, guard=None):
         try:
             dx, dw = autograd(impl, job, x.to(dev), up.to(dev))
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and not in_child:
+                raise
             yield ("grad", k, None, None, failure("backward: ", exc))
         else:
             yield ("grad", k, dx, dw, None)
@@ -205,6 +214,12 @@ class InProcessRunner:
         self.impl = impl
         self.timeout = timeout
 
+    def submit(self, job: CandidateJob) -> None:
+        self._job = job
+
+    def collect(self) -> CandidateRun:
+        return self.run(self._job)
+
     def run(self, job: CandidateJob) -> CandidateRun:
         if self.timeout is None:
             return collect(execute(self.impl, job), CandidateRun())
@@ -221,9 +236,9 @@ class InProcessRunner:
 
         threading.Thread(target=target, daemon=True, name="parity-candidate").start()
         if not done.wait(self.timeout):
-            run.outputs = list(run.outputs)  # what arrived in time stands; the rest shares the error
+            # what arrived in time stands (copied: the abandoned thread may go on appending)
             return CandidateRun(error=f"candidate timed out after {self.timeout:g}s",
-                                outputs=run.outputs, grads=run.grads)
+                                outputs=list(run.outputs), grads=list(run.grads))
         return run
 
     def stop(self) -> None:

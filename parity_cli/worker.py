@@ -142,7 +142,7 @@ def serve(rconn, wconn, out_path: str) -> None:
         job = _receive(rfd)
         if job is None:
             return
-        for event in runners.execute(impl, job, _guard):
+        for event in runners.execute(impl, job, _guard, in_child=True):
             if event[0] == "built":
                 _send(wfd, {"type": "built", "error": event[1]})
             elif event[0] == "out":

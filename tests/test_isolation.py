@@ -259,20 +259,20 @@ EXPECTED = {
     "fork": ("pass", None), "chdir": ("pass", None), "nan": ("fail", None),
 }
 STRATA = 7  # calls per layer: one per default stratum
-SAMPLE = int(os.environ.get("PARITY_SWEEP_SAMPLE", "10"))
 
 
 def _cases():
-    rng = random.Random(SEED)
-    faults = sorted(EXPECTED)
-    rng.shuffle(faults)
-    return [(fault, rng.randint(1, 3 * STRATA)) for fault in faults[:SAMPLE]]
+    """Every fault once, each at a seeded call: in the first, second or third layer, at any
+    stratum (PARITY_SWEEP_SEED draws another set)."""
+    rng = random.Random(int(os.environ.get("PARITY_SWEEP_SEED", SEED)))
+    return [(fault, rng.randint(1, 3 * STRATA)) for fault in sorted(EXPECTED)]
 
 
 @pytest.mark.parametrize("fault,at", _cases())
 def test_misbehaving_candidate_sweep(llama, fault, at):
     """The fault hits call `at` of a child; the layers before it pass, the one it hits has the
-    expected status, and the report is complete and valid."""
+    expected status, the layers after it recover (a fresh child after a death counts from 1
+    again, so it may be hit again, the same way), and the report is complete and valid."""
     report = api.check(llama, candidate=f"{MISBEHAVE}:misbehave", candidate_args={"fault": fault, "at": at},
                        timeout=2)
     data = json.loads(json.dumps(report.to_dict(), default=str))
@@ -286,4 +286,59 @@ def test_misbehaving_candidate_sweep(llama, fault, at):
     if words:
         errors = [layer.error or ""] + [s.error or "" for s in layer.strata]
         assert any(words in e for e in errors), (fault, errors)
+    assert all(l.status in ("pass", status) for l in report.layers[hit + 1:]), [l.status for l in report.layers]
     assert report.passed == (status == "pass")
+
+
+def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path, monkeypatch):
+    """Ctrl-C right after the first of two renames: without holding signals the second report
+    would never be written (r.json without r.xml)."""
+    from parity_cli import report
+
+    real = os.replace
+    done = []
+
+    def replace(src, dst):
+        real(src, dst)
+        done.append(dst)
+        if len(done) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(report.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_files({tmp_path / "r.json": "{}\n", tmp_path / "r.xml": "<testsuites/>\n"})
+    assert (tmp_path / "r.json").exists() and (tmp_path / "r.xml").exists()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("frame", ["empty_error", "unasked_grad", "endless", "huge_payload", "lying_shape",
+                                   "bad_dtype", "deep_json", "not_a_dict"])
+def test_forged_frames_on_the_pipe_end_the_child_not_the_run(llama, frame):
+    """A candidate that writes its own frames on the worker's pipe: every one is a checked,
+    bounded error of that layer (the parent allocates nothing a header merely declares)."""
+    report = api.check(llama, candidate=f"{MISBEHAVE}:forge", candidate_args={"frame": frame}, layers="model.norm")
+    (layer,) = report.layers
+    assert layer.status == "error", frame
+    errors = [layer.error or ""] + [s.error or "" for s in layer.strata]
+    assert any("protocol violation" in e or "without a message" in e for e in errors), (frame, errors)
+
+
+def test_a_sleeper_without_timeout_is_stopped_by_the_default(llama, monkeypatch):
+    from parity_cli import supervisor
+
+    monkeypatch.setattr(supervisor, "DEFAULT_TIMEOUT", 1.0)
+    report = api.check(llama, candidate=bad("sleeps_forever"), layers="model.norm")
+    assert report.header["candidate"]["timeout"] == 1.0
+    assert "timed out after 1s" in report.layers[0].error
+
+
+def test_a_gradient_header_with_an_unreadable_dweight_is_a_protocol_violation():
+    from parity_cli.supervisor import Supervisor, _Stop
+
+    sup = Supervisor("unused", {})
+    head = {"type": "grad", "k": 0, "error": None, "dx": {"dtype": "float32", "shape": [1]}, "dw": 5}
+    with pytest.raises(_Stop, match="protocol violation"):
+        sup._grads(head, b"\0" * 4)
+    head["dw"] = {"dtype": "float32", "shape": [2]}
+    with pytest.raises(_Stop, match="protocol violation"):
+        sup._grads(head, b"\0" * 8)  # 4 bytes short of dx + dweight
