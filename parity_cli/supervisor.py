@@ -45,6 +45,7 @@ def _exit_code(proc, timeout: float):
     polls all children) can split it and read 255, so every poll here is serialised."""
     from multiprocessing.connection import wait
 
+    _wake_fork_server()  # it reports the status: a stopped one never would
     wait([proc.sentinel], timeout)
     with _mp_lock:
         return proc.exitcode
@@ -84,6 +85,19 @@ class _no_main:
         if self.main is not None:
             self.main.__spec__ = self.spec
         return False
+
+
+def _wake_fork_server() -> None:
+    """The fork server is every child's parent, so a candidate can SIGSTOP it (os.getppid());
+    the next start() would then wait for it forever. A SIGCONT first costs nothing."""
+    try:
+        from multiprocessing import forkserver
+
+        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+    except (OSError, AttributeError):
+        pass
 
 
 def kill_all() -> None:
@@ -213,6 +227,7 @@ class Supervisor:
             proc = ctx.Process(target=serve, args=(p2c_r, c2p_w, out_path), name="parity-candidate")
             try:
                 with _mp_lock, _no_main():  # start() polls every other child: see _exit_code
+                    _wake_fork_server()
                     proc.start()
             except BaseException:
                 for conn in (p2c_r, p2c_w, c2p_r, c2p_w):

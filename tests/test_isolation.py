@@ -155,6 +155,13 @@ def test_printing_forking_and_chdir_do_not_disturb_the_run(llama, tmp_path):
     assert any("hello from the candidate" in w for w in api.check(llama, candidate=bad("prints")).warnings)
 
 
+def test_a_candidate_that_stops_the_fork_server_does_not_stall_the_next_layer(llama, tmp_path):
+    r, data = check_cli(llama, tmp_path, "--candidate", bad("stops_its_parent"), timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert [l["status"] for l in data["layers"]] == ["error"] * 3
+    assert all("exited with code 1" in l["error"] for l in data["layers"])
+
+
 def test_garbage_on_the_pipe_is_a_finding_not_a_crash(llama):
     report = api.check(llama, candidate=bad("writes_to_every_fd"), layers="model.norm")
     assert report.layers[0].status == "error" and "protocol violation" in report.layers[0].error

@@ -137,6 +137,12 @@ def cuda_oom(x, weight, eps):
     torch.empty(1 << 50, dtype=torch.uint8, device=x.device)
 
 
+def stops_its_parent(x, weight, eps):
+    """SIGSTOPs the process that forked it (the fork server), then dies."""
+    os.kill(os.getppid(), signal.SIGSTOP)
+    os._exit(1)
+
+
 # --- return values -------------------------------------------------------------------------------
 
 def returns_meta(x, weight, eps):
