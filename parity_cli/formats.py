@@ -8,8 +8,9 @@ import xml.etree.ElementTree as ET
 
 
 def _num(value) -> str:
-    if isinstance(value, str):
-        return value
+    from parity_cli.report import unjfloat
+
+    value = unjfloat(value)
     return "0" if value == 0 else f"{value:.3g}"
 
 
@@ -19,10 +20,11 @@ def layer_summary(layer: dict) -> dict:
     failing = [s for s in strata if s["status"] != "pass"]
     compared = [s for s in (failing or strata) if s["status"] != "error"]
 
+    from parity_cli.report import least, worst
+
     def extreme(key, pick, fn):
         values = [s[key][pick] if pick else s[key] for s in compared]
-        values = [v for v in values if not isinstance(v, str)]
-        return fn(values) if values else None
+        return (worst if fn is max else least)(values)
 
     failing_grad = [g["name"] for g in layer.get("grad", []) if g["status"] != "pass"]
     return {

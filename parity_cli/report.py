@@ -25,6 +25,28 @@ def jfloat(value: float):
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
+def unjfloat(value):
+    """The inverse of jfloat, for every reader of a report dict: "inf"/"-inf"/"nan" back to floats
+    (None stays None), so renderers compare and format numbers, never strings."""
+    return float(value) if isinstance(value, str) else value
+
+
+def worst(values, default=None):
+    """The largest error, NaN counting as the largest of all (an error that is not even a number
+    is worse than any finite one); strings from JSON are read back as numbers."""
+    nums = [unjfloat(v) for v in values if v is not None]
+    if not nums:
+        return default
+    if any(math.isnan(v) for v in nums):
+        return math.nan
+    return max(nums)
+
+
+def least(values, default=None):
+    nums = [v for v in (unjfloat(v) for v in values if v is not None) if not math.isnan(v)]
+    return min(nums) if nums else default
+
+
 @dataclass
 class LayerResult:
     name: str
@@ -224,8 +246,9 @@ def _stage(text: str, path: Path) -> str:
 # --- terminal ----------------------------------------------------------------------------
 
 def _fmt(value) -> str:
-    if isinstance(value, str):
-        return value
+    value = unjfloat(value)
+    if value is None:
+        return "-"
     if value == 0:
         return "0"
     return f"{value:.3g}"
@@ -262,15 +285,15 @@ def render(d: dict, console) -> None:
         finite = [s for s in strata if s["status"] != "error"]
         # q/eps where it failed tells the story (small -> eps, large -> overflow); else all covered.
         shown = [s for s in finite if s["status"] == "fail"] or finite
-        qmin = min((s["q_over_eps"]["min"] for s in shown if not isinstance(s["q_over_eps"]["min"], str)), default=0)
-        qmax = max((s["q_over_eps"]["max"] for s in shown if not isinstance(s["q_over_eps"]["max"], str)), default=0)
+        qmin = least((s["q_over_eps"]["min"] for s in shown), default=0)
+        qmax = worst((s["q_over_eps"]["max"] for s in shown), default=0)
         table.add_row(
             layer["name"],
             str(layer["dim"]),
             f"[{colours[layer['status']]}]{layer['status']}[/]",
             ", ".join(failing) or "-",
-            _fmt(max((s["max_abs_err"] for s in finite), default=0)),
-            _fmt(max((s["max_rel_err"] for s in finite), default=0)),
+            _fmt(worst((s["max_abs_err"] for s in finite), default=0)),
+            _fmt(worst((s["max_rel_err"] for s in finite), default=0)),
             f"{_fmt(qmin)} .. {_fmt(qmax)}",
         )
     console.print(table)
@@ -317,8 +340,8 @@ def _ratio(stratum: dict) -> float | None:
     w = stratum.get("worst")
     if not w:
         return None
-    vals = [w.get("candidate"), w.get("reference"), w.get("allowed")]
-    if any(isinstance(v, str) or v is None for v in vals):
+    vals = [unjfloat(w.get(k)) for k in ("candidate", "reference", "allowed")]
+    if any(v is None or not math.isfinite(v) for v in vals):
         return math.inf
     cand, ref, allowed = vals
     if cand == ref:

@@ -162,3 +162,26 @@ def test_plot_is_written(ckpt, tmp_path):
 def test_plot_bad_suffix_is_input_error(ckpt, tmp_path):
     r = run_parity("check", ckpt("llama", layers=1), "--plot", tmp_path / "p.pdf")
     assert r.returncode == 2 and ".svg or .png" in r.stderr and not (tmp_path / "p.pdf").exists()
+
+
+def test_non_finite_numbers_are_one_representation_in_every_output(ckpt, tmp_path):
+    """eps = 0 makes the all-zero row 0/0 = NaN: the JSON carries "inf"/"nan" strings (valid
+    against the schema), and the terminal, Markdown and JUnit read them back as numbers."""
+    from tests.test_cli import validate
+
+    path = ckpt("llama", layers=1)
+    out, md, xml = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.xml"
+    r = run_parity("check", path, "--candidate-eps", "0", "--json", out, "--markdown", md, "--junit", xml,
+                   env={"COLUMNS": "200"})
+    assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr
+    data = load_json(out)
+    validate(data)
+    zero = next(s for s in data["layers"][0]["strata"] if s["name"] == "zero")
+    assert zero["max_abs_err"] in ("inf", "nan") and zero["nonfinite"]["candidate"] > 0
+    first = data["layers"][0]["name"]
+    row = next(line for line in r.stdout.splitlines() if line.strip().startswith(first))
+    assert "inf" in row or "nan" in row  # the worst error of the layer, not the largest finite one
+    md_row = next(line for line in md.read_text().splitlines() if f"`{first}`" in line)
+    assert "| inf |" in md_row or "| nan |" in md_row, md_row
+    r2 = run_parity("report", out)
+    assert r2.returncode == 0 and "internal error" not in r2.stderr, r2.stderr
