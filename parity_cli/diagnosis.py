@@ -121,6 +121,14 @@ def _offset_variant(delta):
 
 def _offset_message(ctx, ev):
     delta, expected = ev["offset_error"], ev["expected_offset"]
+    baked = ctx.layer.semantic_offset or 0.0
+    if baked and not expected:  # a converted file (GGUF Gemma) that stores the family's 1 + w itself
+        ev["stored_gain"] = f"{baked:g} + w"
+        if delta > 0:
+            return (f"every channel's gain is off by {delta:+g}: this file already stores {baked:g} + w (the "
+                    f"converter baked the family's +{baked:g} in), and the candidate adds {delta:g} again")
+        return (f"every channel's gain is off by {delta:+g}: this file stores {baked:g} + w, and the candidate "
+                f"takes {-delta:g} away")
     if delta < 0:
         what = "the +1 is missing: gain w where the family uses 1 + w" if expected else "the gain is w - 1"
     else:

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from conftest import load_json, run_parity
+from conftest import load_json, plugin, run_parity
 from parity_cli import api
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (the gguf extra)")
@@ -167,3 +167,13 @@ def test_big_endian_gguf_is_read(pair, tmp_path):
     (layer,) = info["layers"]
     assert layer["name"] == "model.norm" and (layer["weight"]["min"], layer["weight"]["max"]) == (0.25, 2.0)
     assert info["eps"]["decimal"] == "1e-05"
+
+
+def test_a_module_adding_its_own_one_to_a_gguf_gemma_is_told_the_file_stores_it(pair):
+    """The HF-style Gemma module adds 1 to what it is given; a GGUF Gemma stores 1 + w already.
+    The message must state this file's convention, not "the family does not use +1"."""
+    _, g = pair("gemma3", layers=1)
+    report = api.check(g, candidate=plugin("GemmaRMSNorm"), layers="model.norm")
+    (diag,) = report.layers[0].diagnoses
+    assert diag.code == "weight_offset_mismatch" and diag.evidence["offset_error"] == 1.0
+    assert "this file already stores 1 + w" in diag.message and "does not use" not in diag.message
