@@ -76,6 +76,7 @@ class StratumResult:
     nonfinite_reference: int = 0
     nonfinite_candidate: int = 0
     max_ulp: float | None = None  # largest difference in units in the last place of the candidate dtype
+    failing_q_over_eps: tuple[float, float] | None = None  # q/eps range of the rows with a violation
     worst: Worst | None = None
     error: str | None = None
     # Kept for diagnosis, not serialised: float64 input, reference and candidate outputs.
@@ -225,7 +226,13 @@ def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
             if bool(finite.any()) else 0.0)
     v, i = divmod(flat, ref.shape[-1])
     fraction = violations / elements if elements else 0.0
+    failing_q = None
+    if violations:  # which rows failed says more than which stratum: c = 100 is not a small input
+        bad_rows = (~ok).reshape(ref.shape[0], -1).any(-1)
+        qs = [row_q[r] for r in torch.nonzero(bad_rows).flatten().tolist()]
+        failing_q = (min(qs), max(qs)) if qs else None
     return StratumResult(
+        failing_q_over_eps=failing_q,
         row_q_over_eps=row_q,
         row_error=row_err,
         name=name,

@@ -31,9 +31,14 @@ def layer_summary(layer: dict) -> dict:
         "failing": [s["name"] for s in failing] + failing_grad + [f["code"] for f in layer.get("findings", [])],
         "max_abs_err": extreme("max_abs_err", None, max),
         "max_rel_err": extreme("max_rel_err", None, max),
-        "q_over_eps": (extreme("q_over_eps", "min", min), extreme("q_over_eps", "max", max)),
+        "q_over_eps": (least(q["min"] for q in _failing_q(compared)), worst(q["max"] for q in _failing_q(compared))),
         "diagnoses": [d["code"] for d in layer["diagnoses"]],
     }
+
+
+def _failing_q(strata):
+    """q/eps of the rows that failed where the report has it, else the strata's range."""
+    return [s.get("failing_q_over_eps") or s["q_over_eps"] for s in strata]
 
 
 def failure_message(layer: dict) -> str:

@@ -125,6 +125,8 @@ def _stratum_dict(s: StratumResult) -> dict:
         "violations": s.violations,
         "violation_fraction": s.violation_fraction,
         "max_ulp": None if s.max_ulp is None else jfloat(s.max_ulp),
+        "failing_q_over_eps": None if s.failing_q_over_eps is None else {
+            "min": jfloat(s.failing_q_over_eps[0]), "max": jfloat(s.failing_q_over_eps[1])},
         "nonfinite": {"reference": s.nonfinite_reference, "candidate": s.nonfinite_candidate},
         "worst": None if s.worst is None else {
             "vector": s.worst.vector,
@@ -283,10 +285,12 @@ def render(d: dict, console) -> None:
         failing = [s["name"] for s in strata if s["status"] != "pass"]
         failing += [f["code"] for f in layer.get("findings", [])]
         finite = [s for s in strata if s["status"] != "error"]
-        # q/eps where it failed tells the story (small -> eps, large -> overflow); else all covered.
-        shown = [s for s in finite if s["status"] == "fail"] or finite
-        qmin = least((s["q_over_eps"]["min"] for s in shown), default=0)
-        qmax = worst((s["q_over_eps"]["max"] for s in shown), default=0)
+        # q/eps of the rows that failed tells the story (small -> eps, large -> overflow); else
+        # the range covered. Older reports lack the failing rows' range: their strata's then.
+        shown = [s.get("failing_q_over_eps") or s["q_over_eps"] for s in finite if s["status"] == "fail"] \
+            or [s["q_over_eps"] for s in finite]
+        qmin = least((q["min"] for q in shown), default=0)
+        qmax = worst((q["max"] for q in shown), default=0)
         table.add_row(
             layer["name"],
             str(layer["dim"]),
