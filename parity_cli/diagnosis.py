@@ -246,18 +246,51 @@ def _channel_diagnosis(ctx: Context) -> Diagnosis | None:
     )
 
 
+RULED_OUT = ("eps value (estimated), eps = 0, eps outside the root, mean subtraction, variance for mean "
+             "square, gain offset 0/1/2, uniform gain scale, per-channel gain, no upcast / float32 math, and "
+             "their combinations of up to three")
+
+
+def _failing_rows(ctx: Context):
+    """(q/eps, max |x|) of every row with an element outside tolerance."""
+    import torch
+
+    q_eps, peak = [], []
+    for s in ctx.strata:
+        if s.status != "fail" or s.cand is None or s.x is None:
+            continue
+        allowed = ctx.tol.atol + ctx.tol.rtol * s.ref.abs()
+        ok = ((s.cand - s.ref).abs() <= allowed) | (s.cand == s.ref) | (torch.isnan(s.cand) & torch.isnan(s.ref))
+        bad = ~ok.all(-1)
+        if not bool(bad.any()):
+            continue
+        q = mean_square(s.x[bad], ctx.layer.kind)
+        q_eps += (q / ctx.eps if ctx.eps > 0 else torch.full_like(q, math.inf)).tolist()
+        peak += s.x[bad].abs().amax(-1).tolist()
+    return q_eps, peak
+
+
 def _symptom(ctx: Context, failing: set[str]) -> Diagnosis:
-    if failing <= SMALL | {"constant"}:
+    """The rule of thumb of the sources, on the rows that failed (not the strata they belong to:
+    a constant row at c = 100 has q/eps 1e10 and is no small input)."""
+    q_eps, peak = _failing_rows(ctx)
+    ev = {"strata": sorted(failing), "ruled_out": RULED_OUT}
+    if q_eps:
+        ev["failing_q_over_eps"] = {"min": min(q_eps), "max": max(q_eps)}
+        ev["failing_max_abs_x"] = max(peak)
+        ev["failing_rows"] = len(q_eps)
+    if q_eps and max(q_eps) <= 1e4:
         return Diagnosis("symptom_small_inputs",
-                         f"errors only on small inputs ({', '.join(sorted(failing))}): suspect q/eps — the eps value "
-                         "or where it enters", {"strata": sorted(failing)})
-    if failing <= LARGE:
+                         f"errors only on rows with q/eps <= {max(q_eps):.3g} ({', '.join(sorted(failing))}): suspect "
+                         "q/eps, the eps value or where it enters; no combination of known faults reproduces it", ev)
+    if peak and min(peak) >= 256:
         return Diagnosis("symptom_large_inputs",
-                         f"errors only on large inputs ({', '.join(sorted(failing))}): suspect intermediate overflow "
-                         "or precision (squaring or summing without an upcast)", {"strata": sorted(failing)})
+                         f"errors only on rows with |x| >= {min(peak):.3g} ({', '.join(sorted(failing))}): suspect "
+                         "intermediate overflow or precision (squaring or summing without an upcast)", ev)
+    where = "" if not q_eps else f" on rows with q/eps {min(q_eps):.3g}..{max(q_eps):.3g}"
     return Diagnosis("unexplained",
-                     f"failing strata {', '.join(sorted(failing))} fit no single planted fault; compare the worst "
-                     "elements", {"strata": sorted(failing)})
+                     f"failing strata {', '.join(sorted(failing))}{where}: no combination of known faults reproduces "
+                     "the candidate; compare the worst elements", ev)
 
 
 # The panel of known variants (issue: "change one condition at a time"): each is the expected
@@ -357,35 +390,30 @@ def cast_order_diagnosis(ctx: Context) -> Diagnosis | None:
 
 
 def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance, dtype, bias=None) -> list[Diagnosis]:
+    """Every factor of the simplest combination that reproduces the candidate (parity_cli.fit),
+    each its own diagnosis; when none does, only what the data shows: a bit-exact cast order,
+    non-finite zero rows, or which rows failed (and what was ruled out)."""
+    from parity_cli import fit as fitting
+
     failing = {s.name for s in strata if s.status == "fail"}
     if not failing:
         return []
     ctx = Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=dtype, strata=strata)
+    best = fitting.fit(ctx)
     variants = matching_variants(ctx)
-    compared = [s for s in strata if s.cand is not None]
-    evidence_base = {"_estimate": estimate_eps(ctx)}
-    fits = []  # (closeness, order, diagnosis): several hypotheses can fit; the closest is the cause
-    for order, hyp in enumerate(HYPOTHESES):
-        ev = dict(evidence_base)
-        outputs = []
-        for s in compared:
-            v = hyp.variant(ctx, s.x, ev)
-            if v is None:
-                break
-            outputs.append((s, v))
-        else:
-            closeness = _match(ctx, outputs) if outputs else None
-            if closeness is not None:
-                ev.pop("_estimate", None)
-                fits.append((closeness, order, Diagnosis(hyp.code, hyp.message(ctx, ev), ev)))
-    out: list[Diagnosis] = [min(fits)[2]] if fits else []
-    seen = {d.code for d in out}
-    if not out and "normal" in failing:
-        channel = _channel_diagnosis(ctx)
-        if channel:
-            out.append(channel)
+    if best is not None and best.findings:
+        out = [Diagnosis(code, message, dict(evidence)) for code, message, evidence in best.findings]
+        expected = fitting.Factors(centred=layer.kind == "layer_norm", eps=ctx.eps)
+        name = fitting.variant_name(best.factors, expected, ctx)
+        out[0].evidence["matching_variants"] = [name] + [v for v in variants if v != name]
+        if len(out) > 1:
+            codes = [d.code for d in out]
+            for d in out:
+                d.evidence["together_with"] = [c for c in codes if c != d.code]
+        return out
+    out: list[Diagnosis] = []
     zero = next((s for s in strata if s.name == "zero" and s.status == "fail"), None)
-    if zero is not None and zero.nonfinite_candidate > zero.nonfinite_reference and "eps_missing" not in seen:
+    if zero is not None and zero.nonfinite_candidate > zero.nonfinite_reference:
         out.append(Diagnosis("eps_missing", "an all-zero row gives non-finite output: eps is missing or zero, "
                              "so the norm computes 0/0", {"strata": ["zero"]}))
     if not out:
