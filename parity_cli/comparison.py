@@ -77,6 +77,7 @@ class StratumResult:
     nonfinite_candidate: int = 0
     max_ulp: float | None = None  # largest difference in units in the last place of the candidate dtype
     failing_q_over_eps: tuple[float, float] | None = None  # q/eps range of the rows with a violation
+    shared: dict | None = field(default=None, repr=False)  # the probe set's cache (diagnosis variants)
     worst: Worst | None = None
     error: str | None = None
     # Kept for diagnosis, not serialised: float64 input, reference and candidate outputs.

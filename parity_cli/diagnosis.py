@@ -400,12 +400,10 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         return []
     ctx = Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=dtype, strata=strata)
     best = fitting.fit(ctx)
-    variants = matching_variants(ctx)
     if best is not None and best.findings:
         out = [Diagnosis(code, message, dict(evidence)) for code, message, evidence in best.findings]
         expected = fitting.Factors(centred=layer.kind == "layer_norm", eps=ctx.eps)
-        name = fitting.variant_name(best.factors, expected, ctx)
-        out[0].evidence["matching_variants"] = [name] + [v for v in variants if v != name]
+        out[0].evidence["matching_variants"] = [fitting.variant_name(best.factors, expected, ctx)]
         if len(out) > 1:
             codes = [d.code for d in out]
             for d in out:
@@ -422,6 +420,7 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
             out.append(cast)
     if not out:
         out.append(_symptom(ctx, failing))
+    variants = matching_variants(ctx)  # single changes (and cast orders) that fit, short of a cause
     if variants:
         out[0].evidence["matching_variants"] = variants
     return out

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field, replace
 MATCH_SLACK = 2.0  # the variant is float64 (or the dtype's own math); the candidate rounds once more
 MATCH_SHARE = 0.99
 U32 = 2.0 ** -24
+SCREEN_SAMPLE = 4096  # failing elements per stratum the screen looks at
+MATCH_ROWS = 16  # rows per stratum the full residual check looks at (strided, first and last kept)
+MATCH_COLS = 2048  # and channels
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,9 @@ class Panel:
         key = ("fit", f.centred, f.variance, f.eps, f.outside, f.precision, str(self.ctx.dtype))
         out = []
         for s in self.strata:
-            store = s.shared if getattr(s, "shared", None) is not None else self.ctx.cache.setdefault(id(s), {})
+            # the layer's own eps (or 0) is shared by every layer of this probe set; an estimate is not
+            shared = getattr(s, "shared", None) is not None and f.eps_label != "estimated"
+            store = s.shared if shared else self.ctx.cache.setdefault(id(s), {})
             if key not in store:
                 store[key] = normalise(s.x, f, self.ctx.dtype)
             out.append(store[key])
@@ -132,6 +137,9 @@ def match(ctx, strata, variant_outputs, extra_rel: float = 0.0) -> float | None:
     total = hit = bad_total = bad_hit = 0
     closeness = 0.0
     for s, v in zip(strata, variant_outputs):
+        if v.shape[0] > MATCH_ROWS or v.shape[-1] > MATCH_COLS:
+            s = _sampled(ctx, s)  # the screen saw the failing elements; here a strided sample will do
+            v = v[s.rows][:, s.cols]
         allowed = ctx.tol.atol + (ctx.tol.rtol + extra_rel) * v.abs()
         if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding:  # as the pass/fail comparison grants
             allowed = allowed + _rounding(ctx, s)
@@ -157,12 +165,87 @@ def match(ctx, strata, variant_outputs, extra_rel: float = 0.0) -> float | None:
     return closeness / max(bad_hit, 1)
 
 
+@dataclass
+class _Rows:
+    """A stratum's strided sample of rows and channels, with what the residual check reads
+    (x keeps whole rows: the LayerNorm allowance needs the row's statistics)."""
+
+    x: object
+    ref: object
+    cand: object
+    rows: object
+    key: int
+    cols: object = None
+
+
+def _sampled(ctx, s, count: int = 0):
+    import torch
+
+    count = count or MATCH_ROWS
+    key = ("sample", id(s), count)
+    if key not in ctx.cache:
+        n, d = s.x.shape
+        rows = torch.unique(torch.cat([torch.arange(0, n, n // count + 1), torch.tensor([n - 1])]))
+        cols = torch.arange(0, d, d // MATCH_COLS + 1) if d > MATCH_COLS else torch.arange(d)
+        ctx.cache[key] = _Rows(s.x[rows], s.ref[rows][:, cols], s.cand[rows][:, cols], rows, id(s), cols)
+    return ctx.cache[key]
+
+
+def _failing(ctx, s):
+    """(row, column) indices of the elements that failed against the reference, with the
+    candidate's values there: the screen looks only at these."""
+    import torch
+
+    key = ("failing", id(s))
+    if key not in ctx.cache and not s.violations:  # nothing failed here: nothing to screen
+        import torch
+
+        empty = torch.zeros(0, dtype=torch.long)
+        ctx.cache[key] = (empty, empty, s.cand.new_zeros(0), 0.0)
+    if key not in ctx.cache:
+        allowed = ctx.tol.atol + ctx.tol.rtol * s.ref.abs()
+        if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding:
+            allowed = allowed + _rounding(ctx, s)
+        bad = ~(((s.cand - s.ref).abs() <= allowed) | (s.cand == s.ref) | (torch.isnan(s.cand) & torch.isnan(s.ref)))
+        rows, cols = torch.nonzero(bad, as_tuple=True)
+        if rows.numel() > SCREEN_SAMPLE:  # a strided sample decides as well as all of them, for less
+            keep = torch.arange(0, rows.numel(), rows.numel() // SCREEN_SAMPLE + 1)
+            rows, cols = rows[keep], cols[keep]
+        extra = _rounding(ctx, s)[rows, cols] if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding else 0.0
+        ctx.cache[key] = (rows, cols, s.cand[rows, cols], extra)
+    return ctx.cache[key]
+
+
+def screen(ctx, panel: Panel, f: Factors, extra_rel: float) -> bool:
+    """The cheap half of the residual check: does the variant reproduce the failing elements?
+    Most combinations fail here, without a pass over every element."""
+    import torch
+
+    g = panel.gain(f)
+    bad_total = bad_hit = 0
+    for s, n in zip(panel.strata, panel.normalised(f)):
+        rows, cols, cand, extra = _failing(ctx, s)
+        if rows.numel() == 0:
+            continue
+        v = n[rows, cols] * g[cols]
+        if panel.bias is not None:
+            v = v + panel.bias[cols]
+        allowed = ctx.tol.atol + (ctx.tol.rtol + extra_rel) * v.abs() + extra
+        same = (cand == v) | (torch.isnan(cand) & torch.isnan(v))
+        ok = same | ((cand - v).abs() <= MATCH_SLACK * allowed)
+        bad_total += ok.numel()
+        bad_hit += int(ok.sum())
+    return bad_total > 0 and bad_hit >= MATCH_SHARE * bad_total
+
+
 def _rounding(ctx, s):
     from parity_cli.comparison import mean_rounding_allowance
 
     key = ("rounding", id(s))
     if key not in ctx.cache:
-        ctx.cache[key] = mean_rounding_allowance(s.x, ctx.gain, ctx.eps, ctx.tol)
+        allowance = mean_rounding_allowance(s.x, ctx.gain, ctx.eps, ctx.tol)
+        cols = getattr(s, "cols", None)
+        ctx.cache[key] = allowance if cols is None else allowance[:, cols]
     return ctx.cache[key]
 
 
@@ -179,11 +262,19 @@ def _gain_rows(panel: Panel, f: Factors):
         rows = [(s, n) for s, n in zip(panel.strata, panel.normalised(f)) if s.name == name]
         if rows:
             s, n = rows[0]
-            q = mean_square(s.x, "layer_norm" if f.centred or f.variance else "rms_norm")
-            keep = (q > 1e4 * max(panel.ctx.eps, 1e-30)) & torch.isfinite(s.cand).all(-1) & torch.isfinite(n).all(-1)
-            if int(keep.sum()) >= 2:
-                c = s.cand[keep] - (0 if panel.bias is None else panel.bias)
-                return c, n[keep]
+            # which rows: a property of the probes alone, so every layer of the probe set shares it
+            key = ("gain_rows", f.centred or f.variance, panel.ctx.eps)
+            store = s.shared if getattr(s, "shared", None) is not None else panel.ctx.cache
+            if key not in store:
+                q = mean_square(s.x, "layer_norm" if f.centred or f.variance else "rms_norm")
+                idx = torch.nonzero(q > 1e4 * max(panel.ctx.eps, 1e-30)).flatten()
+                store[key] = idx[:: idx.numel() // MATCH_ROWS + 1] if idx.numel() > MATCH_ROWS else idx
+            idx = store[key]
+            c = s.cand[idx] - (0 if panel.bias is None else panel.bias)
+            nn = n[idx]
+            finite = torch.isfinite(c).all(-1) & torch.isfinite(nn).all(-1)
+            if int(finite.sum()) >= 2:
+                return c[finite], nn[finite]
     return None
 
 
@@ -221,6 +312,8 @@ def estimate_eps(panel: Panel, f: Factors, gain):
     est = torch.cat(samples) if samples else None
     if est is None or est.numel() == 0:
         return None
+    if est.numel() > 4096:  # quartiles of a strided sample: the same to a few percent, 100x cheaper
+        est = est[:: est.numel() // 4096 + 1]
     lo, med, hi = (float(v) for v in torch.quantile(est, torch.tensor([0.25, 0.5, 0.75], dtype=est.dtype)))
     return med, ((hi - lo) / abs(med) if med else math.inf)
 
@@ -240,9 +333,7 @@ def _complexity(f: Factors, expected: Factors) -> float:
 
 
 def candidates(ctx, panel: Panel):
-    """Every combination worth trying, cheapest first."""
-    import torch
-
+    """Every combination worth trying, cheapest first (fitted values are resolved lazily)."""
     kind = ctx.layer.kind
     expected = Factors(centred=kind == "layer_norm", eps=ctx.eps)
     norms = [expected]
@@ -253,34 +344,16 @@ def candidates(ctx, panel: Panel):
     precisions = ["exact"] + (["no_upcast"] if ctx.dtype.itemsize <= 2 else ["float32"])
     out = []
     for base in norms:
-        fitted = fit_gain(panel, base)
-        gains = [("expected", 0.0)]
-        for delta in (-1.0, 1.0):
-            gains.append(("offset", delta))
-        if fitted is not None:
-            g, s = fitted
-            if math.isfinite(s) and abs(s - 1) > 1e-9:
-                gains.append(("scale", s))
-            if bool(torch.isfinite(g).all()):
-                ctx.cache[("channel_gain", base.centred, base.variance)] = g
-                gains.append(("channel", 0.0))
+        # scale and channel gains are fitted only if a combination with them is reached
+        gains = [("expected", 0.0), ("offset", -1.0), ("offset", 1.0), ("scale", None), ("channel", 0.0)]
         for gain, value in gains:
             gf = replace(base, gain=gain, gain_value=value)
-            g_used = panel.gain(_with_channel(ctx, gf))
-            eps_options = [(ctx.eps, "configured"), (0.0, "zero")]
             for outside in ((False, True) if kind == "rms_norm" else (False,)):
-                est = estimate_eps(panel, replace(gf, outside=outside), g_used)
-                spread = 0.0
-                if est is not None and est[0] > 0 and abs(est[0] - ctx.eps) > 0.05 * ctx.eps:
-                    eps_options.append((est[0], "estimated"))
-                    spread = est[1]
-                for eps, label in eps_options:
+                for eps, label in ((ctx.eps, "configured"), (0.0, "zero"), (None, "estimated")):
                     if label == "zero" and (ctx.eps == 0 or outside):
                         continue
                     for precision in precisions:
-                        out.append(replace(gf, eps=eps, eps_label=label, outside=outside, precision=precision,
-                                           eps_spread=spread if label == "estimated" else 0.0))
-                eps_options = eps_options[:2]
+                        out.append(replace(gf, eps=eps, eps_label=label, outside=outside, precision=precision))
     out.sort(key=lambda f: _complexity(f, expected))
     return expected, out
 
@@ -289,6 +362,42 @@ def _with_channel(ctx, f: Factors) -> Factors:
     if f.gain == "channel":
         ctx.cache["channel_gain"] = ctx.cache[("channel_gain", f.centred, f.variance)]
     return f
+
+
+def _resolve_gain(ctx, panel: Panel, f: Factors) -> Factors | None:
+    """Fits the gain of the combination's normalisation (once per layer and normalisation);
+    None when the fit is impossible or says nothing new."""
+    import torch
+
+    if f.gain not in ("scale", "channel"):
+        return f
+    key = ("gain_fit", f.centred, f.variance)
+    if key not in ctx.cache:
+        fitted = fit_gain(panel, replace(f, gain="expected"))
+        ctx.cache[key] = fitted
+        if fitted is not None and bool(torch.isfinite(fitted[0]).all()):
+            ctx.cache[("channel_gain", f.centred, f.variance)] = fitted[0]
+    fitted = ctx.cache[key]
+    if fitted is None:
+        return None
+    if f.gain == "scale":
+        s = fitted[1]
+        return replace(f, gain_value=s) if math.isfinite(s) and abs(s - 1) > 1e-9 else None
+    return f if ("channel_gain", f.centred, f.variance) in ctx.cache else None
+
+
+def _resolve_eps(ctx, panel: Panel, f: Factors) -> Factors | None:
+    """An "estimated" combination gets its eps now (once per normalisation, gain and placement),
+    or is dropped when no estimate differs from the configured eps."""
+    if f.eps_label != "estimated":
+        return f
+    key = ("eps_estimate", f.centred, f.variance, f.outside, f.gain, f.gain_value)
+    if key not in ctx.cache:
+        est = estimate_eps(panel, f, panel.gain(_with_channel(ctx, f)))
+        ok = est is not None and est[0] > 0 and abs(est[0] - ctx.eps) > 0.05 * ctx.eps
+        ctx.cache[key] = est if ok else None
+    est = ctx.cache[key]
+    return None if est is None else replace(f, eps=est[0], eps_spread=est[1])
 
 
 def fit(ctx, max_factors: float = 3.0) -> Fit | None:
@@ -304,8 +413,14 @@ def fit(ctx, max_factors: float = 3.0) -> Fit | None:
             continue  # the reference itself explains nothing: the layer failed against it
         if cost > max_factors or (level is not None and cost > level):
             break
+        f = _resolve_gain(ctx, panel, f)
+        f = None if f is None else _resolve_eps(ctx, panel, f)
+        if f is None:
+            continue
         _with_channel(ctx, f)
         extra = ctx.layer.dim * U32 if f.precision == "float32" else 0.0
+        if not screen(ctx, panel, f, extra):
+            continue
         closeness = match(ctx, panel.strata, panel.outputs(f), extra)
         if closeness is not None and (best is None or closeness < best.closeness):
             level, best = cost, Fit(f, closeness)

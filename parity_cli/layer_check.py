@@ -136,6 +136,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
                 q = q.repeat_interleave(rows(x).shape[0] // q.shape[0])
             results.append(compare(probe.stratum, rows(x), rows(ref), rows(out.value), eps, layer.kind, tol,
                                    opts.max_violation_fraction, extra, candidate.dtype, q))
+            results[-1].shared = probe.q  # every layer of this probe set: diagnosis variants are computed once
         if opts.grad:
             grads.extend(grad_strata(probe, x, upstream[k], rows, layer, reference, w_ref, b_ref, eps, grad_tol,
                                      run.grad(k), layer_error or out.error))
@@ -171,7 +172,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
     if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
         for s in results + grads:
-            s.x = s.ref = s.cand = None
+            s.x = s.ref = s.cand = s.shared = None
     return result
 
 

@@ -1,0 +1,89 @@
+"""The diagnosis panel (issue 13), as data: single faults and pairs planted into the family's
+own math by tests/plugins/faults.py, and the codes each must be explained by. Shared by
+tests/test_diagnosis_matrix.py and benchmarks/diagnosis_matrix.py (which prints the matrix)."""
+
+from pathlib import Path
+
+PLUGIN = str(Path(__file__).resolve().parent / "plugins" / "faults.py") + ":planted"
+
+# family -> (model_type, gain offset, kind)
+FAMILIES = {"llama": ("llama", 0.0, "rms_norm"), "gemma": ("gemma3", 1.0, "rms_norm"),
+            "layer_norm": ("bert", 0.0, "layer_norm")}
+
+
+def codes_for(faults: str, family: str, eps: float) -> set:
+    """The diagnosis codes that name exactly the planted factors."""
+    kind = FAMILIES[family][2]
+    out = set()
+    for item in filter(None, faults.split(",")):
+        key, _, value = item.partition("=")
+        if key == "eps":
+            out.add("eps_missing" if float(value) == 0 else "eps_mismatch")
+        else:
+            out.add({"eps_outside": "eps_outside_sqrt", "no_offset": "weight_offset_mismatch",
+                     "offset_twice": "weight_offset_mismatch", "add_one": "weight_offset_mismatch",
+                     "scale": "channel_gain_mismatch", "no_upcast": "reduced_precision_reduction",
+                     "mean": "mean_subtracted" if kind == "rms_norm" else "mean_not_subtracted",
+                     "variance": "variance_not_mean_square", "fp32_seq": "float32_accumulation"}[key])
+    return out
+
+
+# (family, dtype, checkpoint eps, planted faults, hidden size)
+PANEL = [
+    # correct implementations: no false alarm
+    *[(fam, dt, 1e-6 if fam != "layer_norm" else 1e-12, "", 64)
+      for fam in FAMILIES for dt in ("float32", "bfloat16", "float16")],
+    # single faults
+    ("llama", "float32", 1e-6, "eps=1e-05", 64),
+    ("llama", "bfloat16", 1e-6, "eps=1e-05", 64),
+    ("llama", "float32", 1e-6, "eps=0", 64),
+    ("llama", "float32", 1e-6, "eps_outside", 64),
+    ("llama", "bfloat16", 1e-6, "mean", 64),
+    ("llama", "float32", 1e-6, "variance", 64),
+    ("llama", "bfloat16", 1e-6, "scale=1.03", 64),
+    ("llama", "bfloat16", 1e-6, "scale=1.05", 64),
+    ("llama", "float32", 1e-6, "scale=0.9", 64),
+    ("llama", "float32", 1e-6, "add_one", 64),
+    ("llama", "float16", 1e-6, "no_upcast", 64),
+    ("llama", "float32", 1e-6, "fp32_seq", 640),
+    ("llama", "float64", 1e-6, "fp32_seq", 64),  # float32 math where float64 was asked for (JAX without x64)
+    ("gemma", "bfloat16", 1e-6, "no_offset", 64),
+    ("gemma", "float16", 1e-6, "offset_twice", 64),
+    ("gemma", "float32", 1e-6, "eps=1e-05", 64),
+    ("layer_norm", "float32", 1e-12, "eps=0.001", 64),
+    ("layer_norm", "bfloat16", 1e-12, "eps=0.001", 64),
+    ("layer_norm", "float32", 1e-12, "mean", 64),
+    # pairs
+    ("gemma", "bfloat16", 1e-6, "eps=1e-05,no_offset", 64),
+    ("gemma", "float32", 1e-6, "eps=1e-05,no_offset", 64),
+    ("gemma", "float16", 1e-6, "eps=1e-05,no_offset", 64),
+    ("llama", "float16", 1e-5, "eps=1e-06,no_upcast", 64),
+    ("llama", "bfloat16", 1e-6, "eps=1e-05,mean", 64),
+    ("llama", "float32", 1e-6, "eps=0.0001,eps_outside", 64),
+    ("gemma", "float16", 1e-6, "offset_twice,no_upcast", 64),
+    ("llama", "float32", 1e-6, "eps=1e-05,scale=1.05", 64),
+    ("llama", "float16", 1e-6, "scale=1.05,no_upcast", 64),
+    ("layer_norm", "float32", 1e-12, "eps=0.001,mean", 64),
+    ("llama", "float32", 1e-6, "eps=1e-05,fp32_seq", 2048),
+]
+
+
+def case_id(case) -> str:
+    family, dtype, eps, faults, hidden = case
+    return f"{family}-{dtype}-{faults or 'correct'}" + (f"-h{hidden}" if hidden != 64 else "")
+
+
+def run_case(case, root):
+    """(layers' (status, codes), expected codes) for one panel case."""
+    from parity_cli import api
+    from parity_cli.synthetic import write_checkpoint
+
+    family, dtype, eps, faults, hidden = case
+    model_type, offset, kind = FAMILIES[family]
+    path = Path(root) / case_id(case).replace("=", "").replace(",", "+")
+    if not path.exists():
+        write_checkpoint(path, model_type, layers=1, hidden=hidden, heads=hidden // 16, eps=eps, dtype=dtype, seed=7)
+    args = {"faults": faults, "offset": offset, "kind": kind}
+    report = api.check(path, candidate=PLUGIN, candidate_args=args, isolation="none")
+    got = [(l.status, {d.code for d in l.diagnoses}) for l in report.layers]
+    return got, codes_for(faults, family, eps)

@@ -1,0 +1,57 @@
+"""One configurable candidate for the diagnosis confusion matrix (issue 13): the family's own
+math with any set of faults planted at once, the way real migrations combine them (ONNX's
+default eps *and* the stored w as the gain; a hard-coded eps *and* no upcast).
+
+`faults` is a comma-separated list:
+  eps=V        eps hard-coded to V          eps_outside   x / (sqrt(q) + eps)
+  no_offset    gain w where 1 + w is used   offset_twice  gain 2 + w (1 + w families)
+  add_one      gain 1 + w where w is used   scale=S       every gain times S
+  no_upcast    square and sum in the dtype  mean          centring flipped (RMS <-> LayerNorm)
+  variance     divide by sqrt(var + eps) without centring x
+  fp32_seq     the mean square summed sequentially in float32 (float32/float64 inputs)
+"""
+
+import torch
+
+
+def _parse(faults: str) -> dict:
+    out = {}
+    for item in filter(None, (f.strip() for f in faults.split(","))):
+        key, _, value = item.partition("=")
+        out[key] = float(value) if value else True
+    return out
+
+
+def _sequential_mean_square(h):
+    acc = torch.zeros(h.shape[:-1], dtype=torch.float32)
+    for j in range(h.shape[-1]):
+        acc = acc + h[..., j].float() * h[..., j].float()
+    return (acc / h.shape[-1]).unsqueeze(-1)
+
+
+def planted(x, weight, eps, bias=None, faults="", offset=0.0, kind="rms_norm"):
+    f = _parse(faults)
+    eps = f.get("eps", eps)
+    work = x.dtype if f.get("no_upcast") else (torch.float64 if x.dtype == torch.float64 and not f.get("fp32_seq")
+                                                else torch.float32)
+    h = x.to(work)
+    centred = (kind == "layer_norm") != bool(f.get("mean"))
+    if centred:
+        h = h - h.mean(-1, keepdim=True)
+    if f.get("variance"):
+        q = (h - h.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
+    elif f.get("fp32_seq"):
+        q = _sequential_mean_square(h)
+    else:
+        q = h.pow(2).mean(-1, keepdim=True)
+    y = h / (torch.sqrt(q) + eps) if f.get("eps_outside") else h * torch.rsqrt(q + eps)
+    gain_offset = offset
+    if f.get("no_offset"):
+        gain_offset = offset - 1.0
+    if f.get("offset_twice") or f.get("add_one"):
+        gain_offset = offset + 1.0
+    g = (gain_offset + weight.to(y.dtype)) * f.get("scale", 1.0)
+    y = y * g
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype)
