@@ -1,0 +1,68 @@
+"""Issue 13: the confusion matrix. Every planted fault, alone and in pairs, over the llama, gemma
+and LayerNorm families and float32/bfloat16/float16: every planted factor is named, no other
+code appears (0 wrong confident codes), and the correct implementations raise no alarm."""
+
+import pytest
+
+from diagnosis_panel import KNOWN_MISSES, PANEL, case_id, run_case, score
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("panel")
+
+
+@pytest.mark.parametrize("case", PANEL, ids=[case_id(c) for c in PANEL])
+def test_every_planted_factor_is_named_and_nothing_else(root, case):
+    got, expected = run_case(case, root)
+    found, missed, wrong, vague, false_alarm = score(got, expected)
+    assert not false_alarm, got
+    assert not wrong, (sorted(wrong), got)  # a wrong confident code is the worst outcome
+    assert not vague, (sorted(vague), got)
+    if expected:
+        assert any(status == "fail" for status, _ in got), got
+        assert missed <= KNOWN_MISSES.get(case, set()), (sorted(missed), got)
+    # every failing layer is explained the same way: no layer left with a bare symptom
+    for status, codes in got:
+        if status == "fail":
+            assert codes and codes <= expected, got
+
+
+# --- real third-party code: ONNX Runtime's RMSNormalization (opset 23) ---------------------------------
+
+ONNX = "plugins/onnx_norm.py"
+
+
+@pytest.mark.parametrize("model_type,dtype,codes", [
+    ("gemma3", "float32", {"eps_mismatch", "weight_offset_mismatch"}),
+    ("gemma3", "bfloat16", {"eps_mismatch", "weight_offset_mismatch"}),
+    ("llama", "bfloat16", {"eps_mismatch"}),
+])
+def test_onnx_runtime_with_its_defaults_gets_both_faults_named(ckpt, model_type, dtype, codes):
+    """ONNX's default epsilon is 1e-5 and its scale is used as given: on a Gemma checkpoint
+    (eps 1e-6, stored w, gain 1 + w) that is two faults, and both are named on every layer."""
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime")
+    from pathlib import Path
+
+    from parity_cli import api
+
+    plugin = f"{Path(__file__).resolve().parent / ONNX}:rms_normalization_defaults"
+    report = api.check(ckpt(model_type, layers=1, eps=1e-6, dtype=dtype), candidate=plugin)
+    assert not report.passed
+    assert all({d.code for d in layer.diagnoses} == codes for layer in report.layers), \
+        [[d.code for d in layer.diagnoses] for layer in report.layers]
+    eps = next(d for d in report.layers[0].diagnoses if d.code == "eps_mismatch")
+    assert eps.evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.05)  # ONNX's documented default
+
+
+@pytest.mark.parametrize("model_type,offset", [("llama", 0.0), ("gemma3", 1.0)])
+def test_onnx_runtime_used_right_passes(ckpt, model_type, offset):
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime")
+    from pathlib import Path
+
+    from parity_cli import api
+
+    plugin = f"{Path(__file__).resolve().parent / ONNX}:rms_normalization"
+    report = api.check(ckpt(model_type, layers=1, eps=1e-6, dtype="float32"), candidate=plugin,
+                       candidate_args={"offset": offset})
+    assert report.passed, [[d.code for d in layer.diagnoses] for layer in report.layers]
