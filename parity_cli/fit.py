@@ -40,6 +40,7 @@ class Factors:
     gain: str = "expected"  # expected | offset | scale | channel
     gain_value: float = 0.0  # the offset, or the uniform scale
     eps_spread: float = 0.0  # of the estimate: (75th - 25th percentile) / median
+    eps_interval: tuple = ()  # (25th, 75th percentile) of the per-element estimates
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Fit:
     factors: Factors
     closeness: float
     findings: list = field(default_factory=list)  # (code, message, evidence) per changed factor
+    reproduced: dict = field(default_factory=dict)  # shares of elements the combination reproduces
 
 
 # --- the variant ------------------------------------------------------------------------------------
@@ -162,6 +164,8 @@ def match(ctx, strata, variant_outputs, extra_rel: float = 0.0) -> float | None:
         closeness += float(err[ref_bad & ok].sum())
     if bad_total == 0 or hit < MATCH_SHARE * total or bad_hit < MATCH_SHARE * bad_total:
         return None
+    ctx.cache["reproduced"] = {"failing_elements": bad_hit / bad_total, "elements": hit / total,
+                               "within": f"{MATCH_SLACK:g} x tolerance"}
     return closeness / max(bad_hit, 1)
 
 
@@ -315,7 +319,7 @@ def estimate_eps(panel: Panel, f: Factors, gain):
     if est.numel() > 4096:  # quartiles of a strided sample: the same to a few percent, 100x cheaper
         est = est[:: est.numel() // 4096 + 1]
     lo, med, hi = (float(v) for v in torch.quantile(est, torch.tensor([0.25, 0.5, 0.75], dtype=est.dtype)))
-    return med, ((hi - lo) / abs(med) if med else math.inf)
+    return med, ((hi - lo) / abs(med) if med else math.inf), lo, hi
 
 
 # --- the search -------------------------------------------------------------------------------------
@@ -397,7 +401,7 @@ def _resolve_eps(ctx, panel: Panel, f: Factors) -> Factors | None:
         ok = est is not None and est[0] > 0 and abs(est[0] - ctx.eps) > 0.05 * ctx.eps
         ctx.cache[key] = est if ok else None
     est = ctx.cache[key]
-    return None if est is None else replace(f, eps=est[0], eps_spread=est[1])
+    return None if est is None else replace(f, eps=est[0], eps_spread=est[1], eps_interval=(est[2], est[3]))
 
 
 def fit(ctx, max_factors: float = 3.0) -> Fit | None:
@@ -424,8 +428,11 @@ def fit(ctx, max_factors: float = 3.0) -> Fit | None:
         closeness = match(ctx, panel.strata, panel.outputs(f), extra)
         if closeness is not None and (best is None or closeness < best.closeness):
             level, best = cost, Fit(f, closeness)
+            best.reproduced = dict(ctx.cache["reproduced"])
     if best is not None:
         best.findings = describe(ctx, best.factors, expected)
+        for _, _, evidence in best.findings:  # how well the whole combination reproduces the candidate
+            evidence["reproduced"] = best.reproduced
     return best
 
 
@@ -441,7 +448,8 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
         out.append(("eps_mismatch",
                     f"the candidate behaves as if eps = {f.eps:.3g} where the layer's eps is {ctx.eps:.3g} "
                     f"({ctx.layer.eps.source}); inputs with q/eps near 1 show it first",
-                    {"estimated_eps": f.eps, "spread": f.eps_spread, "configured_eps": ctx.eps,
+                    {"estimated_eps": f.eps, "spread": f.eps_spread, "interval": list(f.eps_interval),
+                     "configured_eps": ctx.eps,
                      "eps_source": ctx.layer.eps.source}))
     if f.eps_label == "zero":
         out.append(("eps_missing", "the candidate matches eps = 0: eps is dropped, so an all-zero row computes 0/0",
