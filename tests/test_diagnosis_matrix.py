@@ -2,6 +2,8 @@
 and LayerNorm families and float32/bfloat16/float16: every planted factor is named, no other
 code appears (0 wrong confident codes), and the correct implementations raise no alarm."""
 
+import importlib.util
+
 import pytest
 
 from diagnosis_panel import KNOWN_MISSES, PANEL, case_id, run_case, score
@@ -66,3 +68,27 @@ def test_onnx_runtime_used_right_passes(ckpt, model_type, offset):
     report = api.check(ckpt(model_type, layers=1, eps=1e-6, dtype="float32"), candidate=plugin,
                        candidate_args={"offset": offset})
     assert report.passed, [[d.code for d in layer.diagnoses] for layer in report.layers]
+
+
+# --- real third-party code: keras 3 LayerNormalization (torch backend) ---------------------------------
+
+KERAS = "plugins/keras_norm.py"
+
+
+@pytest.mark.parametrize("model_type,fn,codes", [
+    ("bert", "layer_norm_default", {"eps_mismatch"}),  # keras' 1e-3 on a model trained with 1e-12
+    ("llama", "rms_scaling", {"variance_not_mean_square"}),  # divides by the variance, not the mean square
+    ("bert", "layer_norm", set()),  # used right: passes
+])
+@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="needs keras")
+def test_keras_layer_normalization(ckpt, model_type, fn, codes):
+    from pathlib import Path
+
+    from parity_cli import api
+
+    plugin = f"{Path(__file__).resolve().parent / KERAS}:{fn}"
+    eps = 1e-12 if model_type == "bert" else 1e-6
+    report = api.check(ckpt(model_type, layers=1, eps=eps, dtype="float32"), candidate=plugin)
+    assert report.passed == (not codes)
+    assert all({d.code for d in layer.diagnoses} == codes for layer in report.layers), \
+        [[d.code for d in layer.diagnoses] for layer in report.layers]
