@@ -30,6 +30,8 @@ SAFETENSORS_DTYPES = {
     "F8_E5M2": ("float8_e5m2", 1),
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+NORM_DTYPE_CODES = ("F64", "F32", "F16", "BF16")  # what a norm weight may be stored as
+MAX_NORM_ELEMENTS = 1 << 22  # 4M channels: 8x the widest real norm (Llama-3.1-405B's q/k would be 16k)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int | None = None  # absolute byte offset of the data in the file (safetensors)
     nbytes: int | None = None
+    code: str = ""  # the dtype code as the file declares it (safetensors)
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,15 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raw = fh.read(n)
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    from parity_cli.jsonfile import MAX_DEPTH, _depth_ok
+
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: corrupt safetensors header: {exc}") from None
+        text = raw.decode("utf-8")
+        if not _depth_ok(text, MAX_DEPTH):
+            raise InputError(f"{path}: corrupt safetensors header (nested deeper than {MAX_DEPTH} levels)")
+        header = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputError(f"{path}: corrupt safetensors header: {str(exc).splitlines()[0][:200]}") from None
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_size = size - 8 - n
@@ -93,7 +101,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             )
         if itemsize is not None and end - begin != math.prod(shape) * itemsize:
             raise InputError(f"{path}: corrupt: tensor '{name}' size does not match its shape {list(shape)}")
-        out[name] = TensorInfo(name=name, file=path, dtype=dtype, shape=shape, offset=8 + n + begin, nbytes=end - begin)
+        out[name] = TensorInfo(name=name, file=path, dtype=dtype, shape=shape, offset=8 + n + begin, nbytes=end - begin,
+                               code=dtype_code[:40])
     return out
 
 
@@ -134,9 +143,15 @@ class Checkpoint:
         import torch
 
         info = self.info(name)
-        dtype = getattr(torch, info.dtype, None)
-        if not isinstance(dtype, torch.dtype) or info.offset is None:
-            return self._read_safe_open(info)
+        # What the header declares is checked before a byte is read: an unknown or quantised
+        # code (QINT8 crashed the safetensors reader) or an absurd size is refused, one line.
+        if info.code not in NORM_DTYPE_CODES:
+            raise InputError(f"{info.file}: tensor '{name}' is stored as {info.code!r}; a norm weight must be "
+                             f"{', '.join(NORM_DTYPE_CODES)}; refused")
+        if math.prod(info.shape) > MAX_NORM_ELEMENTS:
+            raise InputError(f"{info.file}: tensor '{name}' declares {math.prod(info.shape)} elements; no norm has "
+                             f"more than {MAX_NORM_ELEMENTS}; refused")
+        dtype = getattr(torch, info.dtype)
         try:
             fd = os.open(info.file, os.O_RDONLY)
             try:
@@ -150,16 +165,6 @@ class Checkpoint:
         if not info.nbytes:
             return torch.empty(info.shape, dtype=dtype)
         return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(info.shape)
-
-    def _read_safe_open(self, info: TensorInfo):
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            if info.file not in self._handles:
-                self._handles[info.file] = safe_open(str(info.file), framework="pt", device="cpu")
-            return self._handles[info.file].get_tensor(info.name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise InputError(f"{info.file}: cannot read tensor '{info.name}': {exc}") from None
 
     def config_value(self, key: str):
         """A config value and the path it was found at. A dotted key walks nested configs
@@ -196,14 +201,10 @@ def _checked(path: Path, root: Path, what: str) -> Path:
     return path
 
 
-def _load_json(path: Path) -> object:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: invalid JSON: {exc}") from None
+def _load_json(path: Path, kind: str = "config") -> object:
+    from parity_cli.jsonfile import load
+
+    return load(path, "the config" if kind == "config" else "the index", kind)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -222,7 +223,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not path.is_dir():
         raise InputError(f"{path}: not a checkpoint directory (expected a Hugging Face model directory)")
     config_path = path / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():
         raise InputError(f"{path}: no config.json in the checkpoint directory")
     config = _load_json(_checked(config_path, path, "config.json"))
     if not isinstance(config, dict):
@@ -230,8 +231,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
     index_path = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
-    if index_path.is_file():
-        index = _load_json(_checked(index_path, path, "the index"))
+    if index_path.exists():
+        index = _load_json(_checked(index_path, path, "the index"), "index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise InputError(f"{index_path}: no valid 'weight_map' object")

@@ -38,13 +38,10 @@ def all_warnings(report: dict) -> list[str]:
 
 
 def load_report(path: str | Path, what: str = "report") -> dict:
+    from parity_cli.jsonfile import load
+
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: {what} is not valid JSON: {exc}") from None
+    data = load(path, "the " + what, "report")
     if not isinstance(data, dict) or data.get("schema_version") != 1 or not isinstance(data.get("layers"), list):
         raise InputError(f"{path}: not a parity-cli report (schema_version 1 with layers)")
     problem = _missing_keys(data)

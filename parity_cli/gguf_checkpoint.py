@@ -98,6 +98,14 @@ class GGUFCheckpoint:
             raise InputError(f"{self.path}: norm tensor {self.gguf_names.get(name, name)} is stored as {kind}; "
                              "only F32, F16, BF16 norm weights can be checked")
         shape = [int(d) for d in reversed(t.shape)]
+        from parity_cli.checkpoint import MAX_NORM_ELEMENTS
+
+        count = 1
+        for d in shape:
+            count *= d
+        if count > MAX_NORM_ELEMENTS:  # before the data is touched: memory stays that of a real norm
+            raise InputError(f"{self.path}: norm tensor {self.gguf_names.get(name, name)} declares {count} elements; "
+                             f"no norm has more than {MAX_NORM_ELEMENTS}; refused")
         raw = np.ascontiguousarray(t.data)
         if not raw.dtype.isnative:  # a big-endian GGUF: bring the bytes to this machine's order
             raw = raw.astype(raw.dtype.newbyteorder("="))

@@ -1,0 +1,125 @@
+"""Issue 14 (part): files that *declare* hostile things. What a header or a JSON file declares is
+checked before anything is allocated, parsed deeply or read from: every case is exit 2 with one
+line naming the file, within seconds, and nothing blocks on a FIFO or reads /dev/zero."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parity_cli.synthetic import write_checkpoint
+
+
+def parity(*args, timeout=60):
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "parity_cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, stdin=subprocess.DEVNULL)
+    return r, time.monotonic() - start
+
+
+def one_line_error(r, *words):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("parity: error: "), r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def write_safetensors(path: Path, tensors: dict) -> None:
+    """name -> (dtype code, shape, data bytes or an int: that many bytes left as a hole)."""
+    header, blobs, offset = {}, [], 0
+    for name, (code, shape, data) in tensors.items():
+        size = data if isinstance(data, int) else len(data)
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + size]}
+        blobs.append(data)
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        for blob in blobs:
+            if isinstance(blob, int):
+                fh.seek(blob, os.SEEK_CUR)
+            else:
+                fh.write(blob)
+        fh.truncate()
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    """A one-layer llama directory whose model.norm the tests replace."""
+    return write_checkpoint(tmp_path / "m", "llama", layers=1, hidden=16, heads=2, eps=1e-5, dtype="float32", seed=3)
+
+
+def _replace_norm(path: Path, code: str, shape, data):
+    from safetensors.torch import load_file
+
+    tensors = {k: ("F32", list(v.shape), v.float().numpy().tobytes()) for k, v in
+               load_file(path / "model.safetensors").items() if k != "model.norm.weight"}
+    tensors["model.norm.weight"] = (code, shape, data)
+    write_safetensors(path / "model.safetensors", tensors)
+
+
+@pytest.mark.parametrize("code,itemsize", [("QINT8", 1), ("QUINT8", 1), ("QINT32", 4), ("BITS8", 1), ("C64", 8),
+                                           ("U32", 4), ("I64", 8), ("F8_E4M3", 1)])
+def test_a_norm_stored_in_an_unusable_dtype_is_refused_by_name(llama_dir, code, itemsize):
+    _replace_norm(llama_dir, code, [16], b"\0" * (16 * itemsize))  # sizes consistent: the code alone is wrong
+    r, _ = parity("check", llama_dir)
+    one_line_error(r, "model.safetensors", "model.norm.weight", code)
+
+
+def test_a_norm_declaring_ten_million_channels_is_refused_before_it_is_read(llama_dir):
+    _replace_norm(llama_dir, "F32", [10_000_000], 40_000_000)  # a 40 MB hole: the size is only declared
+    r, took = parity("check", llama_dir)
+    one_line_error(r, "model.norm.weight", "10000000 elements")
+    assert took < 30
+
+
+@pytest.fixture
+def config_of(llama_dir):
+    def write(text: str | bytes):
+        p = llama_dir / "config.json"
+        p.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return llama_dir
+
+    return write
+
+
+def test_a_deeply_nested_config_is_one_line(config_of):
+    r, _ = parity("check", config_of('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"))
+    one_line_error(r, "config.json", "nests deeper")
+
+
+def test_an_integer_of_five_thousand_digits_is_one_line(config_of):
+    r, _ = parity("check", config_of('{"model_type": "llama", "x": ' + "9" * 5000 + "}"))
+    one_line_error(r, "config.json")
+
+
+def test_an_oversized_config_is_refused_unread(config_of):
+    r, _ = parity("check", config_of(b'{"model_type": "llama", "pad": "' + b"x" * (17 << 20) + b'"}'))
+    one_line_error(r, "config.json", "MiB")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_config_does_not_block(llama_dir):
+    (llama_dir / "config.json").unlink()
+    os.mkfifo(llama_dir / "config.json")
+    r, took = parity("check", llama_dir, timeout=30)
+    one_line_error(r, "config.json", "not a regular file")
+    assert took < 20
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists() or not hasattr(os, "mkfifo"), reason="needs /dev/zero and FIFOs")
+def test_reports_from_devices_and_fifos_are_refused(llama_dir, tmp_path):
+    fifo = tmp_path / "r.json"
+    os.mkfifo(fifo)
+    for args in (("check", llama_dir, "--baseline", "/dev/zero"), ("explain", "/dev/zero"), ("report", fifo)):
+        r, took = parity(*args, timeout=30)
+        one_line_error(r, "not a regular file")
+        assert took < 20, args
