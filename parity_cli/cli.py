@@ -16,6 +16,13 @@ from parity_cli.errors import InputError
 EXIT_PASS, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
+def escape(text) -> str:
+    """Paths, names and messages are data, never rich markup ('[/]' in a path is not a tag)."""
+    from rich.markup import escape as markup_escape
+
+    return markup_escape(str(text))
+
+
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread so that every finally block (children killed,
     staged outputs removed) runs before the exit."""
@@ -187,11 +194,12 @@ def render_ladder(ladder: dict, console) -> None:
     from parity_cli.report import _fmt
 
     for layer, steps in ladder.items():
-        table = Table(title=f"{layer}: one factor at a time", show_edge=False, header_style="bold", title_justify="left")
+        table = Table(title=f"{escape(layer)}: one factor at a time", show_edge=False, header_style="bold", title_justify="left")
         for col in ("step", "changes", "status", "max abs err", "max rel err", "failing strata"):
             table.add_column(col, justify="right" if col.startswith("max") else "left")
         for st in steps:
-            table.add_row(st["step"], st["changes"], st["status"] if not st.get("error") else f"{st['status']}: {st['error']}",
+            table.add_row(escape(st["step"]), st["changes"],
+                          st["status"] if not st.get("error") else escape(f"{st['status']}: {st['error']}"),
                           "-" if st["max_abs_err"] is None else _fmt(st["max_abs_err"]),
                           "-" if st["max_rel_err"] is None else _fmt(st["max_rel_err"]),
                           ", ".join(st["failing"]) or "-")
@@ -266,7 +274,7 @@ def inspect(checkpoint, family, eps, json_path):
     if json_path:
         write_json(info, json_path)
     console = _console()
-    console.print(f"[bold]{info['checkpoint']['path']}[/] family [bold]{info['checkpoint']['family']}[/] "
+    console.print(f"[bold]{escape(info['checkpoint']['path'])}[/] family [bold]{info['checkpoint']['family']}[/] "
                   f"(model_type {info['checkpoint']['model_type']}), eps {info['eps']['value']:.3g} "
                   f"({info['eps']['source']})")
     table = Table(show_edge=False, header_style="bold")
@@ -281,15 +289,15 @@ def inspect(checkpoint, family, eps, json_path):
         dim = "x".join(map(str, layer["shape"])) if len(layer["shape"]) > 1 else str(layer["dim"])
         eps_cell = f"{layer['eps']['value']:.3g}" + ("" if layer["eps"]["source"] == info["eps"]["source"]
                                                      else f" ({layer['eps']['source']})")
-        table.add_row(layer["name"], layer["kind"], dim, w["dtype"], eps_cell, num(w["min"]),
+        table.add_row(escape(layer["name"]), layer["kind"], dim, w["dtype"], eps_cell, num(w["min"]),
                       num(w["max"]), num(g["min"]), num(g["max"]), str(w["nonfinite"]),
                       f"{layer['rms_1pct']:.3g}")
     console.print(table)
     for name in info["checkpoint"]["unmatched"]:
-        console.print(f"[yellow]unmatched:[/] {name} looks like a norm but matches no pattern of "
+        console.print(f"[yellow]unmatched:[/] {escape(name)} looks like a norm but matches no pattern of "
                       f"{info['checkpoint']['family']}; it would not be checked")
     for warning in info["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     return EXIT_PASS
 
 
@@ -402,7 +410,7 @@ def implementations(as_json):
     for col in ("name", "source", "description"):
         table.add_column(col, no_wrap=col == "name", overflow="fold")
     for r in rows:
-        table.add_row(r["name"], r["source"], r["description"])
+        table.add_row(escape(r["name"]), escape(r["source"]), escape(r["description"]))
     _console().print(table)
     return EXIT_PASS
 

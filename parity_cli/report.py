@@ -259,22 +259,23 @@ def _fmt(value) -> str:
 def render(d: dict, console) -> None:
     """A row per layer, then one line per diagnosis of each failing layer (from the report dict,
     so a saved report renders the same)."""
+    from rich.markup import escape as _e  # paths, names and messages are data, never markup
     from rich.table import Table
 
     cand, ref, tol = d["candidate"], d["reference"], d["tolerance"]
     console.print(
-        f"[bold]{d['checkpoint']['path']}[/] family [bold]{d['checkpoint']['family']}[/], "
-        f"eps {d['eps']['value']:.3g} ({d['eps']['source']})"
+        f"[bold]{_e(d['checkpoint']['path'])}[/] family [bold]{d['checkpoint']['family']}[/], "
+        f"eps {d['eps']['value']:.3g} ({_e(d['eps']['source'])})"
     )
     console.print(
-        f"candidate [bold]{cand['impl']}[/] {cand['dtype']} on {cand['device']} eps {cand['eps']:.3g}  vs  "
-        f"reference {ref['impl']} {ref['dtype']} eps {ref['eps']:.3g}   atol {tol['atol']:g} rtol {tol['rtol']:g}"
+        f"candidate [bold]{_e(cand['impl'])}[/] {cand['dtype']} on {cand['device']} eps {cand['eps']:.3g}  vs  "
+        f"reference {_e(ref['impl'])} {ref['dtype']} eps {ref['eps']:.3g}   atol {tol['atol']:g} rtol {tol['rtol']:g}"
         + ("  (bitwise)" if tol.get("exact") else "") + ("  +grad" if d["probes"].get("grad") else "")
     )
     conv = cand.get("checkpoint")
     if conv:
-        console.print(f"candidate checkpoint [bold]{conv['path']}[/] ({conv['format']}, family {conv['family']}), "
-                      f"eps {conv['eps']['value']:.6g} ({conv['eps']['source']}): {conv['findings']} difference(s)")
+        console.print(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({conv['format']}, family {conv['family']}), "
+                      f"eps {conv['eps']['value']:.6g} ({_e(conv['eps']['source'])}): {conv['findings']} difference(s)")
     table = Table(show_edge=False, header_style="bold")
     for col in ("layer", "dim", "status", "failing strata", "max abs err", "max rel err", "q/eps (failing)"):
         table.add_column(col, justify="right" if col in ("dim", "max abs err", "max rel err") else "left",
@@ -292,10 +293,10 @@ def render(d: dict, console) -> None:
         qmin = least((q["min"] for q in shown), default=0)
         qmax = worst((q["max"] for q in shown), default=0)
         table.add_row(
-            layer["name"],
+            _e(layer["name"]),
             str(layer["dim"]),
             f"[{colours[layer['status']]}]{layer['status']}[/]",
-            ", ".join(failing) or "-",
+            _e(", ".join(failing)) or "-",
             _fmt(worst((s["max_abs_err"] for s in finite), default=0)),
             _fmt(worst((s["max_rel_err"] for s in finite), default=0)),
             f"{_fmt(qmin)} .. {_fmt(qmax)}",
@@ -305,18 +306,18 @@ def render(d: dict, console) -> None:
         render_heat(d, console)
     for layer in d["layers"]:
         if layer["error"]:
-            console.print(f"  [magenta]{layer['name']}[/]: candidate error: {layer['error']}")
+            console.print(f"  [magenta]{_e(layer['name'])}[/]: candidate error: {_e(layer['error'])}")
         for finding in layer.get("findings", []):
-            console.print(f"  [red]{layer['name']}[/] [bold]{finding['code']}[/]: {finding['message']}")
+            console.print(f"  [red]{_e(layer['name'])}[/] [bold]{finding['code']}[/]: {_e(finding['message'])}")
         for diag in layer["diagnoses"]:
-            console.print(f"  [red]{layer['name']}[/] [bold]{diag['code']}[/]: {diag['message']}")
+            console.print(f"  [red]{_e(layer['name'])}[/] [bold]{diag['code']}[/]: {_e(diag['message'])}")
     for layer in d["layers"]:
         for warning in layer["warnings"]:
-            console.print(f"[yellow]warning:[/] {layer['name']}: {warning}")
+            console.print(f"[yellow]warning:[/] {_e(layer['name'])}: {_e(warning)}")
     for warning in d["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {_e(warning)}")
     for finding in d.get("findings", []):
-        console.print(f"[red]{finding['code']}[/]: {finding['message']}")
+        console.print(f"[red]{_e(finding['code'])}[/]: {_e(finding['message'])}")
     s = d["summary"]
     gate = d.get("gate") or {}
     for key, label in (("accepted", "accepted by the baseline"), ("gone", "in the baseline but gone")):

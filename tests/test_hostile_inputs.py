@@ -123,3 +123,15 @@ def test_reports_from_devices_and_fifos_are_refused(llama_dir, tmp_path):
         r, took = parity(*args, timeout=30)
         one_line_error(r, "not a regular file")
         assert took < 20, args
+
+
+def test_markup_in_paths_and_names_is_printed_as_text(tmp_path):
+    """'[/red]' in a checkpoint path was taken for a rich closing tag (MarkupError) after the
+    report had been written."""
+    path = write_checkpoint(tmp_path / "we[/red]ird[bold]", "llama", layers=1, hidden=16, heads=2, eps=1e-5)
+    out = tmp_path / "r.json"
+    r, _ = parity("check", path, "--candidate-eps", "1e-6", "--json", out)
+    assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr
+    assert "we[/red]ird[bold]" in r.stdout and out.exists()
+    r, _ = parity("inspect", path)
+    assert r.returncode == 0 and "we[/red]ird[bold]" in r.stdout, r.stderr
