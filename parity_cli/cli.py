@@ -45,8 +45,63 @@ def _console(stderr: bool = False):
 
 def _check_output_target(path: str | None) -> None:
     """Fail before the run, not after it, when a report cannot be written."""
-    if path and not Path(path).resolve().parent.is_dir():
-        raise InputError(f"{path}: directory {Path(path).resolve().parent} does not exist")
+    if path and path != "-":
+        _output_path(path, "--json")
+
+
+def _output_path(raw: str, flag: str) -> Path:
+    """An output as an absolute path, checked before the run: its directory exists and is
+    writable, and it is not a device, FIFO or directory (nor a link to one: '/dev/stdout' would
+    be replaced by a regular file; '--json -' is stdout)."""
+    import os
+
+    import stat
+
+    path = Path(raw).expanduser().absolute()  # now: a candidate may chdir later
+    try:
+        mode = os.stat(path).st_mode  # follows links: /dev/stdout is a pipe or a terminal
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        hint = "; use --json - for stdout" if flag == "--json" else ""
+        raise InputError(f"{raw}: {flag} must name a regular file, not a device, FIFO or directory{hint}")
+    target = path.resolve()
+    parent = target.parent
+    if not parent.is_dir():
+        raise InputError(f"{raw}: {flag}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{raw}: {flag}: directory {parent} is not writable")
+    return path
+
+
+def _check_outputs(named: dict, inputs: list) -> dict:
+    """Every output distinct, none an input of the run (a report written over config.json)."""
+    taken: dict = {}
+    protected = set()
+    for item in inputs:
+        p = Path(item).expanduser()
+        if p.is_dir():
+            protected |= {f.resolve() for f in p.iterdir() if f.is_file()}
+        elif p.exists():
+            protected.add(p.resolve())
+    out = {}
+    for flag, raw in named.items():
+        if not raw:
+            continue
+        if raw == "-":
+            if flag != "--json":
+                raise InputError(f"{flag} -: only --json can go to stdout")
+            out[flag] = "-"
+            continue
+        path = _output_path(raw, flag)
+        key = path.resolve()
+        if key in protected:
+            raise InputError(f"{raw}: {flag} would overwrite an input of this run; refused")
+        if key in taken:
+            raise InputError(f"{raw}: given to both {taken[key]} and {flag}")
+        taken[key] = flag
+        out[flag] = path
+    return out
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -95,7 +150,8 @@ def cli():
 @click.option("--layers", "layers_glob", default=None, help="Only layers whose name matches this glob.")
 @click.option("--max-violation-fraction", type=float, default=0.0, show_default=True,
               help="Share of elements allowed outside tolerance before a stratum fails.")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, allow_dash=True),
+              help="Write the JSON report here ('-': stdout; the table then goes to stderr).")
 @click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False), help="Write JUnit XML here.")
 @click.option("--markdown", "markdown_path", default=None, type=click.Path(dir_okay=False),
               help="Write a Markdown summary here (PR comment, CI job summary).")
@@ -118,8 +174,11 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
     from parity_cli.gate import gate, load_report
     from parity_cli.report import render
 
-    for target in (json_path, junit_path, markdown_path, plot_path):
-        _check_output_target(target)
+    outputs = _check_outputs({"--json": json_path, "--junit": junit_path, "--markdown": markdown_path,
+                              "--plot": plot_path},
+                             [p for p in (checkpoint, candidate_checkpoint, baseline_path) if p])
+    json_path, junit_path, markdown_path, plot_path = (
+        None if outputs.get(f) is None else str(outputs[f]) for f in ("--json", "--junit", "--markdown", "--plot"))
     if plot_path:
         from parity_cli.plot import check_target
 
@@ -143,15 +202,20 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         failing = [layer.name for layer in report.layers if not layer.passed and layer.strata]
         data["explain"] = run_explain(checkpoint, options, failing) if failing else {}
     data["gate"] = gate(data, fail_on, baseline, baseline_path)
-    _write_outputs(data, json_path, junit_path, markdown_path)
+    to_stdout = json_path == "-"
+    _write_outputs(data, None if to_stdout else json_path, junit_path, markdown_path)
     if plot_path:
         from parity_cli.plot import write_plot
 
         write_plot(report, plot_path)
-    if not quiet:
-        render(data, _console())
+    if not quiet:  # with the JSON on stdout, the human output goes to stderr
+        render(data, _console(stderr=to_stdout))
         if data.get("explain"):
-            render_ladder(data["explain"], _console())
+            render_ladder(data["explain"], _console(stderr=to_stdout))
+    if to_stdout:
+        from parity_cli.report import json_text
+
+        click.echo(json_text(data), nl=False)
     return data["gate"]["exit_code"]
 
 

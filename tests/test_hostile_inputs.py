@@ -135,3 +135,29 @@ def test_markup_in_paths_and_names_is_printed_as_text(tmp_path):
     assert "we[/red]ird[bold]" in r.stdout and out.exists()
     r, _ = parity("inspect", path)
     assert r.returncode == 0 and "we[/red]ird[bold]" in r.stdout, r.stderr
+
+
+# --- outputs --------------------------------------------------------------------------------------------
+
+def test_json_dash_is_stdout_and_the_table_goes_to_stderr(llama_dir):
+    r, _ = parity("check", llama_dir, "--json", "-")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["summary"]["verdict"] == "pass" and "PASS" in r.stderr
+    assert not (Path.cwd() / "-").exists()
+
+
+@pytest.mark.parametrize("make_args,words", [
+    (lambda d, t: ["--json", d / "config.json"], "input of this run"),
+    (lambda d, t: ["--json", t / "r.out", "--junit", t / "r.out"], "given to both"),
+    (lambda d, t: ["--json", "/dev/stdout"], "--json - for stdout"),
+    (lambda d, t: ["--json", t / "no" / "such" / "r.json"], "does not exist"),
+    (lambda d, t: ["--markdown", t], "directory"),
+])
+def test_bad_outputs_are_refused_before_the_run(llama_dir, tmp_path, make_args, words):
+    config = (llama_dir / "config.json").read_bytes()
+    r, took = parity("check", llama_dir, "--candidate", "tests/plugins/misbehave.py:sleeps_forever",
+                     *make_args(llama_dir, tmp_path))
+    one_line_error(r, words)
+    assert took < 30  # refused before the candidate ran (it would sleep until its timeout)
+    assert (llama_dir / "config.json").read_bytes() == config
