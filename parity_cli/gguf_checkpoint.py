@@ -1,8 +1,8 @@
-"""Stage 1 for llama.cpp files: a GGUF file read through the `gguf` package, presented with
-the same interface as a Hugging Face checkpoint (checkpoint.Checkpoint).
+"""Stage 1 for llama.cpp files: a GGUF file, presented with the same interface as a Hugging
+Face checkpoint (checkpoint.Checkpoint).
 
-Only the metadata and the norm tensors are touched: GGUFReader memory-maps the file, so a
-multi-GB model with quantized blocks costs its metadata; quantized blocks are never decoded.
+Only the metadata and the norm tensors are touched (parity_cli.gguf_reader: bounded, lazy,
+arrays skipped); quantized blocks are never decoded.
 Tensor names are mapped back to Hugging Face names with gguf-py's own TensorNameMap, so a
 report reads the same across formats."""
 
@@ -38,25 +38,12 @@ def float32_decimal(value: float) -> str:
     return repr(value)
 
 
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    if f is None or not f.data:
-        return None
-    import numpy as np
+def _field(gf, key: str):
+    """A scalar or string metadata value; arrays (recorded, never read) count as absent."""
+    from parity_cli.gguf_reader import Array
 
-    part = f.parts[f.data[0]]
-    if f.types and f.types[0].name == "STRING":
-        return bytes(part).decode("utf-8", "replace")
-    if f.types and f.types[0].name == "ARRAY":
-        return None
-    value = part[0] if isinstance(part, np.ndarray) and part.size else part
-    if isinstance(value, np.floating):
-        return float(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.bool_):
-        return bool(value)
-    return value
+    value = gf.metadata.get(key)
+    return None if isinstance(value, Array) else value
 
 
 @dataclass
@@ -66,8 +53,8 @@ class GGUFCheckpoint:
     config: dict  # Hugging Face keys synthesised from the GGUF metadata
     files: tuple[Path, ...]
     architecture: str
-    _reader: object = field(repr=False)
-    _tensors: dict = field(repr=False)  # HF-style name -> ReaderTensor
+    _reader: object = field(repr=False)  # gguf_reader.GGUFFile
+    _tensors: dict = field(repr=False)  # HF-style name -> gguf_reader.GGUFTensor
     _sources: dict = field(default_factory=dict, repr=False)  # config key -> GGUF metadata key
     gguf_names: dict = field(default_factory=dict, repr=False)  # HF-style name -> GGUF name
 
@@ -83,40 +70,24 @@ class GGUFCheckpoint:
 
     def info(self, name: str) -> TensorInfo:
         t = self._tensors[name]
-        dtype = READABLE.get(t.tensor_type.name, t.tensor_type.name)
+        dtype = READABLE.get(t.type_name, t.type_name)
         # ggml lists dimensions fastest-first; torch (and HF) slowest-first
         return TensorInfo(name=name, file=self.path, dtype=dtype, shape=tuple(int(d) for d in reversed(t.shape)))
 
     def read(self, name: str):
-        """F32/F16/BF16 as stored; anything quantized is refused (never dequantized)."""
-        import numpy as np
-        import torch
+        """F32/F16/BF16/F64 as stored; anything quantized is refused (never dequantized)."""
+        from parity_cli.checkpoint import MAX_NORM_ELEMENTS
+        from parity_cli.gguf_reader import check_extent, read_tensor
 
         t = self._tensors[name]
-        kind = t.tensor_type.name
-        if kind not in READABLE:
-            raise InputError(f"{self.path}: norm tensor {self.gguf_names.get(name, name)} is stored as {kind}; "
+        if t.type_name not in READABLE:
+            raise InputError(f"{self.path}: norm tensor {self.gguf_names.get(name, name)} is stored as {t.type_name}; "
                              "only F32, F16, BF16 norm weights can be checked")
-        shape = [int(d) for d in reversed(t.shape)]
-        from parity_cli.checkpoint import MAX_NORM_ELEMENTS
-
-        count = 1
-        for d in shape:
-            count *= d
-        if count > MAX_NORM_ELEMENTS:  # before the data is touched: memory stays that of a real norm
-            raise InputError(f"{self.path}: norm tensor {self.gguf_names.get(name, name)} declares {count} elements; "
+        if t.numel > MAX_NORM_ELEMENTS:  # before the data is touched: memory stays that of a real norm
+            raise InputError(f"{self.path}: norm tensor {self.gguf_names.get(name, name)} declares {t.numel} elements; "
                              f"no norm has more than {MAX_NORM_ELEMENTS}; refused")
-        raw = np.ascontiguousarray(t.data)
-        if not raw.dtype.isnative:  # a big-endian GGUF: bring the bytes to this machine's order
-            raw = raw.astype(raw.dtype.newbyteorder("="))
-        if kind == "BF16":
-            bits = raw.view(np.uint16)
-            if getattr(self._reader, "byte_order", "=") == "S":  # raw bytes of a byte-swapped file
-                bits = bits.byteswap()
-            out = torch.from_numpy(bits.astype(np.int16).copy()).view(torch.bfloat16)
-        else:
-            out = torch.from_numpy(raw.copy())
-        return out.reshape(shape)
+        check_extent(self._reader, [t] + [o for o in self._tensors.values() if o is not t and o.type_name in READABLE])
+        return read_tensor(self._reader, t)
 
     def config_value(self, key: str):
         if key in self.config:
@@ -129,12 +100,9 @@ def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
         import gguf
     except ImportError:
         raise InputError(f"{path}: reading GGUF needs the gguf package: pip install 'parity-cli[gguf]'") from None
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # gguf raises many kinds on a damaged file
-        raise InputError(f"{path}: not a readable GGUF file: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    from parity_cli.gguf_reader import read_gguf
+
+    reader = read_gguf(path)
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise InputError(f"{path}: GGUF without general.architecture")
@@ -168,19 +136,26 @@ def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
     if family.kind == "layer_norm":
         eps_gguf.reverse()
     for key in eps_gguf:
-        value = _field(reader, key.format(arch=arch))
+        value = reader.metadata.get(key.format(arch=arch))
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            kind = "an array" if type(value).__name__ == "Array" else f"a {type(value).__name__}"
+            raise InputError(f"{path}: GGUF metadata {key.format(arch=arch)} is {kind}, not a number")
         if value is not None:
             for hf_key in family.eps_keys:  # what the family's eps lookup asks for
                 config[hf_key] = value
                 sources[hf_key] = f"gguf:{key.format(arch=arch)} (float32 of {float32_decimal(value)})"
             break
 
-    # GGUF names -> Hugging Face names, by inverting gguf-py's own map for this architecture
+    # GGUF names -> Hugging Face names, by inverting gguf-py's own map for this architecture,
+    # built for the blocks the file holds (blk.N), not the block_count it declares
+    import re
+
     arch_enum = next((e for e, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), None)
-    blocks = config.get("num_hidden_layers") or 0
+    present = [int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))]
+    blocks = max(present) + 1 if present else 1
     inverse: dict[str, list[str]] = {}
     if arch_enum is not None:
-        mapping = gguf.get_tensor_name_map(arch_enum, max(int(blocks), 1)).mapping
+        mapping = gguf.get_tensor_name_map(arch_enum, blocks).mapping
         for hf_name, (_, gguf_name) in mapping.items():
             inverse.setdefault(gguf_name, []).append(hf_name)
     tensors, gguf_names = {}, {}
@@ -190,6 +165,9 @@ def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
             base, suffix = t.name, ""
         hf = next((c for c in inverse.get(base, []) if family.match(c)), None)
         name = (hf or base) + (f".{suffix}" if suffix else "")
+        if name in tensors:  # two GGUF names for one HF name would shadow each other
+            raise InputError(f"{path}: GGUF tensors {gguf_names.get(hf or base, base)!r} and {t.name!r} both map to "
+                             f"{name}; refused")
         tensors[name] = t
         gguf_names[hf or base] = base
     return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=arch,
