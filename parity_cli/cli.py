@@ -497,8 +497,8 @@ def main(argv: list[str] | None = None) -> None:
         pass
     try:
         code = cli.main(args=argv, prog_name="parity", standalone_mode=False)
-    except InputError as exc:
-        click.echo(f"parity: error: {exc}", err=True)
+    except InputError as exc:  # one line, even for a path with a newline in it
+        click.echo(f"parity: error: {exc}".replace("\r", "\\r").replace("\n", "\\n"), err=True)
         code = EXIT_INPUT
     except click.exceptions.Exit as exc:
         code = exc.exit_code

@@ -135,6 +135,10 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         dim = info.shape[-1]
         layer_warnings = []
         expected = config_dim(ckpt, pattern.dim)
+        if expected is not None and dim > 8 * max(expected, 1):
+            # a header may declare anything; a norm 8x wider than its config dimension is not a norm
+            raise InputError(f"{getattr(info, 'file', ckpt.path)}: tensor '{tensor}' declares {dim} channels where config "
+                             f"{pattern.dim} = {expected}; refused")
         if expected is not None and expected != dim:
             layer_warnings.append(f"weight has {dim} channels but config {pattern.dim} = {expected}")
         layer_eps = resolve_eps(ckpt, family, override, sem)

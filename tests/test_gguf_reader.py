@@ -76,10 +76,19 @@ def _key(name: str) -> bytes:
     return struct.pack("<Q", len(name)) + name.encode()
 
 
-def parity(*args):
+WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
+RSS_LIMIT_KB = 700 * 1024  # torch itself is ~230 MB: a few hundred MB more would mean something was allocated
+
+
+def parity(*args, timeout=60):
+    """The CLI as a user runs it; asserts it stayed within RSS_LIMIT_KB, returns (result, seconds)."""
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "parity_cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([sys.executable, "-c", WRAP, sys.executable, "-m", "parity_cli", *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    *lines, rss = r.stderr.rstrip("\n").split("\n")
+    r.stderr = "\n".join(lines) + ("\n" if lines else "")
+    assert int(rss) < RSS_LIMIT_KB, (args, f"peak RSS {int(rss) // 1024} MiB")
     return r, time.monotonic() - start
 
 

@@ -15,10 +15,19 @@ import pytest
 from parity_cli.synthetic import write_checkpoint
 
 
+WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
+RSS_LIMIT_KB = 700 * 1024  # torch itself is ~230 MB: a few hundred MB more would mean something was allocated
+
+
 def parity(*args, timeout=60):
+    """The CLI as a user runs it; asserts it stayed within RSS_LIMIT_KB, returns (result, seconds)."""
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "parity_cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, stdin=subprocess.DEVNULL)
+    r = subprocess.run([sys.executable, "-c", WRAP, sys.executable, "-m", "parity_cli", *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    *lines, rss = r.stderr.rstrip("\n").split("\n")
+    r.stderr = "\n".join(lines) + ("\n" if lines else "")
+    assert int(rss) < RSS_LIMIT_KB, (args, f"peak RSS {int(rss) // 1024} MiB")
     return r, time.monotonic() - start
 
 
@@ -77,7 +86,7 @@ def test_a_norm_stored_in_an_unusable_dtype_is_refused_by_name(llama_dir, code, 
 def test_a_norm_declaring_ten_million_channels_is_refused_before_it_is_read(llama_dir):
     _replace_norm(llama_dir, "F32", [10_000_000], 40_000_000)  # a 40 MB hole: the size is only declared
     r, took = parity("check", llama_dir)
-    one_line_error(r, "model.norm.weight", "10000000 elements")
+    one_line_error(r, "model.norm.weight", "10000000")
     assert took < 30
 
 
@@ -161,3 +170,14 @@ def test_bad_outputs_are_refused_before_the_run(llama_dir, tmp_path, make_args, 
     one_line_error(r, words)
     assert took < 30  # refused before the candidate ran (it would sleep until its timeout)
     assert (llama_dir / "config.json").read_bytes() == config
+
+
+def test_a_path_with_a_newline_is_still_one_line(tmp_path):
+    r, _ = parity("check", tmp_path / "two\nlines")
+    one_line_error(r, "two\\nlines")
+
+
+def test_a_norm_far_wider_than_its_config_dimension_is_refused(llama_dir):
+    _replace_norm(llama_dir, "F32", [4096], b"\0" * 4 * 4096)  # hidden_size is 16
+    r, _ = parity("check", llama_dir)
+    one_line_error(r, "model.norm.weight", "4096 channels")
