@@ -45,7 +45,9 @@ def _console(stderr: bool = False):
 
 def _check_output_target(path: str | None) -> None:
     """Fail before the run, not after it, when a report cannot be written."""
-    if path and path != "-":
+    if path == "-":
+        raise InputError("--json -: only 'parity check' writes its report to stdout; name a file")
+    if path:
         _output_path(path, "--json")
 
 
@@ -65,8 +67,7 @@ def _output_path(raw: str, flag: str) -> Path:
     if mode is not None and not stat.S_ISREG(mode):
         hint = "; use --json - for stdout" if flag == "--json" else ""
         raise InputError(f"{raw}: {flag} must name a regular file, not a device, FIFO or directory{hint}")
-    target = path.resolve()
-    parent = target.parent
+    parent = path.parent  # the staged file and the rename happen next to the name given
     if not parent.is_dir():
         raise InputError(f"{raw}: {flag}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):

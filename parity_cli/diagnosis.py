@@ -411,7 +411,8 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         return out
     out: list[Diagnosis] = []
     zero = next((s for s in strata if s.name == "zero" and s.status == "fail"), None)
-    if zero is not None and zero.nonfinite_candidate > zero.nonfinite_reference:
+    only_zero = all(s.nonfinite_candidate <= s.nonfinite_reference for s in strata if s.name != "zero")
+    if zero is not None and zero.nonfinite_candidate > zero.nonfinite_reference and only_zero:
         out.append(Diagnosis("eps_missing", "an all-zero row gives non-finite output: eps is missing or zero, "
                              "so the norm computes 0/0", {"strata": ["zero"]}))
     if not out:

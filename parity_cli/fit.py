@@ -189,8 +189,12 @@ def _sampled(ctx, s, count: int = 0):
     key = ("sample", id(s), count)
     if key not in ctx.cache:
         n, d = s.x.shape
-        rows = torch.unique(torch.cat([torch.arange(0, n, n // count + 1), torch.tensor([n - 1])]))
+        rows = torch.unique(torch.cat([torch.arange(0, n, n // count + 1), torch.tensor([max(n - 1, 0)])]))
+        rows = rows[rows < n]
         cols = torch.arange(0, d, d // MATCH_COLS + 1) if d > MATCH_COLS else torch.arange(d)
+        if d > MATCH_COLS:  # the channels that failed are always in the sample, whichever they are
+            _, failed_cols, _, _ = _failing(ctx, s)
+            cols = torch.unique(torch.cat([cols, failed_cols[:MATCH_COLS]]))
         ctx.cache[key] = _Rows(s.x[rows], s.ref[rows][:, cols], s.cand[rows][:, cols], rows, id(s), cols)
     return ctx.cache[key]
 
@@ -487,7 +491,7 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
                     "scaled weight", {"uniform_scale": f.gain_value, "affected_channels": ctx.layer.dim,
                                       "channels": _channels(ctx, ctx.gain * f.gain_value)}))
     if f.gain == "channel":
-        g = ctx.cache["channel_gain"]
+        g = ctx.cache[("channel_gain", f.centred, f.variance)]  # this combination's fit, not the last one tried
         slack = 4 * max(ctx.tol.rtol, 1e-6)
         bad = (g - ctx.gain).abs() > slack * ctx.gain.abs().clamp_min(1e-6) + ctx.tol.atol
         count = int(bad.sum())

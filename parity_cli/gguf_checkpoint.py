@@ -30,7 +30,10 @@ def is_gguf(path: Path) -> bool:
 
 def float32_decimal(value: float) -> str:
     """The shortest decimal that rounds to the same float32: what the converter was given."""
-    packed = struct.pack("<f", value)
+    try:
+        packed = struct.pack("<f", value)
+    except (OverflowError, struct.error):  # not a float32 at all (a float64 GGUF value out of range)
+        return repr(value)
     for digits in range(1, 10):
         text = f"{value:.{digits}g}"
         if struct.pack("<f", float(text)) == packed:
@@ -151,8 +154,11 @@ def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
     import re
 
     arch_enum = next((e for e, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), None)
-    present = [int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))]
+    present = [int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d{1,7})\.", t.name))]
     blocks = max(present) + 1 if present else 1
+    if blocks > len(reader.tensors):  # every block holds a tensor: a larger index is declared, not present
+        raise InputError(f"{path}: corrupt GGUF: a tensor of block {blocks - 1} among only {len(reader.tensors)} "
+                         "tensors; refused")
     inverse: dict[str, list[str]] = {}
     if arch_enum is not None:
         mapping = gguf.get_tensor_name_map(arch_enum, blocks).mapping

@@ -20,6 +20,8 @@ MAX_KEY = 1 << 16  # bytes of a key or a tensor name
 MAX_STRING = 1 << 24  # bytes of one string value
 MAX_DIMS = 8
 MAX_ARRAY_DEPTH = 4
+MAX_ARRAY_ITEMS = 1 << 26  # items in one array (a 262k-token vocabulary is 2^18)
+MAX_STRING_TOTAL = 1 << 26  # bytes of string values kept, over the whole file
 
 # GGUF metadata value types (gguf-py's GGUFValueType): code -> (struct format, size); strings and arrays apart
 SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4), 7: ("?", 1),
@@ -80,6 +82,7 @@ class _Cursor:
 
     def __init__(self, fh, size: int, path: Path):
         self.fh, self.size, self.path, self.order = fh, size, path, "<"
+        self.kept = 0  # bytes of string values materialised so far
 
     @property
     def left(self) -> int:
@@ -116,11 +119,17 @@ class _Cursor:
             fmt, _ = SCALARS[vtype]
             return self.scalar(fmt, what)
         if vtype == STRING:
-            return self.string(what)
+            text = self.string(what)
+            self.kept += len(text)
+            if self.kept > MAX_STRING_TOTAL:
+                self.fail(f"string values over {MAX_STRING_TOTAL} bytes in all")
+            return text
         if vtype == ARRAY:
             if depth >= MAX_ARRAY_DEPTH:
                 self.fail(f"{what} nests arrays deeper than {MAX_ARRAY_DEPTH}")
             item, count = self.scalar("I", what), self.scalar("Q", what)
+            if count > MAX_ARRAY_ITEMS and item not in SCALARS:
+                self.fail(f"{what} declares {count} items")
             if item in SCALARS:
                 self.skip(count * SCALARS[item][1], f"{what} ({count} items)")
             elif item == STRING:
@@ -167,6 +176,8 @@ def read_gguf(path: Path) -> GGUFFile:
         out = GGUFFile(path=path, version=version, byte_order=cur.order, size=size)
         for _ in range(n_kv):
             key = cur.string("a metadata key", MAX_KEY)
+            if key in out.metadata:
+                cur.fail(f"metadata key {key!r} appears twice")
             vtype = cur.scalar("I", f"the type of {key!r}")
             out.metadata[key] = cur.value(vtype, f"metadata {key!r}")
         alignment = out.metadata.get("general.alignment", 32)
@@ -202,9 +213,12 @@ def check_extent(gf: GGUFFile, tensors: list[GGUFTensor]) -> None:
                              f"of a {gf.size}-byte file")
         spans.append((t.offset, end, t.name))
     spans.sort()
-    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
-        if b0 < a1 and b1 > b0 and a1 > a0:
-            raise InputError(f"{gf.path}: corrupt GGUF: tensors {an!r} and {bn!r} overlap")
+    reach, owner = 0, None  # the furthest end so far: an empty tensor in between hides nothing
+    for start, end, name in spans:
+        if end > start and start < reach:
+            raise InputError(f"{gf.path}: corrupt GGUF: tensors {owner!r} and {name!r} overlap")
+        if end > reach:
+            reach, owner = end, name
 
 
 def read_tensor(gf: GGUFFile, t: GGUFTensor):

@@ -24,7 +24,8 @@ def codes_for(faults: str, family: str, eps: float) -> set:
                      "offset_twice": "weight_offset_mismatch", "add_one": "weight_offset_mismatch",
                      "scale": "channel_gain_mismatch", "no_upcast": "reduced_precision_reduction",
                      "mean": "mean_subtracted" if kind == "rms_norm" else "mean_not_subtracted",
-                     "variance": "variance_not_mean_square", "fp32_seq": "float32_accumulation"}[key])
+                     "variance": "variance_not_mean_square", "fp32_seq": "float32_accumulation",
+                     "channels2": "channel_gain_mismatch"}[key])
     return out
 
 
@@ -69,6 +70,9 @@ PANEL = [
     ("llama", "float16", 1e-6, "scale=1.05,no_upcast", 64),
     ("layer_norm", "float32", 1e-12, "eps=0.001,mean", 64),
     ("llama", "float32", 1e-6, "eps=1e-05,fp32_seq", 2048),
+    # two channels off: named whatever the width (a 4096-wide row is sampled by channel)
+    ("llama", "float32", 1e-6, "channels2", 4096),
+    ("llama", "float32", 1e-6, "eps=1e-05,channels2", 64),
 ]
 
 

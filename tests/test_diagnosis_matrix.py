@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from diagnosis_panel import KNOWN_MISSES, PANEL, case_id, run_case, score
+from diagnosis_panel import KNOWN_MISSES, PANEL, PLUGIN, case_id, run_case, score
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,20 @@ def test_every_planted_factor_is_named_and_nothing_else(root, case):
     for status, codes in got:
         if status == "fail":
             assert codes and codes <= expected, got
+
+
+def test_the_channel_count_is_that_of_the_combination_stated(root):
+    """eps 1e-5 with two channels off: "2 of 64 channels", not the count of another fit tried."""
+    from parity_cli import api
+
+    case = ("llama", "float32", 1e-6, "eps=1e-05,channels2", 64)
+    run_case(case, root)  # writes the checkpoint
+    path = root / case_id(case).replace("=", "").replace(",", "+")
+    report = api.check(path, candidate=PLUGIN, candidate_args={"faults": case[3]}, isolation="none")
+    for layer in report.layers:
+        (gain,) = [d for d in layer.diagnoses if d.code == "channel_gain_mismatch"]
+        assert gain.evidence["affected_channels"] == 2
+        assert [c["channel"] for c in gain.evidence["channels"]] == [1, 2]
 
 
 # --- real third-party code: ONNX Runtime's RMSNormalization (opset 23) ---------------------------------

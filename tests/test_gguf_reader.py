@@ -141,6 +141,22 @@ def test_a_huge_declared_block_count_costs_nothing(tmp_path):
     assert took < 20
 
 
+def test_a_block_index_far_beyond_the_tensors_is_refused_at_once(tmp_path):
+    """blk.5000000 in a one-tensor file would have the name map built for 5e6 blocks (minutes)."""
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("blk.5000000.attn_norm.weight", np.ones(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r, took = parity("inspect", tmp_path / "k.gguf")
+    assert r.returncode == 2 and "block 5000000" in r.stderr, r.stderr
+    assert took < 20
+
+
 def test_an_unaligned_tensor_offset_is_refused(tmp_path):
     path = _writer(tmp_path / "u.gguf")
     data = bytearray(path.read_bytes())

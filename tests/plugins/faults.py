@@ -9,6 +9,7 @@ default eps *and* the stored w as the gain; a hard-coded eps *and* no upcast).
   no_upcast    square and sum in the dtype  mean          centring flipped (RMS <-> LayerNorm)
   variance     divide by sqrt(var + eps) without centring x
   fp32_seq     the mean square summed sequentially in float32 (float32/float64 inputs)
+  channels2    the gain of channels 1 and 2 times 1.5 (a mis-broadcast weight)
 """
 
 import torch
@@ -51,6 +52,9 @@ def planted(x, weight, eps, bias=None, faults="", offset=0.0, kind="rms_norm"):
     if f.get("offset_twice") or f.get("add_one"):
         gain_offset = offset + 1.0
     g = (gain_offset + weight.to(y.dtype)) * f.get("scale", 1.0)
+    if f.get("channels2"):
+        g = g.clone()
+        g[1:3] = g[1:3] * 1.5
     y = y * g
     if bias is not None:
         y = y + bias.to(y.dtype)
