@@ -106,7 +106,11 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
             gain = layer.gain_offset + layer.weight.to(cand_dtype).double()
             bias = None if layer.bias is None else layer.bias.to(cand_dtype).double()
             kept, gain, bias = first_head(layer, checked.strata, gain, bias)
-            est = estimate_eps(Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=cand_dtype, strata=kept))
+            # the diagnosis' joint fit (eps given the fitted gain) when it found one: the ladder and
+            # the report then name the same eps; else the estimate with the expected gain
+            fitted = next((d.evidence.get("estimated_eps") for d in checked.diagnoses if d.code == "eps_mismatch"), None)
+            est = (fitted, 0.0) if fitted else estimate_eps(
+                Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=cand_dtype, strata=kept))
             if est is not None and est[0] > 0:
                 shifted = dataclasses.replace(layer, eps=Eps(est[0], "estimated from the candidate"))
                 keep = cand(cand_dtype, opts.candidate_eps if opts.candidate_eps is not None else (other or layer).eps.value)

@@ -106,3 +106,20 @@ def test_keras_layer_normalization(ckpt, model_type, fn, codes):
     assert report.passed == (not codes)
     assert all({d.code for d in layer.diagnoses} == codes for layer in report.layers), \
         [[d.code for d in layer.diagnoses] for layer in report.layers]
+
+
+def test_the_explain_ladder_uses_the_eps_the_diagnosis_found(ckpt):
+    """With two faults (eps and the +1), the ladder's eps step tries the eps the joint fit found
+    (ONNX's 1e-5), not an estimate made with the wrong gain."""
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime")
+    from pathlib import Path
+
+    from parity_cli import api
+
+    plugin = f"{Path(__file__).resolve().parent / ONNX}:rms_normalization_defaults"
+    path = ckpt("gemma3", layers=1, eps=1e-6, dtype="float32")
+    ladder = api.explain(path, candidate=plugin, layer_names=["model.norm"])["model.norm"]
+    (eps_step,) = [s for s in ladder if s["changes"] == "eps"]
+    assert eps_step["step"] == "reference with eps 1e-05 (estimated)"
+    (kernel,) = [s for s in ladder if s["changes"] == "kernel"]
+    assert kernel["status"] == "pass" and eps_step["status"] == "fail"  # one factor alone is not enough
