@@ -5,7 +5,6 @@ asks for it. Pickle files (*.bin, *.pt) are never opened: a checkpoint must not 
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass, field
@@ -67,15 +66,13 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raw = fh.read(n)
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    from parity_cli.jsonfile import MAX_DEPTH, _depth_ok
+    from parity_cli.jsonfile import parse
 
     try:
         text = raw.decode("utf-8")
-        if not _depth_ok(text, MAX_DEPTH):
-            raise InputError(f"{path}: corrupt safetensors header (nested deeper than {MAX_DEPTH} levels)")
-        header = json.loads(text)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{path}: corrupt safetensors header: {str(exc).splitlines()[0][:200]}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: corrupt safetensors header: {exc}") from None
+    header = parse(text, path, "the safetensors header")
     if not isinstance(header, dict):
         raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_size = size - 8 - n

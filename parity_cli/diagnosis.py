@@ -1,27 +1,20 @@
-"""Stage 6: from a failing layer's strata to its most likely cause.
+"""Stage 6: from a failing layer's strata to its cause.
 
-Method of the sources: keep the high-precision reference and change one condition at a time.
-Each hypothesis below is the reference with exactly one fault planted (a "variant"); a
-hypothesis explains the candidate when the candidate matches the variant, within tolerance,
-on nearly every element, including the ones that violated the reference. When no variant
-fits, the rule of thumb of the sources names a first suspect from where the errors are:
-only small inputs -> q/eps (eps value or placement); only large inputs -> overflow or a
-missing upcast; the same channels off at every scale -> the gain."""
+Method of the sources: keep the high-precision reference and change conditions. The cause is
+the simplest combination of changed factors that reproduces the candidate (parity_cli.fit);
+the single-change panel below only adds evidence. When nothing reproduces it, the rule of
+thumb of the sources names a first suspect from the rows that failed: only small q/eps -> the
+eps value or placement; only large inputs -> overflow or a missing upcast."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from parity_cli.comparison import StratumResult, Tolerance
 from parity_cli.implementations import mean_square, oracle_normalize
 from parity_cli.layers import NormLayer
 
-SMALL = {"zero", "tiny"}
-LARGE = {"large", "outlier", "extreme"}
-MATCH_SLACK = 2.0  # a variant is computed in float64; allow the candidate's own rounding twice over
-MATCH_SHARE = 0.99
 
 
 @dataclass
@@ -49,28 +42,12 @@ class Context:
 
 
 def estimate_eps(ctx: Context):
-    """The eps that explains the candidate: for y = x/sqrt(q + eps_c) * g, eps_c = x^2/(y/g)^2 - q.
+    """(median, spread) of the eps that explains the candidate with the expected gain and
+    semantics, or None: the explain ladder's fallback when the diagnosis found none."""
+    from parity_cli import fit
 
-    Uses tiny and constant rows (where eps is visible) and channels with a usable gain and input.
-    Returns (median, relative spread between the 25th and 75th percentiles) or None."""
-    import torch
-
-    samples = []
-    for s in ctx.strata:
-        if s.name not in ("tiny", "constant") or s.cand is None:
-            continue
-        q = mean_square(s.x, ctx.layer.kind).unsqueeze(-1)
-        x = s.x - s.x.mean(dim=-1, keepdim=True) if ctx.layer.kind == "layer_norm" else s.x
-        y = (s.cand - (0 if ctx.bias is None else ctx.bias)) / ctx.gain
-        # Only rows where eps is visible (q/eps <= 100) say anything about it.
-        visible = (q > 0) & (q <= 100 * max(ctx.eps, 1e-30))
-        usable = visible & (ctx.gain.abs() > 1e-3) & (x.abs() > 0.25 * q.sqrt()) & torch.isfinite(y) & (y != 0)
-        samples.append(((x * x) / (y * y) - q)[usable])
-    est = torch.cat(samples) if samples else None
-    if est is None or est.numel() == 0:
-        return None
-    lo, med, hi = (float(v) for v in torch.quantile(est, torch.tensor([0.25, 0.5, 0.75], dtype=est.dtype)))
-    return med, ((hi - lo) / abs(med) if med else math.inf)
+    est = fit.estimate_eps(fit.Panel(ctx), fit.Factors(centred=ctx.layer.kind == "layer_norm", eps=ctx.eps), ctx.gain)
+    return None if est is None else est[:2]
 
 
 def _affine(ctx: Context, y, gain=None):
@@ -96,29 +73,6 @@ def _no_upcast(ctx: Context, x):
     return y.to(torch.float64)
 
 
-@dataclass(frozen=True)
-class Hypothesis:
-    code: str
-    variant: Callable  # (ctx, x, evidence) -> float64 y, or None when it does not apply
-    message: Callable  # (ctx, evidence) -> str
-
-
-def _eps_variant(ctx, x, ev):
-    est = ev.get("_estimate")
-    if est is None or ctx.eps <= 0 or abs(est[0] - ctx.eps) <= 0.05 * ctx.eps or est[0] <= 0:
-        return None
-    ev.update(estimated_eps=est[0], spread=est[1], configured_eps=ctx.eps, eps_source=ctx.layer.eps.source)
-    return _affine(ctx, oracle_normalize(x, est[0], ctx.layer.kind))
-
-
-def _offset_variant(delta):
-    def variant(ctx, x, ev):
-        ev.update(offset_error=delta, expected_offset=ctx.layer.gain_offset)
-        return _affine(ctx, oracle_normalize(x, ctx.eps, ctx.layer.kind), ctx.gain + delta)
-
-    return variant
-
-
 def _offset_message(ctx, ev):
     delta, expected = ev["offset_error"], ev["expected_offset"]
     baked = ctx.layer.semantic_offset or 0.0
@@ -136,39 +90,6 @@ def _offset_message(ctx, ev):
     return f"every channel's gain is off by {delta:+g}: {what}"
 
 
-HYPOTHESES = [
-    Hypothesis(
-        "eps_mismatch", _eps_variant,
-        lambda ctx, ev: (f"the candidate behaves as if eps = {ev['estimated_eps']:.3g} where the layer's eps is "
-                         f"{ev['configured_eps']:.3g} ({ev['eps_source']}); inputs with q/eps near 1 show it first"),
-    ),
-    Hypothesis(
-        "eps_outside_sqrt",
-        lambda ctx, x, ev: None if ctx.layer.kind != "rms_norm" else _affine(ctx, _rms_eps_outside(x, ctx.eps)),
-        lambda ctx, ev: "the candidate computes x / (sqrt(q) + eps) instead of x / sqrt(q + eps): eps is outside the root",
-    ),
-    Hypothesis(
-        "eps_missing",
-        lambda ctx, x, ev: None if ctx.eps == 0 else _affine(ctx, _eps_zero(ctx, x)),
-        lambda ctx, ev: "the candidate matches eps = 0: eps is dropped, so an all-zero row computes 0/0",
-    ),
-    Hypothesis(
-        "mean_subtracted",
-        lambda ctx, x, ev: None if ctx.layer.kind != "rms_norm" else _affine(ctx, oracle_normalize(x, ctx.eps, "layer_norm")),
-        lambda ctx, ev: "the candidate subtracts the mean (LayerNorm semantics) where the family uses RMSNorm",
-    ),
-    Hypothesis("weight_offset_mismatch", _offset_variant(-1.0), _offset_message),
-    Hypothesis("weight_offset_mismatch", _offset_variant(+1.0), _offset_message),
-    Hypothesis(
-        "reduced_precision_reduction",
-        lambda ctx, x, ev: None if ctx.dtype.is_floating_point and ctx.dtype.itemsize >= 4 else
-        _affine(ctx, _no_upcast(ctx, x)),
-        lambda ctx, ev: ("the candidate squares and sums in the input dtype (no float32 upcast): x^2 overflows on "
-                         "large inputs and underflows on tiny ones"),
-    ),
-]
-
-
 def _eps_zero(ctx: Context, x):
     """eps = 0: rows with q = 0 become 0/0 = NaN, as they do in the faulty kernel."""
     import torch
@@ -176,74 +97,6 @@ def _eps_zero(ctx: Context, x):
     y = oracle_normalize(x, 0.0, ctx.layer.kind)
     zero_rows = (mean_square(x, ctx.layer.kind) == 0).unsqueeze(-1)
     return torch.where(zero_rows, torch.full_like(y, math.nan), y)
-
-
-def _match(ctx: Context, variant_outputs) -> float | None:
-    """None unless the candidate is within (slack x) tolerance of the variant on nearly all
-    elements, violations included; else how closely it fits (mean error over allowance on
-    the violating elements: lower is better), to rank hypotheses that all fit."""
-    import torch
-
-    total = hit = bad_total = bad_hit = 0
-    closeness = 0.0
-    for s, v in variant_outputs:
-        allowed = ctx.tol.atol + ctx.tol.rtol * v.abs()
-        both_nan = torch.isnan(v) & torch.isnan(s.cand)
-        err = torch.where(both_nan | (s.cand == v), torch.zeros_like(v), (s.cand - v).abs() / allowed)
-        err = torch.nan_to_num(err, nan=math.inf)
-        ok = err <= MATCH_SLACK
-        key = ("ref_bad", id(s))
-        if key not in ctx.cache:  # depends on the stratum only, not on the variant
-            ctx.cache[key] = ~(((s.cand - s.ref).abs() <= ctx.tol.atol + ctx.tol.rtol * s.ref.abs()) | (s.cand == s.ref))
-        ref_bad = ctx.cache[key]
-        total += ok.numel()
-        hit += int(ok.sum())
-        bad_total += int(ref_bad.sum())
-        bad_hit += int((ok & ref_bad).sum())
-        closeness += float(err[ref_bad & ok].sum())
-    if bad_total == 0 or hit < MATCH_SHARE * total or bad_hit < MATCH_SHARE * bad_total:
-        return None
-    return closeness / max(bad_hit, 1)
-
-
-def implied_gain(ctx: Context):
-    """Per channel: least-squares candidate / reference-normalised value on normal rows, and how
-    consistently one gain explains every row."""
-    import torch
-
-    rows = [(s.cand, oracle_normalize(s.x, ctx.eps, ctx.layer.kind)) for s in ctx.strata
-            if s.name == "normal" and s.cand is not None]
-    if not rows:
-        return None
-    c = torch.cat([r[0] for r in rows]) - (0 if ctx.bias is None else ctx.bias)
-    n = torch.cat([r[1] for r in rows])
-    g = (c * n).sum(0) / (n * n).sum(0).clamp_min(1e-300)
-    resid = (c - g * n).abs().amax(0) / (g.abs() * n.abs().amax(0)).clamp_min(1e-300)
-    return g, resid
-
-
-def _channel_diagnosis(ctx: Context) -> Diagnosis | None:
-    import torch
-
-    fit = implied_gain(ctx)
-    if fit is None:
-        return None
-    g, resid = fit
-    slack = 4 * max(ctx.tol.rtol, 1e-6)
-    if not bool(torch.isfinite(g).all()) or not bool((resid < slack).all()):
-        return None
-    bad = (g - ctx.gain).abs() > slack * ctx.gain.abs().clamp_min(1e-6) + ctx.tol.atol
-    count = int(bad.sum())
-    if not count:
-        return None
-    idx = torch.nonzero(bad).flatten()[:10].tolist()
-    return Diagnosis(
-        "channel_gain_mismatch",
-        f"the normalisation matches but the gain differs in {count} of {ctx.layer.dim} channels: a wrong, "
-        "permuted or mis-broadcast weight",
-        {"affected_channels": count,
-         "channels": [{"channel": j, "implied": float(g[j]), "expected": float(ctx.gain[j])} for j in idx]},
-    )
 
 
 RULED_OUT = ("eps value (estimated), eps = 0, eps outside the root, mean subtraction, variance for mean "
@@ -349,6 +202,9 @@ def _ordered(ctx: Context, x, order: str):
 
 
 def matching_variants(ctx: Context) -> list[str]:
+    """Single changes (and cast orders) that reproduce the candidate, by fit.match's check."""
+    from parity_cli import fit
+
     compared = [s for s in ctx.strata if s.cand is not None]
     names = []
     for name, variant in _panel(ctx):
@@ -359,7 +215,7 @@ def matching_variants(ctx: Context) -> list[str]:
                 break
             outputs.append((s, v))
         else:
-            if outputs and _match(ctx, outputs) is not None:
+            if outputs and fit.match(ctx, [o[0] for o in outputs], [o[1] for o in outputs]) is not None:
                 names.append(name)
     return names
 

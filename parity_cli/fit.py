@@ -115,7 +115,7 @@ class Panel:
         if f.gain == "scale":
             return g * f.gain_value
         if f.gain == "channel":
-            return self.ctx.cache["channel_gain"]
+            return self.ctx.cache[("channel_gain", f.centred, f.variance)]  # set by _resolve_gain
         return g
 
     def outputs(self, f: Factors):
@@ -206,8 +206,6 @@ def _failing(ctx, s):
 
     key = ("failing", id(s))
     if key not in ctx.cache and not s.violations:  # nothing failed here: nothing to screen
-        import torch
-
         empty = torch.zeros(0, dtype=torch.long)
         ctx.cache[key] = (empty, empty, s.cand.new_zeros(0), 0.0)
     if key not in ctx.cache:
@@ -366,12 +364,6 @@ def candidates(ctx, panel: Panel):
     return expected, out
 
 
-def _with_channel(ctx, f: Factors) -> Factors:
-    if f.gain == "channel":
-        ctx.cache["channel_gain"] = ctx.cache[("channel_gain", f.centred, f.variance)]
-    return f
-
-
 def _resolve_gain(ctx, panel: Panel, f: Factors) -> Factors | None:
     """Fits the gain of the combination's normalisation (once per layer and normalisation);
     None when the fit is impossible or says nothing new."""
@@ -401,7 +393,7 @@ def _resolve_eps(ctx, panel: Panel, f: Factors) -> Factors | None:
         return f
     key = ("eps_estimate", f.centred, f.variance, f.outside, f.gain, f.gain_value)
     if key not in ctx.cache:
-        est = estimate_eps(panel, f, panel.gain(_with_channel(ctx, f)))
+        est = estimate_eps(panel, f, panel.gain(f))
         ok = est is not None and est[0] > 0 and abs(est[0] - ctx.eps) > 0.05 * ctx.eps
         ctx.cache[key] = est if ok else None
     est = ctx.cache[key]
@@ -425,7 +417,6 @@ def fit(ctx, max_factors: float = 3.0) -> Fit | None:
         f = None if f is None else _resolve_eps(ctx, panel, f)
         if f is None:
             continue
-        _with_channel(ctx, f)
         extra = ctx.layer.dim * U32 if f.precision == "float32" else 0.0
         if not screen(ctx, panel, f, extra):
             continue

@@ -8,7 +8,6 @@ float64 values *inside* the guard, and it only ever sees copies of the probes an
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 # dtypes a result may travel in; anything else floating is widened to float32 first
@@ -246,7 +245,3 @@ class InProcessRunner:
 
     def close(self) -> None:
         pass
-
-
-def monotonic_deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout

@@ -247,8 +247,12 @@ class Supervisor:
         with _live_lock:
             _live.add(self)
         self._started = time.monotonic()
-        self._send(("load", self.spec, self.args, list(sys.path), self.threads, os.getcwd(), dict(os.environ)),
-                   time.monotonic() + max(self.timeout or 0, LOAD_TIMEOUT))
+        try:
+            self._send(("load", self.spec, self.args, list(sys.path), self.threads, os.getcwd(), dict(os.environ)),
+                       time.monotonic() + max(self.timeout or 0, LOAD_TIMEOUT))
+        except _Stop as why:  # e.g. a memory cap below what the bare child already holds
+            self.kill()
+            raise InputError(f"implementation '{self.spec}': its process {why} while loading it") from None
         return self
 
     def loaded(self) -> dict:

@@ -36,3 +36,22 @@ def run_parity(*args, cwd=None, env=None):
 
 def load_json(path):
     return json.loads(Path(path).read_text())
+
+
+BOUNDED = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
+RSS_LIMIT_KB = 700 * 1024  # torch itself is ~230 MB: a few hundred MB more would mean something was allocated
+
+
+def run_bounded(*args, timeout=60):
+    """`parity ARGS` as a user runs it, for hostile inputs: asserts the peak RSS stayed under
+    RSS_LIMIT_KB and returns (result, seconds)."""
+    import time
+
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", BOUNDED, sys.executable, "-m", "parity_cli", *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    *lines, rss = r.stderr.rstrip("\n").split("\n")
+    r.stderr = "\n".join(lines) + ("\n" if lines else "")
+    assert int(rss) < RSS_LIMIT_KB, (args, f"peak RSS {int(rss) // 1024} MiB")
+    return r, time.monotonic() - start

@@ -3,9 +3,6 @@ files gguf-py writes, and hostile files that only *declare* huge things."""
 
 import random
 import struct
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -13,6 +10,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package")
 
 from parity_cli.gguf_reader import Array, read_gguf  # noqa: E402
+from conftest import run_bounded  # noqa: E402
 from parity_cli.synthetic import hf_to_gguf, write_checkpoint  # noqa: E402
 
 
@@ -76,20 +74,7 @@ def _key(name: str) -> bytes:
     return struct.pack("<Q", len(name)) + name.encode()
 
 
-WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
-RSS_LIMIT_KB = 700 * 1024  # torch itself is ~230 MB: a few hundred MB more would mean something was allocated
-
-
-def parity(*args, timeout=60):
-    """The CLI as a user runs it; asserts it stayed within RSS_LIMIT_KB, returns (result, seconds)."""
-    start = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", WRAP, sys.executable, "-m", "parity_cli", *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    *lines, rss = r.stderr.rstrip("\n").split("\n")
-    r.stderr = "\n".join(lines) + ("\n" if lines else "")
-    assert int(rss) < RSS_LIMIT_KB, (args, f"peak RSS {int(rss) // 1024} MiB")
-    return r, time.monotonic() - start
+parity = run_bounded
 
 
 @pytest.mark.parametrize("label,blob", [

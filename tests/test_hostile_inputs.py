@@ -5,30 +5,15 @@ line naming the file, within seconds, and nothing blocks on a FIFO or reads /dev
 import json
 import os
 import struct
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from conftest import run_bounded  # noqa: E402
 from parity_cli.synthetic import write_checkpoint
 
 
-WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
-RSS_LIMIT_KB = 700 * 1024  # torch itself is ~230 MB: a few hundred MB more would mean something was allocated
-
-
-def parity(*args, timeout=60):
-    """The CLI as a user runs it; asserts it stayed within RSS_LIMIT_KB, returns (result, seconds)."""
-    start = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", WRAP, sys.executable, "-m", "parity_cli", *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    *lines, rss = r.stderr.rstrip("\n").split("\n")
-    r.stderr = "\n".join(lines) + ("\n" if lines else "")
-    assert int(rss) < RSS_LIMIT_KB, (args, f"peak RSS {int(rss) // 1024} MiB")
-    return r, time.monotonic() - start
+parity = run_bounded
 
 
 def one_line_error(r, *words):

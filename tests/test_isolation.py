@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from parity_cli import api
-from tests.conftest import load_json, run_parity
+from tests.conftest import load_json
 from tests.test_cli import validate
 
 MISBEHAVE = Path(__file__).resolve().parent / "plugins" / "misbehave.py"
@@ -114,6 +114,14 @@ def test_a_memory_hoarder_is_killed_at_the_cap(llama, tmp_path):
     (layer,) = data["layers"]
     assert "memory cap of 1 GiB" in layer["error"], layer["error"]
     assert data["candidate"]["memory_cap"] == 2**30
+
+
+def test_a_memory_cap_below_the_bare_child_is_a_one_line_error(llama, tmp_path):
+    """512 bytes: the child exceeds it before the candidate is even loaded (torch alone is
+    ~200 MB). That is the user's option at fault: exit 2 and one line, not an internal error."""
+    r, data = check_cli(llama, tmp_path, "--candidate", bad("forks"), "--candidate-memory", "0.5k")
+    assert r.returncode == 2 and data is None, r.stderr
+    assert r.stderr.count("\n") == 1 and "memory cap" in r.stderr and "internal error" not in r.stderr, r.stderr
 
 
 def test_the_timeout_has_a_default_and_inf_lifts_it(llama):

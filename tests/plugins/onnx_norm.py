@@ -3,7 +3,6 @@ a user would: the candidate passes no epsilon (ONNX's default is 1e-5) and uses 
 handed as the scale (no Gemma 1 + w). Real third-party code for the diagnosis tests."""
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
