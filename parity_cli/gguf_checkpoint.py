@@ -102,7 +102,7 @@ def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
     try:
         import gguf
     except ImportError:
-        raise InputError(f"{path}: reading GGUF needs the gguf package: pip install 'parity-cli[gguf]'") from None
+        raise InputError(f"{path}: reading GGUF needs the gguf package: pip install gguf") from None
     from parity_cli.gguf_reader import read_gguf
 
     reader = read_gguf(path)

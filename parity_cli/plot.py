@@ -1,6 +1,7 @@
 """--plot: candidate error against q/eps, the picture that shows where eps dominates.
 
-matplotlib is an optional extra (pip install 'parity-cli[plot]'); it is imported only here."""
+matplotlib is optional (`pip install matplotlib`, or the `plot` extra from a checkout:
+`pip install -e '.[plot]'`); it is imported only here."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def check_target(path: str) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise InputError("--plot needs matplotlib: pip install 'parity-cli[plot]'") from None
+        raise InputError("--plot needs matplotlib: pip install matplotlib") from None
 
 
 def write_plot(report, path: str) -> None:
@@ -73,18 +74,32 @@ def write_plot(report, path: str) -> None:
                  + (f", {skipped} zero rows not shown" if skipped else "") + ")", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5)
     fig.tight_layout()
-    import os
-    import tempfile
-
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent or ".")
-    os.close(fd)
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, target)
+        _save_atomically(fig, Path(path))
     except OSError as exc:
         raise InputError(f"{path}: cannot write plot: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
+
+
+def _save_atomically(fig, target: Path) -> None:
+    """As the report writer does: a temp file in the target's directory, chmod'ed from
+    mkstemp's 0600 to what a new file would get (0666 & ~umask), then os.replace. Whatever
+    fails, no temp file stays behind and the target is untouched."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format=target.suffix.lower().lstrip("."))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
             os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,5 +1,5 @@
-"""Every family of BRIEF §5: discovery with the real HF names, the `hf` built-in bitwise equal to
-transformers' own module classes, and wrong-family semantics caught."""
+"""Every shipped family (configs/families/): discovery with the real HF names, the `hf` built-in
+bitwise equal to transformers' own module classes, and wrong-family semantics caught."""
 
 import importlib.util
 import re

@@ -25,7 +25,7 @@ def test_hf_against_itself_is_bitwise(ckpt):
 
 
 def test_torch_against_hf_shows_few_ulp_differences(ckpt):
-    # F.rms_norm multiplies the weight in fp32 (Gemma order, BRIEF §6); HF Llama rounds to bf16 first
+    # F.rms_norm multiplies the weight in fp32 (Gemma order); HF Llama rounds to bf16 first
     # and multiplies in bf16: two roundings where torch has one, so they differ by at most ~1 ulp.
     # Where torch's kernel is exactly Gemma order, the diagnosis says so (cast_order).
     report = api.check(ckpt("llama", layers=1, eps=1e-5), candidate="torch", reference="hf",

@@ -1,5 +1,5 @@
-"""Candidate implementations written only to the plugin contract (BRIEF §3): correct ones,
-and one per planted fault. Each fault is the single change named by its function."""
+"""Candidate implementations written only to the plugin contract (README, Implementations):
+correct ones, and one per planted fault. Each fault is the single change named by its function."""
 
 import torch
 
