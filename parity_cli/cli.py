@@ -33,14 +33,9 @@ def _on_sigterm(signum, frame):
 
 
 def _console(stderr: bool = False):
-    import os
+    from parity_cli.layout import console
 
-    from rich.console import Console
-
-    console = Console(stderr=stderr, highlight=False, soft_wrap=True)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = 160  # CI logs: a layer name must not be cut to fit 80 columns
-    return console
+    return console(stderr=stderr)
 
 
 def _check_output_target(path: str | None) -> None:
@@ -162,19 +157,18 @@ def cli():
               help="'warn' also fails on warnings such as a defaulted eps.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write error against q/eps with the attenuation curve (.svg or .png; needs matplotlib).")
-@click.option("--quiet", "-q", is_flag=True, help="No terminal table; the exit code says it all.")
+@click.option("--quiet", "-q", is_flag=True, help="One line: the verdict, the counts and, on failure, the largest group.")
+@click.option("--verbose", "-v", is_flag=True, help="Every layer: the table, each diagnosis and every group.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
           exact, grad, timeout, candidate_memory, isolation, jobs, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
-          plot_path, quiet):
+          plot_path, quiet, verbose):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
     import os
 
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
     from parity_cli.gate import gate, load_report
-    from parity_cli.report import render
-
     outputs = _check_outputs({"--json": json_path, "--junit": junit_path, "--markdown": markdown_path,
                               "--plot": plot_path},
                              [p for p in (checkpoint, candidate_checkpoint, baseline_path) if p])
@@ -198,10 +192,12 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         report = run_check(checkpoint, options, progress=progress)
     data = report.to_dict()
     if explain and not report.passed:
-        from parity_cli.api import explain as run_explain
+        from parity_cli.explain import explain_groups
 
-        failing = [layer.name for layer in report.layers if not layer.passed and layer.strata]
-        data["explain"] = run_explain(checkpoint, options, failing) if failing else {}
+        data["explain"] = _plain(explain_groups(checkpoint, options, data))
+        for layer in data["layers"]:
+            if layer["name"] in data["explain"]["layers"]:
+                layer["conclusion"] = data["explain"]["layers"][layer["name"]]
     data["gate"] = gate(data, fail_on, baseline, baseline_path)
     to_stdout = json_path == "-"
     _write_outputs(data, None if to_stdout else json_path, junit_path, markdown_path)
@@ -209,10 +205,15 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         from parity_cli.plot import write_plot
 
         write_plot(report, plot_path)
-    if not quiet:  # with the JSON on stdout, the human output goes to stderr
-        render(data, _console(stderr=to_stdout))
+    from parity_cli import terminal
+
+    console = _console(stderr=to_stdout)  # with the JSON on stdout, the human output goes to stderr
+    if quiet:
+        console.print(terminal.quiet_line(data), soft_wrap=True, markup=False)
+    else:
+        terminal.render(data, console, verbose=verbose)
         if data.get("explain"):
-            render_ladder(data["explain"], _console(stderr=to_stdout))
+            terminal.render_explain(data["explain"], console)
     if to_stdout:
         from parity_cli.report import json_text
 
@@ -253,39 +254,6 @@ class _progress:
         return False
 
 
-def render_ladder(ladder: dict, console) -> None:
-    from rich.table import Table
-
-    from parity_cli.report import _fmt
-
-    for layer, steps in ladder.items():
-        table = Table(title=f"{escape(layer)}: one factor at a time", show_edge=False, header_style="bold", title_justify="left")
-        for col in ("step", "changes", "status", "max abs err", "max rel err", "failing strata"):
-            table.add_column(col, justify="right" if col.startswith("max") else "left")
-        for st in steps:
-            table.add_row(escape(st["step"]), st["changes"],
-                          st["status"] if not st.get("error") else escape(f"{st['status']}: {st['error']}"),
-                          "-" if st["max_abs_err"] is None else _fmt(st["max_abs_err"]),
-                          "-" if st["max_rel_err"] is None else _fmt(st["max_rel_err"]),
-                          ", ".join(st["failing"]) or "-")
-        console.print(table)
-        passed = {st["changes"] for st in steps[1:] if st["status"] == "pass"}
-        if steps[0]["status"] != "pass":
-            console.print("  " + ladder_verdict(passed))
-
-
-def ladder_verdict(passed: set) -> str:
-    """The most specific factor whose change alone removes the error."""
-    if "eps" in passed:
-        return "the candidate matches the reference once eps is changed: eps carries the error"
-    if "dtype" in passed:
-        return "the candidate passes at the reference dtype: the error comes with the dtype (precision, overflow)"
-    if "kernel" in passed:
-        return ("the family's own numerics pass at the same dtype and eps: the candidate's math differs "
-                "(placement, offset, upcast, gain)")
-    return "no single factor removes the error: several faults, or one outside dtype/eps/kernel"
-
-
 def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
     from parity_cli.formats import to_junit, to_markdown
     from parity_cli.report import json_text, write_files
@@ -304,15 +272,20 @@ def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
 @click.argument("report_path", metavar="REPORT.json", type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "junit", "json"]), default="table",
               show_default=True)
-def report(report_path, fmt):
+@click.option("--verbose", "-v", is_flag=True, help="Table format: every layer, each diagnosis and every group.")
+def report(report_path, fmt, verbose):
     """Re-render a saved JSON report without rerunning anything."""
     from parity_cli.formats import to_junit, to_markdown
     from parity_cli.gate import load_report
-    from parity_cli.report import json_text, render
+    from parity_cli.report import json_text
+    from parity_cli.terminal import render, render_explain
 
     data = load_report(report_path)
     if fmt == "table":
-        render(data, _console())
+        console = _console()
+        render(data, console, verbose=verbose)
+        if isinstance(data.get("explain"), dict) and data["explain"].get("groups"):
+            render_explain(data["explain"], console)
     elif fmt == "markdown":
         click.echo(to_markdown(data), nl=False)
     elif fmt == "junit":
@@ -329,8 +302,6 @@ def report(report_path, fmt):
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the result as JSON.")
 def inspect(checkpoint, family, eps, json_path):
     """Family, eps and its source, and every norm layer's weight, without running anything."""
-    from rich.table import Table
-
     from parity_cli.api import inspect as run_inspect
     from parity_cli.report import write_json
 
@@ -338,31 +309,9 @@ def inspect(checkpoint, family, eps, json_path):
     info = run_inspect(checkpoint, family, eps)
     if json_path:
         write_json(info, json_path)
-    console = _console()
-    console.print(f"[bold]{escape(info['checkpoint']['path'])}[/] family [bold]{info['checkpoint']['family']}[/] "
-                  f"(model_type {info['checkpoint']['model_type']}), eps {info['eps']['value']:.3g} "
-                  f"({info['eps']['source']})")
-    table = Table(show_edge=False, header_style="bold")
-    for col in ("layer", "kind", "dim", "dtype", "eps", "w min", "w max", "gain min", "gain max", "non-finite",
-                "rms for A<0.99"):
-        table.add_column(col, no_wrap=col == "layer")
-    for layer in info["layers"]:
-        w, g = layer["weight"], layer["gain"] or {"min": float("nan"), "max": float("nan")}
-        def num(v):
-            return "-" if v is None else f"{v:.4g}"
+    from parity_cli.terminal import render_inspect
 
-        dim = "x".join(map(str, layer["shape"])) if len(layer["shape"]) > 1 else str(layer["dim"])
-        eps_cell = f"{layer['eps']['value']:.3g}" + ("" if layer["eps"]["source"] == info["eps"]["source"]
-                                                     else f" ({layer['eps']['source']})")
-        table.add_row(escape(layer["name"]), layer["kind"], dim, w["dtype"], eps_cell, num(w["min"]),
-                      num(w["max"]), num(g["min"]), num(g["max"]), str(w["nonfinite"]),
-                      f"{layer['rms_1pct']:.3g}")
-    console.print(table)
-    for name in info["checkpoint"]["unmatched"]:
-        console.print(f"[yellow]unmatched:[/] {escape(name)} looks like a norm but matches no pattern of "
-                      f"{info['checkpoint']['family']}; it would not be checked")
-    for warning in info["warnings"]:
-        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    render_inspect(info, _console())
     return EXIT_PASS
 
 
@@ -407,16 +356,17 @@ def demo():
     """Check the bundled tiny checkpoint twice: a matching candidate, then a planted eps fault."""
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
-    from parity_cli.report import render
+    from parity_cli.grouping import g
     from parity_cli.resources import demo_checkpoint
+    from parity_cli.terminal import heading, render
 
     console = _console()
     path = demo_checkpoint()
-    console.rule("1. torch's fused rms_norm with the checkpoint's eps")
+    heading(console, "1. torch's fused rms_norm with the checkpoint's eps")
     good = run_check(path, CheckOptions(candidate="torch"))
     render(good.to_dict(), console)
     eps = good.header["eps"]["value"]
-    console.rule(f"2. the same kernel built with eps 1e-6 instead of {eps:g} (llama.cpp #2373)")
+    heading(console, f"2. the same kernel built with eps 1e-6 instead of {g(eps)} (llama.cpp #2373)")
     bad = run_check(path, CheckOptions(candidate="torch", candidate_eps=1e-6))
     render(bad.to_dict(), console)
     console.print(
@@ -431,29 +381,53 @@ def demo():
 
 @cli.command("explain")
 @click.argument("report_path", metavar="REPORT.json", type=click.Path())
+@click.option("--checkpoint", "checkpoint", default=None, type=click.Path(),
+              help="This machine's copy of the report's checkpoint (a CI artifact replayed elsewhere); its norm "
+                   "tensors must match the report's fingerprint.")
+@click.option("--candidate", default=None, help="The candidate to replay with, where the recorded one is not here "
+                                                "(FILE.py:ATTR at another path, a renamed plugin).")
+@click.option("--candidate-checkpoint", default=None, type=click.Path(),
+              help="This machine's copy of the report's --candidate-checkpoint.")
 @click.option("--layers", "layer_names", multiple=True, help="Layers to explain (default: every failing layer).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the ladder as JSON.")
-def explain_cmd(report_path, layer_names, json_path):
-    """Rerun a saved report's failing layers one factor at a time (dtype, kernel, eps)."""
-    import json
-
-    from parity_cli.api import explain as run_explain
-    from parity_cli.api import options_from_report
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the ladders as JSON.")
+def explain_cmd(report_path, checkpoint, candidate, candidate_checkpoint, layer_names, json_path):
+    """Rerun a saved report's failing layers one factor at a time (dtype, kernel, eps): one ladder
+    per group of layers that fail the same way, each with its conclusion."""
+    from parity_cli import preflight
+    from parity_cli.api import options_from_report, verify_fingerprint
     from parity_cli.gate import load_report
-    from parity_cli.report import write_files
+    from parity_cli.report import json_text, write_files
 
     _check_output_target(json_path)
     data = load_report(report_path)
-    path, options = options_from_report(data, report_path)
+    path, options = options_from_report(data, report_path, checkpoint, candidate, candidate_checkpoint)
+    preflight.check_inputs(path, candidate=options.candidate, reference=options.reference,
+                           candidate_checkpoint=options.candidate_checkpoint, dtype=options.dtype,
+                           reference_dtype=options.reference_dtype, device=options.device,
+                           reference_device=options.reference_device, family=options.family, strata=options.strata)
     names = list(layer_names) or [l["name"] for l in data["layers"] if l["status"] != "pass" and l["strata"]]
     if not names:
         click.echo(f"{report_path}: no failing layer to explain")
         return EXIT_PASS
-    ladder = run_explain(path, options, names)
+    warning = verify_fingerprint(data, path, options, report_path)
+    console = _console()
+    if warning:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    from parity_cli.explain import explain_groups
+    from parity_cli.terminal import render_explain
+
+    ladders = explain_groups(path, options, data, names)
     if json_path:
-        write_files({json_path: json.dumps(ladder, indent=2, default=float) + "\n"})
-    render_ladder(ladder, _console())
+        write_files({json_path: json_text(_plain(ladders))})
+    render_explain(ladders, console)
     return EXIT_PASS
+
+
+def _plain(value):
+    """Non-finite floats as the report writes them ("inf", "nan")."""
+    from parity_cli.report import _jsonable
+
+    return _jsonable(value)
 
 
 @cli.command()

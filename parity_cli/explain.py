@@ -97,11 +97,12 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
             ref_dtype_name = str(ref_dtype).removeprefix("torch.")
             steps.append(_step(f"candidate at {ref_dtype_name}", "dtype",
                                check_layer(layer, reference, cand(ref_dtype), strata, tolerance_for(ref_dtype_name),
-                                           opts, cand_layer=other)))
+                                           opts, cand_layer=other, diagnose_failures=False)))
             # 2. the family's own numerics at the candidate dtype: the floor that dtype imposes
             own = Side(own_runner.impl, "hf", cand_dtype, "cpu", opts.candidate_eps, own_runner)
             steps.append(_step(f"{layer.family} numerics (hf) at {cand_dtype_name}", "kernel",
-                               check_layer(layer, reference, own, strata, tol, opts, cand_layer=other)))
+                               check_layer(layer, reference, own, strata, tol, opts, cand_layer=other,
+                                           diagnose_failures=False)))
             # 3. the reference with the eps the candidate appears to use
             gain = layer.gain_offset + layer.weight.to(cand_dtype).double()
             bias = None if layer.bias is None else layer.bias.to(cand_dtype).double()
@@ -115,11 +116,84 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
                 shifted = dataclasses.replace(layer, eps=Eps(est[0], "estimated from the candidate"))
                 keep = cand(cand_dtype, opts.candidate_eps if opts.candidate_eps is not None else (other or layer).eps.value)
                 steps.append(_step(f"reference with eps {est[0]:.3g} (estimated)", "eps",
-                                   check_layer(shifted, reference, keep, strata, tol, opts, cand_layer=other)))
+                                   check_layer(shifted, reference, keep, strata, tol, opts, cand_layer=other,
+                                               diagnose_failures=False)))
             else:
                 steps.append(_skipped("reference with the candidate's eps", "eps",
                                       "no eps could be estimated (the tiny and constant strata show none)"))
             out[name] = steps
     finally:
         close_runners(runners)
+    return out
+
+
+# --- one ladder per group of layers that fail the same way ---------------------------------------
+
+VERDICTS = {  # the most specific factor first: eps, then dtype, then the kernel
+    "eps": "eps carries the error: the reference with the candidate's eps matches it",
+    "dtype": "the dtype carries the error: the candidate passes at the reference dtype (precision, overflow)",
+    "kernel": ("the candidate's math differs: the family's own numerics pass at the same dtype and eps "
+               "(placement, offset, upcast, gain)"),
+}
+
+
+def conclude(steps: list[dict]) -> dict:
+    """The factor whose change alone removes the error, with what is left after changing it;
+    or, when none does, the change that comes closest and what it leaves."""
+    from parity_cli.terminal import fmt
+
+    def residual(st):
+        return {"status": st["status"], "max_abs_err": st["max_abs_err"], "max_rel_err": st["max_rel_err"],
+                "failing": st["failing"]}
+
+    first = steps[0]
+    if first["status"] == "pass":
+        return {"factor": None, "residual": residual(first), "text": "the layer passes as checked: nothing to explain"}
+    rungs = [st for st in steps[1:] if st["status"] in ("pass", "fail")]
+    for factor in VERDICTS:
+        st = next((s for s in rungs if s["changes"] == factor and s["status"] == "pass"), None)
+        if st:
+            return {"factor": factor, "step": st["step"], "residual": residual(st),
+                    "text": f"{VERDICTS[factor]} (max rel err {fmt(first['max_rel_err'])} -> "
+                            f"{fmt(st['max_rel_err'])}, within tolerance)"}
+    scored = [s for s in rungs if s["max_rel_err"] is not None]
+    if not scored:
+        return {"factor": None, "residual": residual(first),
+                "text": "no rung could run: " + (first.get("error") or "see the steps")}
+    best = min(scored, key=lambda s: s["max_rel_err"])
+    return {"factor": None, "closest": best["changes"], "step": best["step"], "residual": residual(best),
+            "text": f"no single factor removes the error (several faults, or one outside dtype/eps/kernel); "
+                    f"changing {best['changes']} comes closest: max rel err {fmt(first['max_rel_err'])} -> "
+                    f"{fmt(best['max_rel_err'])}, still failing {', '.join(best['failing']) or '-'}"}
+
+
+def explain_groups(path, opts, report: dict, layer_names: list[str] | None = None) -> dict:
+    """The ladder for one representative layer of each group (grouping.groups): layers that fail
+    the same way share its conclusion, and a 109-layer failure costs a handful of ladders.
+    Returns {"groups": [...], "layers": {name: conclusion}}; layers without strata (the
+    candidate never ran, or only the checkpoints differ) have no ladder."""
+    from parity_cli import grouping
+
+    wanted = set(layer_names) if layer_names else None
+    if wanted:
+        known = {l["name"] for l in report["layers"]}
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise InputError(f"explain: no layer named {', '.join(unknown)} in the report")
+    # a passing layer named on the command line gets a ladder of its own
+    view = dict(report, layers=[dict(l, status="fail") if l["status"] == "pass" else l for l in report["layers"]
+                                if l["strata"] and (l["status"] != "pass" or wanted)
+                                and (wanted is None or l["name"] in wanted)])
+    found = grouping.groups(view)
+    ladders = explain(path, opts, [g.representative["name"] for g in found]) if found else {}
+    out = {"groups": [], "layers": {}}
+    for g in found:
+        rep = g.representative["name"]
+        steps = ladders.get(rep, [])
+        conclusion = conclude(steps) if steps else None
+        out["groups"].append({"representative": rep, "layers": g.names, "finding": g.text, "steps": steps,
+                              "conclusion": conclusion})
+        for name in g.names:
+            if conclusion is not None:
+                out["layers"][name] = dict(conclusion, explained_by=rep)
     return out

@@ -64,7 +64,7 @@ def crc(text: str) -> int:
 
 
 def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand_layer=None, grad_tol=None,
-                keep_tensors=False):
+                keep_tensors=False, diagnose_failures=True):
     """Probes one layer through both sides. A fault in the reference is the user's input
     (exit 2); a fault in the candidate (raise, hang, crash, garbage) is a finding in the result.
 
@@ -164,11 +164,13 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     gain = layer.gain_offset + w_ref.cpu().to(torch.float64)
     bias = None if b_ref is None else b_ref.cpu().to(torch.float64)
     strata_d, gain_d, bias_d = first_head(layer, results, gain, bias)
-    if opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
+    if not diagnose_failures:  # the explain ladder's rungs: only their figures are read
+        pass
+    elif opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
         result.diagnoses = bitwise_diagnosis(strata_d, candidate.dtype, layer, gain_d, tol, bias_d)
     else:
         result.diagnoses = diagnose(layer, strata_d, gain_d, tol, candidate.dtype, bias_d)
-    if opts.grad:
+    if opts.grad and diagnose_failures:
         result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
     if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
         for s in results + grads:

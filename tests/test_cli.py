@@ -57,7 +57,9 @@ def test_fail_exit_1_and_the_report_explains(ckpt, tmp_path):
     path = ckpt("llama", layers=1, eps=1e-6)
     out = tmp_path / "r.json"
     r = run_parity("check", path, "--candidate", plugin("eps_missing"), "--dtype", "float32", "--json", out, "-q")
-    assert r.returncode == 1 and r.stdout == ""
+    # -q: one line, the verdict with its counts and the largest group of findings
+    assert r.returncode == 1 and len(r.stdout.splitlines()) == 1
+    assert r.stdout.startswith("FAIL: 3 of 3 layers fail") and "3 layers (" in r.stdout and "eps_missing" in r.stdout
     rep = load_json(out)
     validate(rep)
     assert rep["summary"]["verdict"] == "fail" and rep["summary"]["failed"] == 3
@@ -246,7 +248,9 @@ def test_grad_and_conversion_reports_validate(ckpt, tmp_path):
     layer = rep["layers"][0]
     assert layer["findings"][0]["code"] == "checkpoint_eps_mismatch"
     assert any(g["name"] == "normal:dx" and g["status"] == "fail" for g in layer["grad"])
-    assert set(rep["explain"]) == {l["name"] for l in rep["layers"]}
+    # one ladder for the group, a conclusion for every layer of it
+    assert set(rep["explain"]["layers"]) == {l["name"] for l in rep["layers"]}
+    assert all(l["conclusion"]["explained_by"] == rep["explain"]["groups"][0]["representative"] for l in rep["layers"])
     # the gate sees both kinds of finding: a baseline of this very report accepts all of them
     again = run_parity("check", src, "--candidate", plugin("dropped_shared_term"), "--grad",
                        "--candidate-checkpoint", copy, "--baseline", out)

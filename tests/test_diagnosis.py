@@ -102,7 +102,11 @@ def test_explain_reruns_a_saved_report(ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "eps carries the error" in r.stdout
     ladder = load_json(out)
-    assert [s["changes"] for s in ladder["model.norm"]] == ["nothing", "dtype", "kernel", "eps"]
+    (group,) = ladder["groups"]
+    assert group["representative"] == "model.norm" and group["layers"] == ["model.norm"]
+    assert [s["changes"] for s in group["steps"]] == ["nothing", "dtype", "kernel", "eps"]
+    assert group["conclusion"]["factor"] == "eps" and group["conclusion"]["residual"]["status"] == "pass"
+    assert ladder["layers"]["model.norm"]["factor"] == "eps"
     r = run_parity("check", path, "--candidate", plugin("eps_hardcoded_1e5"), "--layers", "model.norm", "--explain")
     assert r.returncode == 1 and "one factor at a time" in r.stdout
 

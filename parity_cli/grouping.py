@@ -1,0 +1,241 @@
+"""Layers that fail the same way are one finding: 109 identical eps diagnoses are one line.
+
+A layer's signature is its status plus the short form of each diagnosis and finding, with the
+numbers that identify the fault rounded to what a person compares (an eps of 9.99e-6 and one of
+1.0e-5 are the same fault). Everything reads the report dict, so a saved report groups the same
+way; the terminal, Markdown, JUnit, -q and --explain all use these groups."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+
+def sci(value) -> str:
+    """Two significant digits, exponent without padding: 1.0e-5 (what a config file would say)."""
+    from parity_cli.report import unjfloat
+
+    value = unjfloat(value)
+    if value is None:
+        return "?"
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def g(value) -> str:
+    """%g with the exponent unpadded: 1e-6, as a config file writes it."""
+    text = f"{float(value):g}"
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        text = f"{mantissa}e{int(exponent)}"
+    return text
+
+
+def _offset_words(item: dict) -> str:
+    delta, expected = item.get("offset_error", 0.0), item.get("expected_offset", 0.0)
+    if item.get("stored_gain"):
+        return f"gain off by {delta:+.2g} (the file stores {item['stored_gain']})"
+    if expected:
+        return "the +1 is missing (gain w)" if delta < 0 else "the +1 is applied twice (gain 2 + w)"
+    return f"gain off by {delta:+.2g}"
+
+
+# code -> the words after the code in a grouped line; numbers that differ from layer to layer
+# (worst ulp, channel lists) stay out, so that they do not split a group.
+SHORT = {
+    "eps_mismatch": lambda d: f"behaves as eps ≈ {sci(d.get('estimated_eps'))}, configured {g(d.get('configured_eps', 0))}",
+    "eps_missing": lambda d: "eps dropped: an all-zero row computes 0/0",
+    "eps_outside_sqrt": lambda d: "eps outside the root: x / (sqrt(q) + eps)",
+    "mean_subtracted": lambda d: "subtracts the mean (LayerNorm math in an RMSNorm)",
+    "mean_not_subtracted": lambda d: "does not subtract the mean (RMSNorm math in a LayerNorm)",
+    "variance_not_mean_square": lambda d: "divides by the variance, not the mean square",
+    "reduced_precision_reduction": lambda d: "squares and sums without a float32 upcast",
+    "float32_accumulation": lambda d: "accumulates in float32 with a longer rounding chain",
+    "weight_offset_mismatch": _offset_words,
+    "channel_gain_mismatch": lambda d: (f"every channel's gain x {d['uniform_scale']:.3g}" if "uniform_scale" in d
+                                        else "the gain differs in some channels"),
+    "cast_order": lambda d: f"{d.get('matched_order')}-order casts where the family uses {d.get('expected_order')}",
+    "symptom_small_inputs": lambda d: "errors only at small q/eps; no known fault reproduces it",
+    "symptom_large_inputs": lambda d: "errors only at large |x|; no known fault reproduces it",
+    "unexplained": lambda d: "no known fault reproduces the candidate",
+    "bitwise_difference": lambda d: "not bitwise equal",
+    "grad_mismatch": lambda d: "backward differs: " + ", ".join(sorted(d.get("parts", {}))),
+    "grad_error": lambda d: "backward failed",
+    "nonfinite_weight": lambda d: "non-finite values in the stored weight",
+    "checkpoint_eps_mismatch": lambda d: (f"the copy's eps is {g(d['candidate']['value'])}, "
+                                          f"the reference's {g(d['reference']['value'])}"),
+    "checkpoint_weight_mismatch": lambda d: (
+        f"the copy's gain is shifted by {d['uniform_shift']:+g}" if "uniform_shift" in d
+        else "the copy stores the gain at lower precision" if d.get("precision_loss")
+        else "the copy's gain differs"),
+    "checkpoint_bias_mismatch": lambda d: "the copy's bias differs",
+    "checkpoint_layer_missing": lambda d: "missing from the candidate checkpoint",
+    "checkpoint_shape_mismatch": lambda d: "shape differs in the candidate checkpoint",
+}
+
+
+def short(item: dict) -> str:
+    """`code, words` for one diagnosis or checkpoint finding."""
+    words = SHORT.get(item["code"])
+    try:
+        text = words(item) if words else ""
+    except (KeyError, TypeError, ValueError):
+        text = ""
+    return f"{item['code']}, {text}" if text else item["code"]
+
+
+def _error_key(message: str) -> str:
+    """Errors that differ only in numbers (a layer index, a size) are the same error."""
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", message or "")[:160]
+
+
+@dataclass
+class Group:
+    status: str  # fail | error
+    texts: list[str]  # one per diagnosis and finding, `code, words`
+    layers: list[dict] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [layer["name"] for layer in self.layers]
+
+    @property
+    def representative(self) -> dict:
+        return self.layers[0]
+
+    @property
+    def codes(self) -> list[str]:
+        return [t.split(",")[0] for t in self.texts]
+
+    @property
+    def text(self) -> str:
+        return "; ".join(self.texts)
+
+    def figures(self) -> dict:
+        """Failing strata, their q/eps range and the worst errors over every layer of the group."""
+        from parity_cli.report import least, worst
+
+        failing, compared = [], []
+        for layer in self.layers:
+            for s in layer["strata"] + layer.get("grad", []):
+                if s["status"] != "pass" and s["name"] not in failing:
+                    failing.append(s["name"])
+                if s["status"] == "fail":
+                    compared.append(s)
+        qs = [s.get("failing_q_over_eps") or s["q_over_eps"] for s in compared]
+        return {
+            "failing": failing,
+            "q_over_eps": (least(q["min"] for q in qs), worst(q["max"] for q in qs)),
+            "max_abs_err": worst(s["max_abs_err"] for s in compared),
+            "max_rel_err": worst(s["max_rel_err"] for s in compared),
+        }
+
+
+def signature(layer: dict) -> tuple[str, tuple[str, ...]]:
+    texts = [short(d) for d in layer.get("diagnoses", [])] + [short(f) for f in layer.get("findings", [])]
+    if layer["status"] == "error" and layer.get("error"):
+        texts.append("error: " + _error_key(layer["error"]))
+    if not texts:
+        failing = sorted(s["name"] for s in layer["strata"] + layer.get("grad", []) if s["status"] != "pass")
+        texts.append("unexplained, failing " + ", ".join(failing))
+    return layer["status"], tuple(texts)
+
+
+def groups(report: dict) -> list[Group]:
+    """Non-passing layers grouped by signature; the largest group first, then table order."""
+    found: dict = {}
+    for layer in report["layers"]:
+        if layer["status"] == "pass":
+            continue
+        status, texts = signature(layer)
+        group = found.setdefault((status, texts), Group(status, [_shown(t, layer) for t in texts]))
+        group.layers.append(layer)
+    ordered = list(found.values())
+    ordered.sort(key=lambda g: -len(g.layers))  # stable: ties keep the table order
+    return ordered
+
+
+def _shown(text: str, layer: dict) -> str:
+    """The error's own words for display (the key has its numbers masked)."""
+    if text.startswith("error: ") and layer.get("error"):
+        return "error: " + layer["error"]
+    return text
+
+
+# --- layer names as a pattern --------------------------------------------------------------------
+
+_INDEX = re.compile(r"(?<=\.)(\d+)(?=\.|$)")
+
+
+def _ranges(indices: list[int]) -> str:
+    out, start, prev = [], None, None
+    for i in sorted(set(indices)):
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}" if start == prev else f"{start}..{prev}")
+            start = prev = i
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}..{prev}")
+    return ",".join(out)
+
+
+def _braced(alternatives: list[str]) -> str:
+    """a_x, b_x -> {a,b}_x: the common head and tail (cut at '.' or '_') outside the braces."""
+    if len(alternatives) == 1:
+        return alternatives[0]
+    head = _common(alternatives, reverse=False)
+    tail = _common([a[len(head):] for a in alternatives], reverse=True)
+    middles = [a[len(head):len(a) - len(tail)] for a in alternatives]
+    if any(not m for m in middles):
+        return "{" + ",".join(alternatives) + "}"
+    return head + "{" + ",".join(middles) + "}" + tail
+
+
+def _common(words: list[str], reverse: bool) -> str:
+    seq = [w[::-1] for w in words] if reverse else list(words)
+    n = 0
+    while all(len(w) > n for w in seq) and len({w[n] for w in seq}) == 1:
+        n += 1
+    part = seq[0][:n]
+    cut = max(part.rfind("."), part.rfind("_"))  # whole name parts only
+    part = part[:cut + 1] if cut >= 0 else ""
+    return part[::-1] if reverse else part
+
+
+def name_pattern(names: list[str], universe: list[str] | None = None) -> str:
+    """model.layers.{0..5}.input_layernorm, model.layers.*.self_attn.{k,q}_norm, model.norm:
+    '*' where every index of the model is there, ranges where only some are."""
+    universe = universe if universe is not None else names
+    all_indices: dict[str, set[int]] = {}
+    for name in universe:
+        m = list(_INDEX.finditer(name))
+        if len(m) == 1:
+            all_indices.setdefault(_INDEX.sub("*", name), set()).add(int(m[0].group(1)))
+    templates: dict[str, list[int]] = {}
+    for name in names:
+        m = list(_INDEX.finditer(name))
+        key = _INDEX.sub("*", name) if m else name
+        templates.setdefault(key, []).extend(int(x.group(1)) for x in m[:1] if len(m) == 1)
+    rendered = []
+    for template, indices in templates.items():
+        if indices and set(indices) != all_indices.get(template, set()):
+            template = template.replace("*", "{" + _ranges(indices) + "}", 1)
+        rendered.append(template)
+    # one brace group per head (the part up to the layer index) and per last name part
+    heads: dict[tuple[str, str], list[str]] = {}
+    for text in rendered:
+        cut = text.rfind("}.") + 2 if "}." in text else text.rfind("*.") + 2 if "*." in text else 0
+        head, rest = text[:cut], text[cut:]
+        last = re.split(r"[._]", rest)[-1] if cut else rest
+        heads.setdefault((head, last), []).append(rest)
+    return ", ".join(head + _braced(rests) for (head, _), rests in heads.items())
+
+
+def layer_count(n: int) -> str:
+    return f"{n} layer" + ("" if n == 1 else "s")

@@ -1,0 +1,181 @@
+"""Terminal layout: how wide the output may be, and tables that fit it without cutting a number.
+
+A cell is never shortened with '…': at a width where the one-line row does not fit, each row
+becomes the name on one line and `label value` pairs on the next, wrapped between pairs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_WIDTH = 160  # only when nothing is known: a CI log should not cut a layer name at 80
+MIN_WIDTH = 40
+
+
+def terminal_width(stderr: bool = False) -> int:
+    """COLUMNS first (pipes included), then the terminal on the output stream, then any terminal
+    the user sits at (`parity check | tee log` still has one on stderr), else 160."""
+    raw = os.environ.get("COLUMNS", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return max(MIN_WIDTH, int(raw))
+    for fd in ((2, 1, 0) if stderr else (1, 2, 0)):
+        try:
+            if os.isatty(fd):
+                return max(MIN_WIDTH, os.get_terminal_size(fd).columns)
+        except OSError:
+            continue
+    return DEFAULT_WIDTH
+
+
+def console(stderr: bool = False, width: int | None = None):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, width=width or terminal_width(stderr), soft_wrap=False)
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    label: str = ""  # in the folded layout: `label value`; empty: the value alone
+    right: bool = False
+    with_name: bool = False  # folded: on the name's line (a status), not among the pairs
+
+
+def table(columns: list[Column], rows: list[list], width: int, indent: int = 1) -> list:
+    """rich Text lines. A cell is a string or (string, style). The first column is the row's
+    name; in the folded layout it heads the row, the others follow as `label value` pairs."""
+    from rich.text import Text
+
+    def cell(c):
+        return c if isinstance(c, tuple) else (str(c), "")
+
+    cells = [[cell(c) for c in row] for row in rows]
+    widths = [max([len(col.header)] + [len(r[i][0]) for r in cells]) for i, col in enumerate(columns)]
+    gap = 2
+    if indent + sum(widths) + gap * (len(columns) - 1) <= width:
+        out = []
+        head = Text(" " * indent)
+        for i, col in enumerate(columns):
+            head.append((col.header.rjust(widths[i]) if col.right else col.header.ljust(widths[i])), style="bold")
+            head.append(" " * gap if i < len(columns) - 1 else "")
+        out.append(_rstrip(head))
+        for row in cells:
+            line = Text(" " * indent)
+            for i, (text, style) in enumerate(row):
+                pad = widths[i] - len(text)
+                if columns[i].right:
+                    line.append(" " * pad)
+                line.append(text, style=style or None)
+                if not columns[i].right:
+                    line.append(" " * pad)
+                line.append(" " * gap if i < len(columns) - 1 else "")
+            out.append(_rstrip(line))
+        return out
+    out = []
+    for row in cells:
+        name, style = row[0]
+        lines = _folded_name(name, style, width, indent)
+        for col, (text, st) in zip(columns[1:], row[1:]):
+            if col.with_name:
+                if len(lines[-1]) + 2 + len(text) > width:
+                    lines.append(Text(" " * (indent + 4)))
+                else:
+                    lines[-1].append("  ")
+                lines[-1].append(text, style=st or None)
+        out.extend(lines)
+        pairs = []
+        for col, (text, st) in zip(columns[1:], row[1:]):
+            if col.with_name or (text in ("", "-") and col.label):
+                continue
+            piece = Text()
+            if col.label:
+                piece.append(col.label + " ", style="dim")
+            piece.append(text, style=st or None)
+            pairs.append(piece)
+        out.extend(_flow(pairs, width, indent + 4))
+    return out
+
+
+def _rstrip(text):
+    text.rstrip()
+    return text
+
+
+def _folded_name(name: str, style: str, width: int, indent: int) -> list:
+    """A layer name longer than the line is folded at '.', never cut."""
+    from rich.text import Text
+
+    room = max(10, width - indent)
+    lines, current = [], ""
+    for part in name.split(".")[:-1]:
+        piece = part + "."
+        if current and len(current) + len(piece) > room:
+            lines.append(current)
+            current = ""
+        current += piece
+    last = name.split(".")[-1]
+    if current and len(current) + len(last) > room:
+        lines.append(current)
+        current = ""
+    current += last
+    lines.append(current)
+    out = []
+    for k, text in enumerate(lines):
+        chunks = [text[i:i + room] for i in range(0, len(text), room)] or [""]  # a single part wider than the line
+        out.extend(Text(" " * indent + (" " if k else "") + c, style=style or None) for c in chunks)
+    return out
+
+
+def _flow(pieces: list, width: int, indent: int, sep: str = "  ") -> list:
+    """Pieces on lines of at most `width`, broken between pieces only."""
+    from rich.text import Text
+
+    out, line = [], None
+    for piece in pieces:
+        if line is not None and len(line) + len(sep) + len(piece) <= width:
+            line.append(sep)
+            line.append_text(piece)
+            continue
+        if line is not None:
+            out.append(line)
+        line = Text(" " * indent)
+        line.append_text(piece)
+    if line is not None:
+        out.append(line)
+    return out
+
+
+def wrap(text, width: int, indent: int = 0, hanging: int = 4) -> list:
+    """A paragraph (str with rich markup, or Text) wrapped at spaces, continuation lines indented."""
+    from rich.text import Text
+
+    if isinstance(text, str):
+        text = Text.from_markup(text)
+    words = []
+    for word in text.split(" ", allow_blank=True):
+        words.extend(_fold_word(word, max(10, width - indent - hanging)))
+    out, line = [], Text(" " * indent)
+    start = len(line)
+    for word in words:
+        if len(line) > start and len(line) + 1 + len(word) > width:
+            out.append(line)
+            line = Text(" " * (indent + hanging))
+            start = len(line)
+        elif len(line) > start:
+            line.append(" ")
+        line.append_text(word)
+    out.append(line)
+    return out
+
+
+def _fold_word(word, room: int) -> list:
+    """A word wider than the line (a long name pattern) broken after ',' or '.', where a name
+    breaks naturally; a number is never that wide, so never broken."""
+    if len(word) <= room:
+        return [word]
+    plain = word.plain
+    cut = max((i + 1 for i, ch in enumerate(plain[:room]) if ch in ",."), default=0)
+    if cut == 0:
+        return [word]
+    head, tail = word.divide([cut])
+    return [head] + _fold_word(tail, room)

@@ -1,0 +1,365 @@
+"""What a person reads: the verdict first, then one line per group of layers that fail the same
+way, then detail. Everything reads the report dict, so `parity report` renders a saved file
+the same; every line fits the console's width, and no number is ever cut."""
+
+from __future__ import annotations
+
+import math
+
+from parity_cli import grouping
+from parity_cli.layout import Column, table, wrap
+from parity_cli.report import least, unjfloat, worst
+
+TABLE_MAX_LAYERS = 16  # above this the per-layer table is --verbose only: the groups say it shorter
+GROUPS_SHOWN = 8
+
+
+def _e(text) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
+def fmt(value) -> str:
+    """Three significant digits, exponent unpadded (1e-5, not 1e-05); '-' for no value."""
+    value = unjfloat(value)
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    text = f"{value:.3g}"
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        text = f"{mantissa}e{int(exponent)}"
+    return text
+
+
+def _print(console, lines) -> None:
+    for line in lines:
+        console.print(line, soft_wrap=True)  # already fitted to the width: no second wrapping
+
+
+def heading(console, text: str) -> None:
+    """A section title that wraps instead of being cut (rich's rule truncates with '…')."""
+    console.print()
+    _print(console, wrap(f"[bold]== {_e(text)}[/]", console.width, hanging=3))
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+
+def verdict(d: dict) -> tuple[bool, str]:
+    """(passed, the sentence after PASS/FAIL), from the gate when the run had one."""
+    s = d["summary"]
+    gate = d.get("gate") or {}
+    passed = gate.get("verdict", s["verdict"]) == "pass"
+    bad = s["failed"] + s["errors"]
+    counts = f"{bad} of {s['layers']} layers fail" + (f" ({s['errors']} with an error)" if s["errors"] else "")
+    extra = len(d.get("findings", []))
+    if extra:
+        counts += f", {extra} checkpoint finding(s)"
+    baseline = gate.get("baseline")
+    if baseline is not None:
+        new = len(gate.get("new_findings", []))
+        if passed:
+            what = f"no new finding against the baseline; {counts}, as accepted" if bad or extra else \
+                f"all {s['layers']} layers pass"
+        else:
+            what = f"{new} new finding(s) beyond the baseline; {counts}"
+        return passed, what
+    if passed:
+        return True, f"all {s['layers']} layers within tolerance on {len(d['probes']['strata'])} strata"
+    if not bad and not extra and gate.get("fail_on") == "warn":
+        return False, f"--fail-on warn and {gate.get('warnings', 0)} warning(s); all {s['layers']} layers pass"
+    return False, counts
+
+
+def verdict_markup(d: dict) -> str:
+    passed, what = verdict(d)
+    return ("[bold green]PASS[/]" if passed else "[bold red]FAIL[/]") + f": {_e(what)}"
+
+
+def group_sentence(g: grouping.Group, universe: list[str]) -> str:
+    n = len(g.layers)
+    where = g.names[0] if n == 1 else f"{grouping.layer_count(n)} ({grouping.name_pattern(g.names, universe)})"
+    return f"{where}: {g.text}"
+
+
+def quiet_line(d: dict) -> str:
+    """--quiet: one line, verdict and counts, and on failure the largest group of findings."""
+    passed, what = verdict(d)
+    line = ("PASS" if passed else "FAIL") + f": {what}"
+    found = grouping.groups(d)
+    if not passed and found:
+        line += " | " + group_sentence(found[0], [l["name"] for l in d["layers"]])
+        if len(found) > 1:
+            line += f" (+{len(found) - 1} more group(s))"
+    return line
+
+
+# --- check -----------------------------------------------------------------------------------------
+
+def render(d: dict, console, verbose: bool = False) -> None:
+    """Verdict, context, grouped findings, then the per-layer table (small models or --verbose),
+    the heat grid, warnings, and the verdict again as the last line (what a CI log shows)."""
+    width = console.width
+    cand, ref, tol = d["candidate"], d["reference"], d["tolerance"]
+    out = wrap(verdict_markup(d), width)
+    out += wrap(f"[bold]{_e(d['checkpoint']['path'])}[/]: family [bold]{_e(d['checkpoint']['family'])}[/], "
+                f"eps {fmt(d['eps']['value'])} ({_e(d['eps']['source'])})", width)
+    out += wrap(f"candidate [bold]{_e(cand['impl'])}[/] {cand['dtype']} on {cand['device']}, eps {fmt(cand['eps'])}; "
+                f"reference {_e(ref['impl'])} {ref['dtype']}, eps {fmt(ref['eps'])}", width)
+    rule = ("bitwise: cand == ref" if tol.get("exact") else
+            f"pass: |cand - ref| <= atol + rtol*|ref|, atol {fmt(tol['atol'])}, rtol {fmt(tol['rtol'])}")
+    out += wrap(f"{rule}; strata {', '.join(d['probes']['strata'])}" + (" +grad" if d["probes"].get("grad") else ""),
+                width)
+    conv = cand.get("checkpoint")
+    if conv:
+        out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({conv['format']}, family {conv['family']}), "
+                    f"eps {conv['eps']['value']:.6g} ({_e(conv['eps']['source'])}): {conv['findings']} difference(s)",
+                    width)
+    _print(console, out)
+    _render_groups(d, console, verbose)
+    if verbose or len(d["layers"]) <= TABLE_MAX_LAYERS:
+        console.print()
+        _print(console, layer_table(d, width))
+    if len(d["layers"]) > 1:
+        console.print()
+        render_heat(d, console)
+    if verbose:
+        _render_layer_detail(d, console)
+    _render_warnings(d, console)
+    _render_baseline(d, console)
+    if len(d["layers"]) > 1 or not d["summary"]["verdict"] == "pass":
+        _print(console, wrap(verdict_markup(d), width))
+
+
+def _render_groups(d: dict, console, verbose: bool) -> None:
+    found = grouping.groups(d)
+    report_findings = d.get("findings", [])
+    if not found and not report_findings:
+        return
+    width = console.width
+    universe = [l["name"] for l in d["layers"]]
+    console.print()
+    shown = found if verbose else found[:GROUPS_SHOWN]
+    for g in shown:
+        colour = "magenta" if g.status == "error" else "red"
+        n = len(g.layers)
+        out = wrap(f"{_e(g.names[0]) if n == 1 else grouping.layer_count(n)}: [{colour}]{_e(g.text)}[/]", width,
+                   hanging=4)
+        if n > 1:
+            out += wrap(_e(grouping.name_pattern(g.names, universe)), width, indent=4)
+        fig = g.figures()
+        parts = []
+        if fig["failing"]:
+            parts.append("strata " + ", ".join(fig["failing"]))
+        lo, hi = fig["q_over_eps"]
+        if lo is not None:
+            parts.append(f"q/eps {fmt(lo)}..{fmt(hi)}")
+        if fig["max_abs_err"] is not None:
+            parts.append(f"max abs err {fmt(fig['max_abs_err'])}, max rel err {fmt(fig['max_rel_err'])}")
+        if parts:
+            out += wrap(" · ".join(parts), width, indent=4, hanging=2)
+        _print(console, out)
+    if len(found) > len(shown):
+        _print(console, wrap(f"... and {len(found) - len(shown)} more group(s): --verbose or the JSON report", width))
+    for finding in report_findings:
+        _print(console, wrap(f"[red]{_e(finding['code'])}[/]: {_e(finding['message'])}", width, hanging=2))
+
+
+def layer_table(d: dict, width: int) -> list:
+    colours = {"pass": "green", "fail": "red", "error": "magenta"}
+    columns = [Column("layer"), Column("dim", "dim", right=True), Column("status", with_name=True),
+               Column("failing strata", "fails"), Column("max abs err", "abs err", right=True),
+               Column("max rel err", "rel err", right=True), Column("q/eps (failing)", "q/eps")]
+    rows = []
+    for layer in d["layers"]:
+        strata = layer["strata"] + layer.get("grad", [])
+        failing = [s["name"] for s in strata if s["status"] != "pass"] + [f["code"] for f in layer.get("findings", [])]
+        finite = [s for s in strata if s["status"] != "error"]
+        # the failing rows' q/eps tells the story (small -> eps, large -> overflow); else the range covered
+        shown = [s.get("failing_q_over_eps") or s["q_over_eps"] for s in finite if s["status"] == "fail"] \
+            or [s["q_over_eps"] for s in finite]
+        qmin, qmax = least(q["min"] for q in shown), worst(q["max"] for q in shown)
+        rows.append([
+            layer["name"], str(layer["dim"]), (layer["status"], colours[layer["status"]]),
+            ", ".join(failing) or "-",
+            fmt(worst(s["max_abs_err"] for s in finite)),  # '-' when nothing was compared, never a 0
+            fmt(worst(s["max_rel_err"] for s in finite)),
+            "-" if qmin is None else f"{fmt(qmin)}..{fmt(qmax)}",
+        ])
+    return table(columns, rows, width)
+
+
+def _render_layer_detail(d: dict, console) -> None:
+    width = console.width
+    lines = []
+    for layer in d["layers"]:
+        name = _e(layer["name"])
+        if layer["error"]:
+            lines += wrap(f"  [magenta]{name}[/]: candidate error: {_e(layer['error'])}", width)
+        for item in layer.get("findings", []) + layer["diagnoses"]:
+            lines += wrap(f"  [red]{name}[/] [bold]{_e(item['code'])}[/]: {_e(item['message'])}", width)
+    if lines:
+        console.print()
+        _print(console, lines)
+
+
+def _render_warnings(d: dict, console) -> None:
+    """Layer warnings with the same words are one line with the layers' pattern."""
+    width = console.width
+    same: dict[str, list[str]] = {}
+    for layer in d["layers"]:
+        for warning in layer.get("warnings", []):
+            same.setdefault(warning, []).append(layer["name"])
+    universe = [l["name"] for l in d["layers"]]
+    lines = []
+    for warning, names in same.items():
+        where = names[0] if len(names) == 1 else \
+            f"{grouping.layer_count(len(names))} ({grouping.name_pattern(names, universe)})"
+        lines += wrap(f"[yellow]warning:[/] {_e(where)}: {_e(warning)}", width)
+    for warning in d["warnings"]:
+        lines += wrap(f"[yellow]warning:[/] {_e(warning)}", width)
+    if lines:
+        console.print()
+        _print(console, lines)
+
+
+def _render_baseline(d: dict, console) -> None:
+    gate = d.get("gate") or {}
+    for key, label in (("accepted", "accepted by the baseline"), ("gone", "in the baseline but gone")):
+        items = gate.get("baseline", {}).get(key, [])
+        if items:
+            _print(console, wrap(f"{len(items)} finding(s) {label}: "
+                                 + ", ".join(f"{f['layer']}/{f['stratum']}/{f['code']}" for f in items[:10])
+                                 + (", ..." if len(items) > 10 else ""), console.width))
+
+
+# --- the heat grid: every layer x every stratum in a few lines ------------------------------------
+
+# (upper bound of worst error / allowed, character, colour). Characters alone carry the meaning,
+# so the grid reads the same with NO_COLOR or in a CI log.
+HEAT_LEVELS = ((0.1, "·", "green"), (0.5, "░", "green"), (1.0, "▒", "yellow"), (10.0, "▓", "red"),
+               (math.inf, "█", "red"))
+HEAT_LEGEND = ("heat grid: a column per layer (table order), a row per stratum; each cell is the worst "
+               "element's |cand - ref| / allowed: · under 0.1, ░ under 0.5, ▒ up to 1 (pass); ▓ up to 10, "
+               "█ over 10 (fail); ! non-finite, E error")
+
+
+def _ratio(stratum: dict) -> float | None:
+    """Worst element's error over what it was allowed: < 1 passes, > 1 fails."""
+    w = stratum.get("worst")
+    if not w:
+        return None
+    vals = [unjfloat(w.get(k)) for k in ("candidate", "reference", "allowed")]
+    if any(v is None or not math.isfinite(v) for v in vals):
+        return math.inf
+    cand, ref, allowed = vals
+    if cand == ref:
+        return 0.0
+    return abs(cand - ref) / allowed if allowed > 0 else math.inf
+
+
+def heat_cell(stratum: dict | None) -> tuple[str, str]:
+    if stratum is None:
+        return " ", ""
+    if stratum["status"] == "error":
+        return "E", "magenta"
+    nonfinite = stratum.get("nonfinite", {})
+    if stratum["status"] == "fail" and nonfinite.get("candidate", 0) > nonfinite.get("reference", 0):
+        return "!", "bold red"
+    ratio = _ratio(stratum)
+    if ratio is None:
+        return "?", ""
+    if stratum["status"] == "fail" and ratio <= 1.0:  # failed by the violation share, not the worst element
+        return "▓", "red"
+    for bound, char, colour in HEAT_LEVELS:
+        if ratio <= bound:
+            return char, colour
+    return "█", "red"
+
+
+def render_heat(d: dict, console, width: int | None = None) -> None:
+    """Strata as rows, layers as columns (table order), one character per cell; wraps to the
+    width, so a 126-layer model is a few lines."""
+    from rich.text import Text
+
+    layers = d["layers"]
+    if not layers:
+        return
+    rows = list(d["probes"]["strata"])
+    for layer in layers:
+        for g in layer.get("grad", []):
+            if g["name"] not in rows:
+                rows.append(g["name"])
+    label_w = max(len(r) for r in rows) + 1
+    width = width or console.width or 100
+    per_line = max(10, width - label_w - 2)
+    _print(console, wrap(HEAT_LEGEND, width, hanging=2))
+    for start in range(0, len(layers), per_line):
+        chunk = layers[start:start + per_line]
+        ruler = "".join(str((start + k) // 10 % 10) if (start + k) % 10 == 0 else " " for k in range(len(chunk)))
+        console.print(Text(" " * label_w + ruler, style="dim"), soft_wrap=True)
+        for row in rows:
+            line = Text(row.rjust(label_w - 1) + " ")
+            for layer in chunk:
+                found = next((s for s in layer["strata"] + layer.get("grad", []) if s["name"] == row), None)
+                char, colour = heat_cell(found)
+                line.append(char, style=colour or None)
+            console.print(line, soft_wrap=True)
+
+
+# --- explain ---------------------------------------------------------------------------------------
+
+def render_explain(data: dict, console) -> None:
+    """One ladder per group of layers that failed the same way, each with its conclusion."""
+    width = console.width
+    columns = [Column("step"), Column("changes", "changes"), Column("status", with_name=True),
+               Column("max abs err", "abs err", right=True), Column("max rel err", "rel err", right=True),
+               Column("failing strata", "fails")]
+    for g in data.get("groups", []):
+        console.print()
+        n = len(g["layers"])
+        title = g["representative"] + (f", for {grouping.layer_count(n)} that fail the same way" if n > 1 else "")
+        _print(console, wrap(f"[bold]{_e(title)}[/]: one factor at a time", width))
+        if g.get("finding"):
+            _print(console, wrap(f"finding: {_e(g['finding'])}", width, indent=1))
+        rows = []
+        for st in g["steps"]:
+            status = st["status"] if not st.get("error") else f"{st['status']}: {st['error']}"
+            rows.append([st["step"], st["changes"], (status, {"pass": "green", "fail": "red"}.get(st["status"], "")),
+                         fmt(st["max_abs_err"]), fmt(st["max_rel_err"]), ", ".join(st["failing"]) or "-"])
+        _print(console, table(columns, rows, width))
+        c = g.get("conclusion")
+        if c:
+            _print(console, wrap(f"[bold]conclusion:[/] {_e(c['text'])}", width, indent=1))
+
+
+# --- inspect ---------------------------------------------------------------------------------------
+
+def render_inspect(info: dict, console, verbose: bool = False) -> None:
+    width = console.width
+    ck = info["checkpoint"]
+    _print(console, wrap(f"[bold]{_e(ck['path'])}[/]: family [bold]{_e(ck['family'])}[/] (model_type "
+                         f"{_e(ck['model_type'])}), eps {fmt(info['eps']['value'])} ({_e(info['eps']['source'])}), "
+                         f"{len(info['layers'])} norm layers", width))
+    columns = [Column("layer"), Column("kind"), Column("dim", "dim", right=True), Column("dtype"),
+               Column("eps", "eps"), Column("w min", "w", right=True), Column("w max", "..", right=True),
+               Column("gain min", "gain", right=True), Column("gain max", "..", right=True),
+               Column("non-finite", "non-finite", right=True), Column("rms for A<0.99", "A<0.99 below rms")]
+    rows = []
+    for layer in info["layers"]:
+        w, g = layer["weight"], layer["gain"] or {"min": None, "max": None}
+        dim = "x".join(map(str, layer["shape"])) if len(layer["shape"]) > 1 else str(layer["dim"])
+        eps_cell = fmt(layer["eps"]["value"]) + ("" if layer["eps"]["source"] == info["eps"]["source"]
+                                                 else f" ({layer['eps']['source']})")
+        rows.append([layer["name"], layer["kind"], dim, w["dtype"], eps_cell, fmt(w["min"]), fmt(w["max"]),
+                     fmt(g["min"]), fmt(g["max"]), str(w["nonfinite"]), fmt(layer["rms_1pct"])])
+    _print(console, table(columns, rows, width))
+    for name in ck["unmatched"]:
+        _print(console, wrap(f"[yellow]unmatched:[/] {_e(name)} looks like a norm but matches no pattern of "
+                             f"{_e(ck['family'])}; it would not be checked", width))
+    for note in info.get("notes", []):
+        _print(console, wrap(f"note: {_e(note)}", width))
+    for warning in info["warnings"]:
+        _print(console, wrap(f"[yellow]warning:[/] {_e(warning)}", width))
