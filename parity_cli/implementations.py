@@ -177,6 +177,26 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     return module.eval()
 
 
+# built-in -> (the module it imports, the extra of pyproject.toml that installs it)
+OPTIONAL_DEPENDENCIES = {"transformers": ("transformers", "transformers")}
+
+
+def require(spec: str, option: str | None = None) -> None:
+    """A built-in whose package is missing is the user's input at fault, said once before any
+    layer runs (otherwise every layer fails on the same import). find_spec imports nothing."""
+    if spec not in OPTIONAL_DEPENDENCIES:
+        return
+    module, extra = OPTIONAL_DEPENDENCIES[spec]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a __spec__: imported already
+        found = True
+    if not found:
+        who = f"{option} {spec}" if option else f"implementation '{spec}'"
+        raise InputError(f"{who} needs the {module} package: pip install {module} "
+                         f"(from a checkout: pip install -e '.[{extra}]')")
+
+
 BUILTINS = {
     "oracle": Implementation("oracle", "built-in", _oracle, "float64 reference of the family's exact math"),
     "torch": Implementation("torch", "built-in", _torch, "torch.nn.functional rms_norm/layer_norm at the candidate dtype"),
@@ -189,11 +209,16 @@ BUILTINS = {
 # --- plugins: MODULE:ATTR or path/to/file.py:ATTR ------------------------------------------
 
 
+def is_file_target(target: str) -> bool:
+    """FILE.py:ATTR (or a path) rather than MODULE:ATTR."""
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
 def _load_attr(spec: str):
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise InputError(f"implementation '{spec}': expected a built-in name ({', '.join(BUILTINS)}), MODULE:ATTR or FILE.py:ATTR")
-    if target.endswith(".py") or "/" in target or "\\" in target:
+    if is_file_target(target):
         path = Path(target)
         if not path.is_file():
             raise InputError(f"implementation '{spec}': no such file {path}")
@@ -334,6 +359,7 @@ def precheck(spec: str, args: dict | None = None) -> None:
     if spec in BUILTINS:
         if args:
             raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
+        require(spec)
         return
     if ":" not in spec:
         found = entry_points()
@@ -344,7 +370,7 @@ def precheck(spec: str, args: dict | None = None) -> None:
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise InputError(f"implementation '{spec}': expected a built-in name ({', '.join(BUILTINS)}), MODULE:ATTR or FILE.py:ATTR")
-    if (target.endswith(".py") or "/" in target or "\\" in target) and not Path(target).is_file():
+    if is_file_target(target) and not Path(target).is_file():
         raise InputError(f"implementation '{spec}': no such file {Path(target)}")
 
 
@@ -352,6 +378,7 @@ def resolve(spec: str, args: dict | None = None) -> Implementation:
     if spec in BUILTINS:
         if args:
             raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
+        require(spec)
         return BUILTINS[spec]
     if ":" not in spec:
         eps_found = entry_points()

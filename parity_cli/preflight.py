@@ -1,0 +1,149 @@
+"""Input checks that run before torch is imported: a mistyped path, option or plugin spec is
+refused in milliseconds, not after the seconds torch's import takes (issue 15).
+
+Imports only the standard library and torch-free parts of parity_cli (tests/test_preflight.py
+runs it with torch and numpy made unimportable). Each message is one line naming the file or
+option, worded as the later stage words the same fault, so that the two do not disagree."""
+
+from __future__ import annotations
+
+import errno
+import importlib.machinery
+import importlib.util
+import os
+import re
+import stat
+from pathlib import Path
+
+from parity_cli.errors import InputError
+
+# what torch.device accepts among what check_device supports; torch refuses a leading zero
+_DEVICE = re.compile(r"(?:cpu|cuda)(?::(?:0|[1-9][0-9]*))?")
+_MISSING = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # what Path.exists() reads as "not there"
+
+
+def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate_checkpoint=None, dtype=None,
+                 reference_dtype="float64", device="cpu", reference_device="cpu", family=None, strata=None,
+                 baseline=None) -> None:
+    """Everything `parity check` can refuse without torch (outputs are cli.py's to check)."""
+    checkpoint_input(checkpoint, family)
+    if candidate_checkpoint:
+        checkpoint_input(candidate_checkpoint)
+    if dtype is not None:
+        dtype_input(dtype, "--dtype")
+    dtype_input(reference_dtype, "--reference-dtype")
+    device_input(device, "--device")
+    device_input(reference_device, "--reference-device")
+    if strata:
+        from parity_cli.probes import select_strata
+
+        select_strata([s.strip() for s in strata.split(",") if s.strip()] if isinstance(strata, str) else list(strata))
+    implementation_input(candidate, "--candidate")
+    implementation_input(reference, "--reference")
+    if baseline:
+        report_input(baseline, "the baseline")
+
+
+def inspect_inputs(checkpoint, family=None) -> None:
+    """`parity inspect`: the checkpoint and --family."""
+    checkpoint_input(checkpoint, family)
+
+
+def report_input(path, what: str = "the report") -> None:
+    """A saved report (`parity report`, `parity explain`) or a --baseline: there, a regular
+    file, under the size cap. Worded as jsonfile.load words it; the JSON is read later."""
+    from parity_cli.jsonfile import MAX_BYTES
+
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except ValueError:  # an embedded NUL: not a name the system can have
+        raise InputError(f"{path}: cannot read {what}: No such file or directory") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{path}: {what} is not a regular file (a FIFO, device or directory); refused")
+    cap = MAX_BYTES["report"]
+    if st.st_size > cap:
+        raise InputError(f"{path}: {what} is {st.st_size} bytes, over the {cap >> 20} MiB a report may have")
+
+
+def checkpoint_input(path, family=None) -> None:
+    """A directory is opened as `check` opens it (config, shard index, safetensors header: no
+    tensor bytes), so every layout open_checkpoint refuses is refused here in its words. A GGUF
+    file is only recognised: reading its metadata needs gguf, which imports numpy."""
+    from parity_cli.checkpoint import open_checkpoint
+    from parity_cli.families import family_by_name, family_for_model_type
+    from parity_cli.gguf_checkpoint import is_gguf
+
+    path = Path(path)
+    st = _stat(path)
+    if st is None:
+        raise InputError(f"{path}: no such file or directory")
+    gguf_file = stat.S_ISREG(st.st_mode) and is_gguf(path)
+    if gguf_file:  # its model type is in metadata only gguf can read
+        if not _findable("gguf"):
+            raise InputError(f"{path}: reading GGUF needs the gguf package: pip install gguf "
+                             "(from a checkout: pip install -e '.[gguf]')")
+    else:
+        ckpt = open_checkpoint(path)  # refuses any other file, and a directory of a wrong layout
+    if family:
+        family_by_name(family)
+    elif not gguf_file:
+        family_for_model_type(ckpt.model_type, str(path / "config.json"))
+
+
+def dtype_input(name, option: str = "--dtype") -> None:
+    """api.dtype_name's rule (case, a 'torch.' prefix), with the option that gave the name."""
+    from parity_cli.api import DTYPES
+
+    if str(name).lower().removeprefix("torch.") not in DTYPES:
+        raise InputError(f"{option}: unknown dtype '{name}'; use float32, bfloat16, float16 or float64")
+
+
+def device_input(device, option: str = "--device") -> None:
+    """Syntax only: whether CUDA is there is torch's to say, later."""
+    if not _DEVICE.fullmatch(str(device)):
+        raise InputError(f"{option}: '{device}' is not a device (cpu, cuda, cuda:N)")
+
+
+def implementation_input(spec, option: str = "--candidate") -> None:
+    """What can be said of an IMPL without running any of its code: a built-in's package is
+    installed, a plain name is a built-in or an installed entry point, FILE.py exists, MODULE
+    can be found. A plugin whose own imports fail is found out only by importing it."""
+    from parity_cli import implementations as impls
+
+    spec = str(spec)
+    if spec in impls.BUILTINS:
+        impls.require(spec, option)
+        return
+    impls.precheck(spec)
+    target = spec.rpartition(":")[0]
+    if ":" in spec and not impls.is_file_target(target):
+        top = target.split(".")[0]
+        if top and not _findable(top):  # '.rel' is left to the import, which says what is wrong
+            raise InputError(f"implementation '{spec}': cannot import module '{target}': "
+                             f"ModuleNotFoundError: No module named '{top}'")
+
+
+def _stat(path: Path):
+    """os.stat, None where Path.exists() would say False; any other failure is one line."""
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        if exc.errno in _MISSING:
+            return None
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except ValueError:  # an embedded NUL
+        return None
+
+
+def _findable(top: str) -> bool:
+    """Whether a top-level module can be imported, without importing it. The working directory
+    counts: implementations._load_attr puts it on sys.path for MODULE:ATTR."""
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return True
+    except (ImportError, ValueError):  # a finder that fails, or imported without a spec: let import decide
+        return True
+    return importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
