@@ -19,6 +19,8 @@ Sections (--only NAME,...; all but `profile` by default):
            the floor `python -c "import torch, safetensors, parity_cli.api"`.
   failing  a failing check (--candidate-eps 1e-6 on an eps-1e-5 model: every layer fails and
            diagnosis runs) against the passing one, per layer, in-process.
+  explain  the failing 405B-shaped check (every layer fails the same way) with --explain against
+           without it, as a user runs it: one ladder per group of layers that fail the same way.
   profile  cProfile of one in-process api.check on the 405B shape, top 25 by cumulative time.
 """
 
@@ -45,7 +47,7 @@ from _common import (  # noqa: E402
     wait_quiet,
 )
 
-SECTIONS = ("micro", "full", "isolation", "scaling", "rss", "failing")
+SECTIONS = ("micro", "full", "isolation", "scaling", "rss", "failing", "explain")
 
 
 def timeit(fn, iters: int, warmup: int = 3) -> float:
@@ -345,6 +347,29 @@ def section_failing(args):
     ratio = walls["failing (--candidate-eps 1e-6)"] / walls["passing"]
     print(f"  => failing / passing = {ratio:.2f}x (aim: within 2x: {'met' if ratio <= 2 else 'NOT met'})")
     return t_pass / n, t_fail / n
+
+
+def section_explain(args):
+    model = ensure_model(DEFAULT_ROOT / "llama405b", 126, 16384)
+    print(f"\n== explain: the failing 405B shape (--candidate-eps 1e-6), with and without --explain, "
+          f"median of {args.repeat} ==")
+    out = Path(tempfile.mkdtemp(prefix="parity-bench-explain-"))
+    base = parity_cmd() + ["check", str(model), "-q", "--candidate-eps", "1e-6", "--json", str(out / "r.json")]
+    runs = {"failing": [], "failing --explain": []}
+    for _ in range(args.repeat):  # interleaved
+        for label, extra in (("failing", []), ("failing --explain", ["--explain"])):
+            wait_quiet(args.quiet_wait)
+            runs[label].append(run_child(base + extra, check_rc=(1,))["wall"])
+    walls = {k: median(v) for k, v in runs.items()}
+    for label, ts in runs.items():
+        print(f"  full 405B shape, {label:<20} wall {walls[label]:6.2f}s (runs {' '.join(f'{t:.1f}' for t in ts)})")
+    import json
+
+    groups = json.loads((out / "r.json").read_text())["explain"]["groups"]
+    ratio = walls["failing --explain"] / walls["failing"]
+    print(f"  {len(groups)} ladder(s) for {sum(len(g['layers']) for g in groups)} failing layers")
+    print(f"  => with / without --explain = {ratio:.2f}x (aim: within 1.5x: {'met' if ratio <= 1.5 else 'NOT met'})")
+    return ratio
 
 
 def section_profile(args):

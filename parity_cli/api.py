@@ -186,15 +186,15 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
                         f"the family default {resolved.value:g} is assumed")
     if found.unmatched:
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family '{fam.name}'")
-    layers = []
+    layers, nonfinite, nonpositive = [], [], []
     for layer in found.layers:
         stats = weight_stats(layer.weight)
         gain = None if stats["min"] is None else {"min": layer.gain_offset + stats["min"],
                                                    "max": layer.gain_offset + stats["max"]}
         if stats["nonfinite"]:
-            warnings.append(f"{layer.name}: {stats['nonfinite']} non-finite weight value(s)")
+            nonfinite.append((layer.name, stats["nonfinite"]))
         if gain is not None and gain["min"] <= 0:
-            warnings.append(f"{layer.name}: effective gain <= 0 in some channel (min {gain['min']:.3g})")
+            nonpositive.append((layer.name, gain["min"]))
         layers.append({
             "name": layer.name, "kind": layer.kind, "dim": layer.dim, "shape": list(layer.shape),
             "order": layer.order, "bias": layer.bias is not None,
@@ -203,6 +203,21 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
             "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * layer.eps.value),
             "warnings": layer.warnings,
         })
+    # one line per kind of condition, with how many layers and which: a healthy 109-layer model
+    # must not print 77 lines about it
+    from parity_cli.grouping import layer_count, name_pattern
+
+    universe = [l.name for l in found.layers]
+    notes = []
+    if nonfinite:
+        names = [n for n, _ in nonfinite]
+        warnings.append(f"non-finite weight values in {layer_count(len(names))} ({name_pattern(names, universe)}): "
+                        f"{sum(c for _, c in nonfinite)} values; every output of those layers is NaN or inf")
+    if nonpositive:
+        names = [n for n, _ in nonpositive]
+        notes.append(f"channels with effective gain <= 0 (lowest {min(v for _, v in nonpositive):.3g}) in "
+                     f"{layer_count(len(names))} ({name_pattern(names, universe)}): common in trained weights, "
+                     "and checked like any other gain")
     return {
         "schema_version": 1,
         "tool": {"name": "parity-cli", "version": __version__},
@@ -212,6 +227,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         "eps": _eps_dict(resolved),
         "layers": layers,
         "warnings": warnings,
+        "notes": notes,
     }
 
 

@@ -166,9 +166,13 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
     """Replay stratified probes through the reference and the candidate, layer by layer."""
     import os
 
-    from parity_cli.api import CheckOptions
-    from parity_cli.api import check as run_check
-    from parity_cli.gate import gate, load_report
+    from parity_cli import preflight
+
+    # everything that can be refused without torch is refused before it loads (1.5-4 s)
+    preflight.check_inputs(checkpoint, candidate=candidate, reference=reference,
+                           candidate_checkpoint=candidate_checkpoint, dtype=dtype, reference_dtype=reference_dtype,
+                           device=device, reference_device=reference_device, family=family, strata=strata,
+                           baseline=baseline_path)
     outputs = _check_outputs({"--json": json_path, "--junit": junit_path, "--markdown": markdown_path,
                               "--plot": plot_path},
                              [p for p in (checkpoint, candidate_checkpoint, baseline_path) if p])
@@ -178,6 +182,10 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         from parity_cli.plot import check_target
 
         check_target(plot_path)
+    from parity_cli.api import CheckOptions
+    from parity_cli.api import check as run_check
+    from parity_cli.gate import gate, load_report
+
     baseline = load_report(baseline_path, "baseline") if baseline_path else None
     options = CheckOptions(
         candidate=candidate, reference=reference, dtype=dtype, device=device, family=family, eps=eps,
@@ -302,10 +310,13 @@ def report(report_path, fmt, verbose):
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the result as JSON.")
 def inspect(checkpoint, family, eps, json_path):
     """Family, eps and its source, and every norm layer's weight, without running anything."""
+    from parity_cli import preflight
+
+    _check_output_target(json_path)
+    preflight.inspect_inputs(checkpoint, family)
     from parity_cli.api import inspect as run_inspect
     from parity_cli.report import write_json
 
-    _check_output_target(json_path)
     info = run_inspect(checkpoint, family, eps)
     if json_path:
         write_json(info, json_path)

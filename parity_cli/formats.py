@@ -58,29 +58,53 @@ def failure_message(layer: dict) -> str:
     return "; ".join(parts)
 
 
-def to_junit(report: dict) -> str:
-    """One testcase per layer; classname = checkpoint and family, so reporters group by model."""
+def junit_classname(report: dict) -> str:
+    """parity.<family>.<model_type>: stable from runner to runner (no path in it), and CI tools
+    that split a classname on dots get a package tree parity > family > model type."""
+    import re
+
     ckpt = report["checkpoint"]
-    classname = f"{ckpt['path']}.{ckpt['family']}"
+    parts = [re.sub(r"[^A-Za-z0-9_-]+", "_", str(ckpt.get(k) or "unknown")) for k in ("family", "model_type")]
+    return "parity." + ".".join(parts)
+
+
+def to_junit(report: dict) -> str:
+    """One testcase per layer (test history per layer), classname parity.<family>.<model_type>;
+    a failure's message is its group's finding, the same words for every layer of the group."""
+    from parity_cli import grouping
+    from parity_cli.terminal import group_sentence, quiet_line
+
+    ckpt = report["checkpoint"]
+    classname = junit_classname(report)
     summary = report["summary"]
     suites = ET.Element("testsuites", name="parity", tests=str(summary["layers"]),
                         failures=str(summary["failed"]), errors=str(summary["errors"]))
-    suite = ET.SubElement(suites, "testsuite", name=f"parity {ckpt['path']} ({ckpt['family']})",
-                          tests=str(summary["layers"]), failures=str(summary["failed"]),
-                          errors=str(summary["errors"]), skipped="0")
+    suite = ET.SubElement(suites, "testsuite", name=classname, tests=str(summary["layers"]),
+                          failures=str(summary["failed"]), errors=str(summary["errors"]), skipped="0")
     props = ET.SubElement(suite, "properties")
-    for key, value in (("eps", report["eps"]["value"]), ("eps_source", report["eps"]["source"]),
+    for key, value in (("checkpoint", ckpt["path"]), ("fingerprint", (ckpt.get("fingerprint") or {}).get("sha256", "")),
+                       ("eps", report["eps"]["value"]), ("eps_source", report["eps"]["source"]),
                        ("candidate", report["candidate"]["impl"]), ("dtype", report["candidate"]["dtype"]),
                        ("device", report["candidate"]["device"]), ("atol", report["tolerance"]["atol"]),
                        ("rtol", report["tolerance"]["rtol"]), ("strata", ",".join(report["probes"]["strata"]))):
         ET.SubElement(props, "property", name=key, value=str(value))
+    universe = [layer["name"] for layer in report["layers"]]
+    found = grouping.groups(report)
+    group_of = {name: g for g in found for name in g.names}
     for layer in report["layers"]:
         case = ET.SubElement(suite, "testcase", classname=classname, name=layer["name"])
         if layer["status"] == "pass":
             continue
         tag = "error" if layer["status"] == "error" else "failure"
-        node = ET.SubElement(case, tag, message=failure_message(layer), type=tag)
-        node.text = "\n".join(f"{d['code']}: {d['message']}" for d in layer["diagnoses"]) or failure_message(layer)
+        g = group_of[layer["name"]]
+        node = ET.SubElement(case, tag, message=f"{g.text}; {failure_message(layer)}", type=tag)
+        lines = [f"{d['code']}: {d['message']}" for d in layer["diagnoses"]] or [failure_message(layer)]
+        if len(g.layers) > 1:
+            lines.append(f"the same finding in {grouping.layer_count(len(g.layers))}: "
+                         f"{grouping.name_pattern(g.names, universe)}")
+        node.text = "\n".join(lines)
+    out = ET.SubElement(suite, "system-out")
+    out.text = "\n".join([quiet_line(report)] + [group_sentence(g, universe) for g in found])
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
@@ -90,43 +114,70 @@ def _cell(text) -> str:
 
 
 def to_markdown(report: dict) -> str:
-    s, cand, ref, tol = report["summary"], report["candidate"], report["reference"], report["tolerance"]
-    verdict = "PASS" if s["verdict"] == "pass" else "FAIL"
+    """Verdict, context, one table row per group of layers that fail the same way (each
+    diagnosis' full message once), then the per-layer rows folded away in <details>."""
+    from parity_cli import grouping
+    from parity_cli.terminal import fmt, verdict
+
+    cand, ref, tol = report["candidate"], report["reference"], report["tolerance"]
+    passed, what = verdict(report)
     lines = [
-        f"## parity: {verdict} — {s['passed']}/{s['layers']} layers pass",
+        f"## parity: {'PASS' if passed else 'FAIL'} — {what}",
         "",
         f"- checkpoint: `{report['checkpoint']['path']}` (family `{report['checkpoint']['family']}`)",
-        f"- eps: {report['eps']['value']:g} ({report['eps']['source']})",
-        f"- candidate: `{cand['impl']}` {cand['dtype']} on {cand['device']}, eps {cand['eps']:g}",
-        f"- reference: `{ref['impl']}` {ref['dtype']} on {ref['device']}, eps {ref['eps']:g}",
-        f"- tolerance: atol {tol['atol']:g}, rtol {tol['rtol']:g}" + (" (bitwise)" if tol.get("exact") else "")
+        f"- eps: {grouping.g(report['eps']['value'])} ({report['eps']['source']})",
+        f"- candidate: `{cand['impl']}` {cand['dtype']} on {cand['device']}, eps {grouping.g(cand['eps'])}",
+        f"- reference: `{ref['impl']}` {ref['dtype']} on {ref['device']}, eps {grouping.g(ref['eps'])}",
+        ("- pass rule: bitwise, cand == ref" if tol.get("exact") else
+         f"- pass rule: \\|cand − ref\\| ≤ atol + rtol·\\|ref\\|, atol {fmt(tol['atol'])}, rtol {fmt(tol['rtol'])}")
         + (" + gradients" if report["probes"].get("grad") else ""),
         f"- strata covered: {', '.join(report['probes']['strata'])}"
         + (f" (not covered: {', '.join(report['probes'].get('not_covered', []))})"
            if report["probes"].get("not_covered") else ""),
-        "",
     ]
-    bad = [layer for layer in report["layers"] if layer["status"] != "pass"]
-    if bad:
-        lines += ["| layer | status | failing strata | max abs err | max rel err | q/eps | diagnoses |",
+    conv = cand.get("checkpoint")
+    if conv:
+        lines.append(f"- candidate checkpoint: `{conv['path']}` ({conv['format']}), eps {grouping.g(conv['eps']['value'])} "
+                     f"({conv['eps']['source']}), {conv['findings']} difference(s)")
+    lines.append("")
+    found = grouping.groups(report)
+    universe = [layer["name"] for layer in report["layers"]]
+    if found:
+        lines += ["| layers | finding | failing strata | q/eps | max abs err | max rel err |",
+                  "|---|---|---|---|---|---|"]
+        for g in found:
+            fig = g.figures()
+            lo, hi = fig["q_over_eps"]
+            where = f"`{g.names[0]}`" if len(g.layers) == 1 else \
+                f"{len(g.layers)}: `{grouping.name_pattern(g.names, universe)}`"
+            lines.append("| " + " | ".join(_cell(c) for c in (
+                where, g.text, ", ".join(fig["failing"]), "" if lo is None else f"{fmt(lo)}..{fmt(hi)}",
+                fmt(fig["max_abs_err"]), fmt(fig["max_rel_err"]))) + " |")
+        lines.append("")
+        for g in found:
+            rep = g.representative
+            for item in rep["diagnoses"] + rep.get("findings", []):
+                lines.append(f"- **{item['code']}** ({len(g.layers)} layer(s)): {_cell(item['message'])}")
+            if rep.get("error"):
+                lines.append(f"- **error** ({len(g.layers)} layer(s)): {_cell(rep['error'])}")
+            if rep.get("conclusion"):
+                lines.append(f"- **explain** ({rep['name']}): {_cell(rep['conclusion']['text'])}")
+        bad = [layer for layer in report["layers"] if layer["status"] != "pass"]
+        lines += ["", f"<details><summary>Per layer ({len(bad)} not passing)</summary>", "",
+                  "| layer | status | failing strata | max abs err | max rel err | q/eps | codes |",
                   "|---|---|---|---|---|---|---|"]
         for layer in bad:
             sm = layer_summary(layer)
             lo, hi = sm["q_over_eps"]
-            diag = "; ".join([f"{d['code']}: {d['message']}" for d in layer["diagnoses"]]
-                             + [f"{f['code']}: {f['message']}" for f in layer.get("findings", [])]) or (layer.get("error") or "")
             lines.append("| " + " | ".join(_cell(c) for c in (
                 f"`{layer['name']}`", layer["status"], ", ".join(sm["failing"]),
-                "" if sm["max_abs_err"] is None else _num(sm["max_abs_err"]),
-                "" if sm["max_rel_err"] is None else _num(sm["max_rel_err"]),
-                "" if lo is None else f"{_num(lo)}..{_num(hi)}", diag)) + " |")
-        lines.append("")
+                fmt(sm["max_abs_err"]), fmt(sm["max_rel_err"]),
+                "" if lo is None else f"{fmt(lo)}..{fmt(hi)}",
+                ", ".join(sm["diagnoses"] + [f["code"] for f in layer.get("findings", [])])
+                or ("error" if layer.get("error") else ""))) + " |")
+        lines += ["", "</details>", ""]
     else:
         lines += ["All layers within tolerance on every covered stratum.", ""]
-    conv = cand.get("checkpoint")
-    if conv:
-        lines.insert(6, f"- candidate checkpoint: `{conv['path']}` ({conv['format']}), eps {conv['eps']['value']:g} "
-                        f"({conv['eps']['source']}), {conv['findings']} difference(s)")
     for finding in report.get("findings", []):
         lines.append(f"> {finding['code']}: {_cell(finding['message'])}")
     for warning in report.get("warnings", []):

@@ -225,7 +225,8 @@ def name_pattern(names: list[str], universe: list[str] | None = None) -> str:
     rendered = []
     for template, indices in templates.items():
         if indices and set(indices) != all_indices.get(template, set()):
-            template = template.replace("*", "{" + _ranges(indices) + "}", 1)
+            spans = _ranges(indices)
+            template = template.replace("*", spans if spans.isdigit() else "{" + spans + "}", 1)
         rendered.append(template)
     # one brace group per head (the part up to the layer index) and per last name part
     heads: dict[tuple[str, str], list[str]] = {}

@@ -169,13 +169,11 @@ def wrap(text, width: int, indent: int = 0, hanging: int = 4) -> list:
 
 
 def _fold_word(word, room: int) -> list:
-    """A word wider than the line (a long name pattern) broken after ',' or '.', where a name
-    breaks naturally; a number is never that wide, so never broken."""
+    """A word wider than the line (a long name pattern, a path) broken after ',', '.' or '/',
+    where names break naturally, else at the width; a number is never that wide."""
     if len(word) <= room:
         return [word]
     plain = word.plain
-    cut = max((i + 1 for i, ch in enumerate(plain[:room]) if ch in ",."), default=0)
-    if cut == 0:
-        return [word]
+    cut = max((i + 1 for i, ch in enumerate(plain[:room]) if ch in ",./"), default=0) or room
     head, tail = word.divide([cut])
     return [head] + _fold_word(tail, room)

@@ -337,6 +337,10 @@ def render_explain(data: dict, console) -> None:
 
 # --- inspect ---------------------------------------------------------------------------------------
 
+def _span(lo, hi) -> str:
+    return "-" if lo is None else f"{fmt(lo)}..{fmt(hi)}"
+
+
 def render_inspect(info: dict, console, verbose: bool = False) -> None:
     width = console.width
     ck = info["checkpoint"]
@@ -344,8 +348,7 @@ def render_inspect(info: dict, console, verbose: bool = False) -> None:
                          f"{_e(ck['model_type'])}), eps {fmt(info['eps']['value'])} ({_e(info['eps']['source'])}), "
                          f"{len(info['layers'])} norm layers", width))
     columns = [Column("layer"), Column("kind"), Column("dim", "dim", right=True), Column("dtype"),
-               Column("eps", "eps"), Column("w min", "w", right=True), Column("w max", "..", right=True),
-               Column("gain min", "gain", right=True), Column("gain max", "..", right=True),
+               Column("eps", "eps"), Column("w range", "w", right=True), Column("gain range", "gain", right=True),
                Column("non-finite", "non-finite", right=True), Column("rms for A<0.99", "A<0.99 below rms")]
     rows = []
     for layer in info["layers"]:
@@ -353,8 +356,8 @@ def render_inspect(info: dict, console, verbose: bool = False) -> None:
         dim = "x".join(map(str, layer["shape"])) if len(layer["shape"]) > 1 else str(layer["dim"])
         eps_cell = fmt(layer["eps"]["value"]) + ("" if layer["eps"]["source"] == info["eps"]["source"]
                                                  else f" ({layer['eps']['source']})")
-        rows.append([layer["name"], layer["kind"], dim, w["dtype"], eps_cell, fmt(w["min"]), fmt(w["max"]),
-                     fmt(g["min"]), fmt(g["max"]), str(w["nonfinite"]), fmt(layer["rms_1pct"])])
+        rows.append([layer["name"], layer["kind"], dim, w["dtype"], eps_cell, _span(w["min"], w["max"]),
+                     _span(g["min"], g["max"]), str(w["nonfinite"]), fmt(layer["rms_1pct"])])
     _print(console, table(columns, rows, width))
     for name in ck["unmatched"]:
         _print(console, wrap(f"[yellow]unmatched:[/] {_e(name)} looks like a norm but matches no pattern of "

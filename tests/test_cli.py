@@ -197,7 +197,7 @@ def test_inspect_reports_eps_gain_and_the_one_percent_rms(ckpt, tmp_path):
     import torch
 
     w = torch.full((64,), -0.25, dtype=torch.float64)
-    w[3] = -1.5  # effective gain 1 + w = -0.5: a warning
+    w[3] = -1.5  # effective gain 1 + w = -0.5: a note (trained weights have them), not a warning
     path = ckpt("gemma", layers=1, eps=None, weights={"model.norm.weight": w.to(torch.bfloat16)})
     out = tmp_path / "i.json"
     r = run_parity("inspect", path, "--json", out)
@@ -208,7 +208,8 @@ def test_inspect_reports_eps_gain_and_the_one_percent_rms(ckpt, tmp_path):
     assert norm["weight"]["min"] == -1.5 and norm["weight"]["max"] == -0.25
     assert norm["gain"] == {"min": -0.5, "max": 0.75}
     assert norm["rms_1pct"] == pytest.approx(math.sqrt(49.2512562814 * 1e-6), rel=1e-9)
-    assert any("gain <= 0" in w for w in info["warnings"]) and any("family default" in w for w in info["warnings"])
+    assert any("gain <= 0" in n and "lowest -0.5" in n for n in info["notes"])
+    assert not any("gain <=" in w for w in info["warnings"]) and any("family default" in w for w in info["warnings"])
     assert "model.norm" in r.stdout and "family-default" in r.stdout
 
 
