@@ -220,8 +220,6 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         console.print(terminal.quiet_line(data), soft_wrap=True, markup=False)
     else:
         terminal.render(data, console, verbose=verbose)
-        if data.get("explain"):
-            terminal.render_explain(data["explain"], console)
     if to_stdout:
         from parity_cli.report import json_text
 
@@ -286,14 +284,11 @@ def report(report_path, fmt, verbose):
     from parity_cli.formats import to_junit, to_markdown
     from parity_cli.gate import load_report
     from parity_cli.report import json_text
-    from parity_cli.terminal import render, render_explain
+    from parity_cli.terminal import render
 
     data = load_report(report_path)
     if fmt == "table":
-        console = _console()
-        render(data, console, verbose=verbose)
-        if isinstance(data.get("explain"), dict) and data["explain"].get("groups"):
-            render_explain(data["explain"], console)
+        render(data, _console(), verbose=verbose)
     elif fmt == "markdown":
         click.echo(to_markdown(data), nl=False)
     elif fmt == "junit":
@@ -332,8 +327,6 @@ def families(as_json):
     """Supported model families and the semantics the reference reproduces for each."""
     import json
 
-    from rich.table import Table
-
     from parity_cli.families import load_families
 
     rows = []
@@ -349,16 +342,21 @@ def families(as_json):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return EXIT_PASS
-    table = Table(show_edge=False, header_style="bold")
-    for col in ("family", "model types", "kind", "numerics", "gain", "eps key -> default", "norms"):
-        table.add_column(col, no_wrap=col in ("family", "kind", "gain"), overflow="fold")
+    from parity_cli.layout import Column, table
+
+    columns = [Column("family"), Column("kind", with_name=True), Column("model types", "types"),
+               Column("numerics", "numerics"), Column("gain", "gain"), Column("eps key -> default", "eps"),
+               Column("norms", "norms")]
+    cells = []
     for r in rows:
         defaults = ", ".join(f"{k} {v:g}" for k, v in r["eps_defaults"].items())
-        table.add_row(r["family"], ", ".join(r["model_types"]), r["kind"],
+        cells.append([r["family"], r["kind"], ", ".join(r["model_types"]),
                       f"{r['order']} order" + ("" if r["inverse_sqrt"] == "rsqrt" else ", pow(., -0.5)"),
                       r["gain"], f"{' | '.join(r['eps_keys'])} -> {r['eps_default']:g}" + (f" ({defaults})" if defaults else ""),
-                      str(len(r["norms"])) + (f", {len(r['exceptions'])} with their own semantics" if r["exceptions"] else ""))
-    _console().print(table)
+                      str(len(r["norms"])) + (f", {len(r['exceptions'])} with their own semantics" if r["exceptions"] else "")])
+    console = _console()
+    for line in table(columns, cells, console.width):
+        console.print(line, soft_wrap=True)
     return EXIT_PASS
 
 
@@ -405,7 +403,7 @@ def explain_cmd(report_path, checkpoint, candidate, candidate_checkpoint, layer_
     """Rerun a saved report's failing layers one factor at a time (dtype, kernel, eps): one ladder
     per group of layers that fail the same way, each with its conclusion."""
     from parity_cli import preflight
-    from parity_cli.api import options_from_report, verify_fingerprint
+    from parity_cli.replay import options_from_report, verify_fingerprint
     from parity_cli.gate import load_report
     from parity_cli.report import json_text, write_files
 

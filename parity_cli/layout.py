@@ -132,6 +132,12 @@ def _flow(pieces: list, width: int, indent: int, sep: str = "  ") -> list:
 
     out, line = [], None
     for piece in pieces:
+        if len(piece) > width - indent:  # a long list (model types): wrapped on its own lines
+            if line is not None:
+                out.append(line)
+                line = None
+            out.extend(wrap(piece, width, indent=indent, hanging=2))
+            continue
         if line is not None and len(line) + len(sep) + len(piece) <= width:
             line.append(sep)
             line.append_text(piece)

@@ -127,6 +127,8 @@ def render(d: dict, console, verbose: bool = False) -> None:
         render_heat(d, console)
     if verbose:
         _render_layer_detail(d, console)
+    if isinstance(d.get("explain"), dict) and d["explain"].get("groups"):
+        render_explain(d["explain"], console)
     _render_warnings(d, console)
     _render_baseline(d, console)
     if len(d["layers"]) > 1 or not d["summary"]["verdict"] == "pass":

@@ -30,8 +30,9 @@ def run_parity(*args, cwd=None, env=None):
     """The installed console entry as a user runs it (a real process: exit code, stderr)."""
     import os
 
+    # a fixed width unless the test sets one: a CI runner's COLUMNS must not rewrap what tests read
     return subprocess.run([sys.executable, "-m", "parity_cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=None if env is None else {**os.environ, **env})
+                          cwd=cwd, env={**os.environ, "COLUMNS": "160", **(env or {})})
 
 
 def load_json(path):
@@ -49,8 +50,11 @@ def run_bounded(*args, timeout=60):
     import time
 
     start = time.monotonic()
+    import os
+
     r = subprocess.run([sys.executable, "-c", BOUNDED, sys.executable, "-m", "parity_cli", *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "COLUMNS": "160"})
     *lines, rss = r.stderr.rstrip("\n").split("\n")
     r.stderr = "\n".join(lines) + ("\n" if lines else "")
     assert int(rss) < RSS_LIMIT_KB, (args, f"peak RSS {int(rss) // 1024} MiB")

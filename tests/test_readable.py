@@ -224,3 +224,18 @@ def test_bad_input_is_refused_before_torch_loads(args):
     errors = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
     assert len(errors) == 1 and errors[0].startswith("parity: error: ")
     assert not re.search(r"\|\s+torch$", r.stderr, re.M)
+
+
+def test_real_third_party_faults_group_per_layer_kind(gemma):
+    """ONNX Runtime's RMSNormalization with its defaults (epsilon 1e-5, the stored w as the scale)
+    on Gemma 3: two faults in every layer, one group naming both; transformers' own Gemma3 class
+    with a deployment eps of 1e-5: one group, one fault."""
+    pytest.importorskip("onnxruntime")
+    ort = f"{Path(__file__).parent / 'plugins' / 'onnx_norm.py'}:rms_normalization_defaults"
+    r = run_parity("check", gemma, "--candidate", ort, "--dtype", "float32", "-q")
+    assert r.returncode == 1 and len(r.stdout.splitlines()) == 1
+    assert r.stdout.startswith("FAIL: 37 of 37 layers fail | 37 layers (")
+    assert "eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6; weight_offset_mismatch" in r.stdout
+    pytest.importorskip("transformers")
+    r = run_parity("check", gemma, "--candidate", "transformers", "--candidate-eps", "1e-5", "-q")
+    assert r.returncode == 1 and r.stdout.endswith(": eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6\n")
