@@ -177,8 +177,32 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     return module.eval()
 
 
+def _onnxruntime(layer: NormLayer, weight, bias, eps: float, op: str = "auto", compute: str | None = None) -> Prepared:
+    """The family's norm as an ONNX graph in an ONNX Runtime session (parity_cli.onnx_runtime)."""
+    from parity_cli.onnx_runtime import prepare
+
+    return prepare(layer, weight, bias, eps, op=op, compute=compute)
+
+
 # built-in -> (the module it imports, the extra of pyproject.toml that installs it)
-OPTIONAL_DEPENDENCIES = {"transformers": ("transformers", "transformers")}
+OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"),
+                         "onnxruntime": (("onnx", "onnxruntime"), "onnx")}
+# built-ins that take --candidate-arg, and which
+BUILTIN_ARGS = {"onnxruntime": {"op": ("auto", "fused", "decomposed"), "compute": ("float32",)}}
+
+
+def _builtin_args(spec: str, args: dict | None) -> dict:
+    """A built-in's --candidate-arg values, each checked against what it accepts."""
+    args = dict(args or {})
+    known = BUILTIN_ARGS.get(spec, {})
+    if args and not known:
+        raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
+    for key, value in args.items():
+        if key not in known:
+            raise InputError(f"--candidate-arg {key}: {spec} accepts {', '.join(sorted(known))}")
+        if value not in known[key]:
+            raise InputError(f"--candidate-arg {key}={value}: {spec} accepts {key}={'|'.join(known[key])}")
+    return args
 
 
 def require(spec: str, option: str | None = None) -> None:
@@ -186,15 +210,16 @@ def require(spec: str, option: str | None = None) -> None:
     layer runs (otherwise every layer fails on the same import). find_spec imports nothing."""
     if spec not in OPTIONAL_DEPENDENCIES:
         return
-    module, extra = OPTIONAL_DEPENDENCIES[spec]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ValueError:  # in sys.modules without a __spec__: imported already
-        found = True
-    if not found:
-        who = f"{option} {spec}" if option else f"implementation '{spec}'"
-        raise InputError(f"{who} needs the {module} package: pip install {module} "
-                         f"(from a checkout: pip install -e '.[{extra}]')")
+    modules, extra = OPTIONAL_DEPENDENCIES[spec]
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ValueError:  # in sys.modules without a __spec__: imported already
+            found = True
+        if not found:
+            who = f"{option} {spec}" if option else f"implementation '{spec}'"
+            raise InputError(f"{who} needs the {module} package: pip install {' '.join(modules)} "
+                             f"(from a checkout: pip install -e '.[{extra}]')")
 
 
 BUILTINS = {
@@ -203,6 +228,10 @@ BUILTINS = {
     "hf": Implementation("hf", "built-in", _hf, "transcription of the family's Hugging Face numerics"),
     "transformers": Implementation("transformers", "built-in", _transformers,
                                    "the family's own transformers module class (needs transformers)"),
+    "onnxruntime": Implementation("onnxruntime", "built-in", _onnxruntime,
+                                  "the family's norm as an ONNX graph (RMSNormalization-23 or decomposed, "
+                                  "LayerNormalization-17) in ONNX Runtime (needs onnx, onnxruntime); "
+                                  "--candidate-arg op=fused|decomposed, compute=float32"),
 }
 
 
@@ -357,8 +386,7 @@ def precheck(spec: str, args: dict | None = None) -> None:
     """What can be said of a spec without running any of its code (the parent never imports a
     plugin): its form, that its file exists, that an entry point of that name is installed."""
     if spec in BUILTINS:
-        if args:
-            raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
+        _builtin_args(spec, args)
         require(spec)
         return
     if ":" not in spec:
@@ -376,10 +404,14 @@ def precheck(spec: str, args: dict | None = None) -> None:
 
 def resolve(spec: str, args: dict | None = None) -> Implementation:
     if spec in BUILTINS:
-        if args:
-            raise InputError(f"--candidate-arg: the built-in '{spec}' takes no arguments")
+        bound = _builtin_args(spec, args)
         require(spec)
-        return BUILTINS[spec]
+        impl = BUILTINS[spec]
+        if not bound:
+            return impl
+        import functools
+
+        return Implementation(spec, impl.source, functools.partial(impl.prepare, **bound), impl.description)
     if ":" not in spec:
         eps_found = entry_points()
         if spec in eps_found:

@@ -1,0 +1,194 @@
+"""The `onnxruntime` built-in: the family's norm as an ONNX graph, run by an ONNX Runtime session.
+
+What a model exported to ONNX computes: `RMSNormalization` (opset 23) or its decomposed form
+(Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul), `LayerNormalization` (opset 17),
+Gemma's `1 + w` as an `Add` on the scale, casts where the family's Hugging Face code has them.
+The weight and bias are graph inputs, so one session serves every layer of a shape and eps.
+
+--candidate-arg: op=auto|fused|decomposed (auto: fused where the runtime has the op),
+compute=float32 (cast in and out, for a dtype the execution provider has no kernel for)."""
+
+from __future__ import annotations
+
+from parity_cli.errors import InputError
+
+OPS = ("auto", "fused", "decomposed")
+_SESSIONS: dict = {}
+_ONNX_TYPES = {"float32": 1, "float16": 10, "float64": 11, "bfloat16": 16}  # TensorProto enum
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def build_graph(kind: str, order: str, dim: int, per_head: tuple, dtype: str, eps: float, offset: float,
+                op: str, bias: bool):
+    """The norm of one layer shape as an ONNX model: inputs x (and scale, bias), output y."""
+    from onnx import TensorProto, helper
+
+    t = _ONNX_TYPES[dtype]
+    f32 = TensorProto.FLOAT
+    shape = ["n", *per_head, dim]
+    gain_shape = [*per_head, dim]
+    inputs = [helper.make_tensor_value_info("x", t, shape), helper.make_tensor_value_info("scale", t, gain_shape)]
+    if bias:
+        inputs.append(helper.make_tensor_value_info("bias", t, gain_shape))
+    nodes, inits = [], []
+
+    def const(name, value, dtype=f32):
+        inits.append(helper.make_tensor(name, dtype, [], [value]))
+        return name
+
+    # the gain: the stored w, plus the family's offset computed in float32 (as Gemma's 1.0 + w.float())
+    nodes.append(helper.make_node("Cast", ["scale"], ["scale32"], to=f32))
+    gain = "scale32"
+    if offset:
+        nodes.append(helper.make_node("Add", ["scale32", const("offset", float(offset))], ["gain32"]))
+        gain = "gain32"
+    nodes.append(helper.make_node("Cast", ["x"], ["x32"], to=f32))
+    fused = op == "fused" and not per_head
+    if kind == "rms_norm" and fused:
+        # RMSNormalization with a float32 scale computes in float32 and returns float32 (Y has V's type)
+        nodes.append(helper.make_node("RMSNormalization", ["x32", gain], ["y32"], axis=-1, epsilon=float(eps),
+                                      stash_type=1))
+    elif kind == "layer_norm" and fused:
+        extra = []
+        if bias:
+            nodes.append(helper.make_node("Cast", ["bias"], ["bias32"], to=f32))
+            extra = ["bias32"]
+        nodes.append(helper.make_node("LayerNormalization", ["x32", gain, *extra], ["y32"], axis=-1,
+                                      epsilon=float(eps), stash_type=1))
+    else:
+        axes = helper.make_tensor("axes", TensorProto.INT64, [1], [-1])
+        inits.append(axes)
+        h = "x32"
+        if kind == "layer_norm":
+            nodes.append(helper.make_node("ReduceMean", ["x32", "axes"], ["mean"], keepdims=1))
+            nodes.append(helper.make_node("Sub", ["x32", "mean"], ["centred"]))
+            h = "centred"
+        nodes += [
+            helper.make_node("Pow", [h, const("two", 2.0)], ["sq"]),
+            helper.make_node("ReduceMean", ["sq", "axes"], ["q"], keepdims=1),
+            helper.make_node("Add", ["q", const("eps", float(eps))], ["q_eps"]),
+            helper.make_node("Sqrt", ["q_eps"], ["rms"]),
+            helper.make_node("Reciprocal", ["rms"], ["inv"]),
+            helper.make_node("Mul", [h, "inv"], ["normed"]),
+        ]
+        if order == "llama" and kind == "rms_norm":  # weight * h.to(dtype): the cast before the gain
+            nodes.append(helper.make_node("Cast", ["normed"], ["normed_t"], to=t))
+            nodes.append(helper.make_node("Cast", [gain], ["gain_t"], to=t))
+            nodes.append(helper.make_node("Mul", ["gain_t", "normed_t"], ["y"]))
+        else:
+            nodes.append(helper.make_node("Mul", ["normed", gain], ["y32"]))
+            if bias:
+                nodes.append(helper.make_node("Cast", ["bias"], ["bias32"], to=f32))
+                nodes.append(helper.make_node("Add", ["y32", "bias32"], ["y32b"]))
+    if nodes[-1].output[0] != "y":
+        nodes.append(helper.make_node("Cast", [nodes[-1].output[0]], ["y"], to=t))
+    out_type = t
+    if dtype == "bfloat16":  # numpy has no bfloat16: the runtime's bf16 result leaves as float32, exactly
+        nodes.append(helper.make_node("Cast", ["y"], ["y_out"], to=f32))
+        nodes[-2].output[0], nodes[-1].input[0], nodes[-1].output[0] = "y_bf16", "y_bf16", "y"
+        out_type = f32
+    output = helper.make_tensor_value_info("y", out_type, shape)
+    graph = helper.make_graph(nodes, "norm", inputs, [output], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23 if fused and kind == "rms_norm" else 18)],
+                              producer_name="parity-cli")
+    model.ir_version = 10
+    return model
+
+
+def _session(model, device: str):
+    import onnxruntime as ort
+
+    providers = ["CPUExecutionProvider"]
+    if device.startswith("cuda"):
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise InputError("onnxruntime: --device cuda needs onnxruntime-gpu (CUDAExecutionProvider is not available)")
+        index = int(device.partition(":")[2] or 0)
+        providers = [("CUDAExecutionProvider", {"device_id": index})]
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+
+
+def _fused_available() -> bool:
+    """RMSNormalization-23 needs a recent runtime (1.22+); older ones get the decomposed form."""
+    key = ("fused?",)
+    if key not in _SESSIONS:
+        try:
+            _session(build_graph("rms_norm", "gemma", 4, (), "float32", 1e-6, 0.0, "fused", False), "cpu")
+            _SESSIONS[key] = True
+        except Exception:
+            _SESSIONS[key] = False
+    return _SESSIONS[key]
+
+
+def _to_ort(t):
+    """A torch tensor as ONNX Runtime takes it (bfloat16 through its 16-bit pattern)."""
+    import onnxruntime as ort
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(t.view(torch.int16).numpy(), _ONNX_TYPES["bfloat16"])
+    return ort.OrtValue.ortvalue_from_numpy(t.numpy())
+
+
+def _from_ort(value, dtype, device):
+    import numpy as np
+    import torch
+
+    out = torch.from_numpy(np.ascontiguousarray(value.numpy()))
+    return out.to(device=device, dtype=dtype)  # bfloat16 arrives as float32 holding bf16 values: exact
+
+
+def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | None = None):
+    """(layer, weight, bias, eps) -> x -> y through an InferenceSession; see the module doc."""
+    import torch
+
+    if op not in OPS:
+        raise InputError(f"onnxruntime: op={op!r}; use one of {', '.join(OPS)}")
+    if compute not in (None, "float32"):
+        raise InputError(f"onnxruntime: compute={compute!r}; only compute=float32 is known")
+    if op == "auto":
+        op = "fused" if _fused_available() else "decomposed"
+    dtype = _name(weight.dtype)
+    run_dtype = "float32" if compute == "float32" else dtype
+    if run_dtype not in _ONNX_TYPES:
+        raise InputError(f"onnxruntime: no ONNX type for {dtype}")
+    per_head = tuple(weight.shape[:-1])
+    device = str(weight.device)
+    key = (layer.kind, layer.order, layer.dim, per_head, run_dtype, float(eps), float(layer.gain_offset), op,
+           bias is not None, device)
+    if key not in _SESSIONS:
+        model = build_graph(layer.kind, layer.order, layer.dim, per_head, run_dtype, eps, layer.gain_offset, op,
+                            bias is not None)
+        try:
+            _SESSIONS[key] = _session(model, device)
+        except InputError:
+            raise
+        except Exception as exc:
+            text = " ".join(str(exc).split())
+            hint = "" if run_dtype == "float32" else (f"; the execution provider may lack {run_dtype} kernels: "
+                                                      "--candidate-arg compute=float32 or --dtype float32")
+            raise InputError(f"onnxruntime: cannot build the {op} {layer.kind} graph at {run_dtype}: "
+                             f"{text[:240]}{hint}") from None
+    session = _SESSIONS[key]
+    cast = getattr(torch, run_dtype)
+    feeds = {"scale": _to_ort(weight.to(cast))}
+    if bias is not None:
+        feeds["bias"] = _to_ort(bias.to(cast))
+
+    def run(x):
+        feeds["x"] = _to_ort(x.to(cast))
+        try:
+            (out,) = session.run_with_ort_values(["y"], feeds)
+        except Exception as exc:
+            text = " ".join(str(exc).split())
+            hint = "" if run_dtype == "float32" else (f" (no {run_dtype} kernel? --candidate-arg compute=float32 "
+                                                      "or --dtype float32)")
+            raise RuntimeError(f"onnxruntime {op} {layer.kind} at {run_dtype}: {text[:240]}{hint}") from None
+        return _from_ort(out, cast, x.device).to(x.dtype)
+
+    return run
