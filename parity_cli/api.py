@@ -13,6 +13,7 @@ from parity_cli import __version__
 from parity_cli.checkpoint import open_checkpoint, resolve_eps
 from parity_cli.errors import InputError
 from parity_cli.families import family_by_name, family_for_model_type
+from parity_cli.grouping import g as _g
 from parity_cli.replay import fingerprint, options_from_report, recorded_path, recorded_spec  # noqa: F401
 
 DTYPES = {
@@ -143,7 +144,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     warnings = list(found.warnings)
     if resolved.source == "family-default":
         warnings.append(f"eps is not in {_config_name(ckpt)} (looked for {_eps_keys(ckpt, fam)}); "
-                        f"the family default {resolved.value:g} is assumed")
+                        f"the family default {_g(resolved.value)} is assumed")
     if found.unmatched:
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family '{fam.name}'")
     layers, nonfinite, nonpositive = [], [], []
@@ -280,7 +281,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     if eps.source == "family-default":
         warnings.append(
             f"eps is not in {_config_name(ckpt)} (looked for {_eps_keys(ckpt, fam)}); "
-            f"using the family default {eps.value:g}"
+            f"using the family default {_g(eps.value)}"
         )
     if found.unmatched:
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "

@@ -172,7 +172,10 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
     preflight.check_inputs(checkpoint, candidate=candidate, reference=reference,
                            candidate_checkpoint=candidate_checkpoint, dtype=dtype, reference_dtype=reference_dtype,
                            device=device, reference_device=reference_device, family=family, strata=strata,
-                           baseline=baseline_path)
+                           baseline=baseline_path,
+                           options=dict(eps=eps, candidate_eps=candidate_eps, atol=atol, rtol=rtol, timeout=timeout,
+                                        max_violation_fraction=max_violation_fraction,
+                                        candidate_memory=candidate_memory, candidate_args=list(candidate_args)))
     outputs = _check_outputs({"--json": json_path, "--junit": junit_path, "--markdown": markdown_path,
                               "--plot": plot_path},
                              [p for p in (checkpoint, candidate_checkpoint, baseline_path) if p])
@@ -279,15 +282,18 @@ def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "junit", "json"]), default="table",
               show_default=True)
 @click.option("--verbose", "-v", is_flag=True, help="Table format: every layer, each diagnosis and every group.")
-def report(report_path, fmt, verbose):
+@click.option("--quiet", "-q", is_flag=True, help="Table format: one line, the verdict and what failed it.")
+def report(report_path, fmt, verbose, quiet):
     """Re-render a saved JSON report without rerunning anything."""
     from parity_cli.formats import to_junit, to_markdown
     from parity_cli.gate import load_report
     from parity_cli.report import json_text
-    from parity_cli.terminal import render
+    from parity_cli.terminal import quiet_line, render
 
     data = load_report(report_path)
-    if fmt == "table":
+    if fmt == "table" and quiet:
+        _console().print(quiet_line(data), soft_wrap=True, markup=False)
+    elif fmt == "table":
         render(data, _console(), verbose=verbose)
     elif fmt == "markdown":
         click.echo(to_markdown(data), nl=False)

@@ -115,7 +115,9 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
             if est is not None and est[0] > 0:
                 shifted = dataclasses.replace(layer, eps=Eps(est[0], "estimated from the candidate"))
                 keep = cand(cand_dtype, opts.candidate_eps if opts.candidate_eps is not None else (other or layer).eps.value)
-                steps.append(_step(f"reference with eps {est[0]:.3g} (estimated)", "eps",
+                from parity_cli.grouping import g as _g
+
+                steps.append(_step(f"reference with eps {_g(float(f'{est[0]:.3g}'))} (estimated)", "eps",
                                    check_layer(shifted, reference, keep, strata, tol, opts, cand_layer=other,
                                                diagnose_failures=False)))
             else:
@@ -149,6 +151,9 @@ def conclude(steps: list[dict]) -> dict:
     first = steps[0]
     if first["status"] == "pass":
         return {"factor": None, "residual": residual(first), "text": "the layer passes as checked: nothing to explain"}
+    if first["status"] == "error" or first["max_rel_err"] is None:
+        return {"factor": None, "residual": residual(first),
+                "text": f"the candidate does not run: {first.get('error') or 'no output'}"}
     rungs = [st for st in steps[1:] if st["status"] in ("pass", "fail")]
     for factor in VERDICTS:
         st = next((s for s in rungs if s["changes"] == factor and s["status"] == "pass"), None)
@@ -157,14 +162,28 @@ def conclude(steps: list[dict]) -> dict:
                     "text": f"{VERDICTS[factor]} (max rel err {fmt(first['max_rel_err'])} -> "
                             f"{fmt(st['max_rel_err'])}, within tolerance)"}
     scored = [s for s in rungs if s["max_rel_err"] is not None]
-    if not scored:
+    best = min(scored, key=lambda s: s["max_rel_err"]) if scored else None
+    if best is None or not best["max_rel_err"] < 0.5 * first["max_rel_err"]:
         return {"factor": None, "residual": residual(first),
-                "text": "no rung could run: " + (first.get("error") or "see the steps")}
-    best = min(scored, key=lambda s: s["max_rel_err"])
+                "text": "no single change of dtype, kernel or eps reduces the error: several faults, or one "
+                        "outside them (compare the worst elements)"}
     return {"factor": None, "closest": best["changes"], "step": best["step"], "residual": residual(best),
             "text": f"no single factor removes the error (several faults, or one outside dtype/eps/kernel); "
                     f"changing {best['changes']} comes closest: max rel err {fmt(first['max_rel_err'])} -> "
                     f"{fmt(best['max_rel_err'])}, still failing {', '.join(best['failing']) or '-'}"}
+
+
+def _from_findings(layer: dict, conclusion: dict | None) -> dict | None:
+    """A converted copy whose eps or gains differ: the copy is what to fix, whatever the ladder
+    (its rungs keep the copy's weights, so no rung removes an error that is in them)."""
+    findings = layer.get("findings", [])
+    if not findings or (conclusion and conclusion.get("factor")):
+        return conclusion
+    from parity_cli.grouping import short
+
+    what = "; ".join(short(f) for f in findings)
+    return {"factor": "checkpoint", "residual": (conclusion or {}).get("residual"),
+            "text": f"the candidate checkpoint differs from the reference: {what}"}
 
 
 def explain_groups(path, opts, report: dict, layer_names: list[str] | None = None) -> dict:
@@ -181,16 +200,17 @@ def explain_groups(path, opts, report: dict, layer_names: list[str] | None = Non
         if unknown:
             raise InputError(f"explain: no layer named {', '.join(unknown)} in the report")
     # a passing layer named on the command line gets a ladder of its own
-    view = dict(report, layers=[dict(l, status="fail") if l["status"] == "pass" else l for l in report["layers"]
-                                if l["strata"] and (l["status"] != "pass" or wanted)
-                                and (wanted is None or l["name"] in wanted)])
+    view = dict(report, findings=[],
+                layers=[dict(l, status="fail") if l["status"] == "pass" else l for l in report["layers"]
+                        if (l["status"] != "pass" or wanted) and (wanted is None or l["name"] in wanted)])
     found = grouping.groups(view)
-    ladders = explain(path, opts, [g.representative["name"] for g in found]) if found else {}
+    runnable = [g.representative["name"] for g in found if g.representative["strata"]]
+    ladders = explain(path, opts, runnable) if runnable else {}
     out = {"groups": [], "layers": {}}
     for g in found:
         rep = g.representative["name"]
         steps = ladders.get(rep, [])
-        conclusion = conclude(steps) if steps else None
+        conclusion = _from_findings(g.representative, conclude(steps) if steps else None)
         out["groups"].append({"representative": rep, "layers": g.names, "finding": g.text, "steps": steps,
                               "conclusion": conclusion})
         for name in g.names:

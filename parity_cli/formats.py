@@ -8,10 +8,9 @@ import xml.etree.ElementTree as ET
 
 
 def _num(value) -> str:
-    from parity_cli.report import unjfloat
+    from parity_cli.terminal import fmt
 
-    value = unjfloat(value)
-    return "0" if value == 0 else f"{value:.3g}"
+    return fmt(value)
 
 
 def layer_summary(layer: dict) -> dict:
@@ -28,7 +27,8 @@ def layer_summary(layer: dict) -> dict:
 
     failing_grad = [g["name"] for g in layer.get("grad", []) if g["status"] != "pass"]
     return {
-        "failing": [s["name"] for s in failing] + failing_grad + [f["code"] for f in layer.get("findings", [])],
+        "failing": [s["name"] for s in failing if s["status"] == "fail"] + failing_grad,
+        "findings": [f["code"] for f in layer.get("findings", [])],
         "max_abs_err": extreme("max_abs_err", None, max),
         "max_rel_err": extreme("max_rel_err", None, max),
         "q_over_eps": (least(q["min"] for q in _failing_q(compared)), worst(q["max"] for q in _failing_q(compared))),
@@ -44,7 +44,7 @@ def _failing_q(strata):
 def failure_message(layer: dict) -> str:
     s = layer_summary(layer)
     lo, hi = s["q_over_eps"]
-    parts = [f"{layer['status']}: strata {', '.join(s['failing'])}"]
+    parts = [layer["status"] + (f": strata {', '.join(s['failing'])}" if s["failing"] else "")]
     if s["max_abs_err"] is not None:
         parts.append(f"max abs err {_num(s['max_abs_err'])}, max rel err {_num(s['max_rel_err'])}")
     if lo is not None:
@@ -77,10 +77,16 @@ def to_junit(report: dict) -> str:
     ckpt = report["checkpoint"]
     classname = junit_classname(report)
     summary = report["summary"]
-    suites = ET.Element("testsuites", name="parity", tests=str(summary["layers"]),
-                        failures=str(summary["failed"]), errors=str(summary["errors"]))
-    suite = ET.SubElement(suites, "testsuite", name=classname, tests=str(summary["layers"]),
-                          failures=str(summary["failed"]), errors=str(summary["errors"]), skipped="0")
+    found = grouping.groups(report)
+    extra = [(g, l) for g in found for l in g.layers if l.get("report_level")]  # layers only the copy has
+    gate = report.get("gate") or {}
+    gate_case = gate.get("verdict") == "fail" and not summary["failed"] + summary["errors"] + len(extra)
+    tests = summary["layers"] + len(extra) + int(gate_case)
+    failures = summary["failed"] + len(extra) + int(gate_case)
+    suites = ET.Element("testsuites", name="parity", tests=str(tests), failures=str(failures),
+                        errors=str(summary["errors"]))
+    suite = ET.SubElement(suites, "testsuite", name=classname, tests=str(tests), failures=str(failures),
+                          errors=str(summary["errors"]), skipped="0")
     props = ET.SubElement(suite, "properties")
     for key, value in (("checkpoint", ckpt["path"]), ("fingerprint", (ckpt.get("fingerprint") or {}).get("sha256", "")),
                        ("eps", report["eps"]["value"]), ("eps_source", report["eps"]["source"]),
@@ -88,8 +94,7 @@ def to_junit(report: dict) -> str:
                        ("device", report["candidate"]["device"]), ("atol", report["tolerance"]["atol"]),
                        ("rtol", report["tolerance"]["rtol"]), ("strata", ",".join(report["probes"]["strata"]))):
         ET.SubElement(props, "property", name=key, value=str(value))
-    universe = [layer["name"] for layer in report["layers"]]
-    found = grouping.groups(report)
+    universe = grouping.universe(report)
     group_of = {name: g for g in found for name in g.names}
     for layer in report["layers"]:
         case = ET.SubElement(suite, "testcase", classname=classname, name=layer["name"])
@@ -103,14 +108,32 @@ def to_junit(report: dict) -> str:
             lines.append(f"the same finding in {grouping.layer_count(len(g.layers))}: "
                          f"{grouping.name_pattern(g.names, universe)}")
         node.text = "\n".join(lines)
+    for g, layer in extra:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=layer["name"])
+        finding = layer["findings"][0]
+        node = ET.SubElement(case, "failure", message=f"{g.text}; {finding['message']}", type="failure")
+        node.text = f"{finding['code']}: {finding['message']}"
+    if gate_case:  # every layer passed, and the gate failed the run (--fail-on warn): CI must not show green
+        case = ET.SubElement(suite, "testcase", classname=classname, name="gate")
+        ET.SubElement(case, "failure", message=quiet_line(report), type="failure")
     out = ET.SubElement(suite, "system-out")
     out.text = "\n".join([quiet_line(report)] + [group_sentence(g, universe) for g in found])
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
 
+def _code(text) -> str:
+    """A code span inside a table cell: pipes escaped (GFM reads them as the cell's end), no
+    backtick to close it early; anything else in a code span is inert."""
+    return "`" + str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
+
+
 def _cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Table-cell safe, and inert as Markdown/HTML: a message may hold '<', '*' or '</details>'."""
+    text = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    for ch in "\\*_`[]|":
+        text = text.replace(ch, "\\" + ch)
+    return text.replace("\n", " ")
 
 
 def to_markdown(report: dict) -> str:
@@ -124,10 +147,10 @@ def to_markdown(report: dict) -> str:
     lines = [
         f"## parity: {'PASS' if passed else 'FAIL'} — {what}",
         "",
-        f"- checkpoint: `{report['checkpoint']['path']}` (family `{report['checkpoint']['family']}`)",
+        f"- checkpoint: {_code(report['checkpoint']['path'])} (family {_code(report['checkpoint']['family'])})",
         f"- eps: {grouping.g(report['eps']['value'])} ({report['eps']['source']})",
-        f"- candidate: `{cand['impl']}` {cand['dtype']} on {cand['device']}, eps {grouping.g(cand['eps'])}",
-        f"- reference: `{ref['impl']}` {ref['dtype']} on {ref['device']}, eps {grouping.g(ref['eps'])}",
+        f"- candidate: {_code(cand['impl'])} {cand['dtype']} on {cand['device']}, eps {grouping.g(cand['eps'])}",
+        f"- reference: {_code(ref['impl'])} {ref['dtype']} on {ref['device']}, eps {grouping.g(ref['eps'])}",
         ("- pass rule: bitwise, cand == ref" if tol.get("exact") else
          f"- pass rule: \\|cand − ref\\| ≤ atol + rtol·\\|ref\\|, atol {fmt(tol['atol'])}, rtol {fmt(tol['rtol'])}")
         + (" + gradients" if report["probes"].get("grad") else ""),
@@ -137,22 +160,24 @@ def to_markdown(report: dict) -> str:
     ]
     conv = cand.get("checkpoint")
     if conv:
-        lines.append(f"- candidate checkpoint: `{conv['path']}` ({conv['format']}), eps {grouping.g(conv['eps']['value'])} "
+        lines.append(f"- candidate checkpoint: {_code(conv['path'])} ({conv['format']}), eps {grouping.g(conv['eps']['value'])} "
                      f"({conv['eps']['source']}), {conv['findings']} difference(s)")
     lines.append("")
     found = grouping.groups(report)
-    universe = [layer["name"] for layer in report["layers"]]
+    universe = grouping.universe(report)
     if found:
         lines += ["| layers | finding | failing strata | q/eps | max abs err | max rel err |",
                   "|---|---|---|---|---|---|"]
         for g in found:
             fig = g.figures()
             lo, hi = fig["q_over_eps"]
-            where = f"`{g.names[0]}`" if len(g.layers) == 1 else \
-                f"{len(g.layers)}: `{grouping.name_pattern(g.names, universe)}`"
-            lines.append("| " + " | ".join(_cell(c) for c in (
-                where, g.text, ", ".join(fig["failing"]), "" if lo is None else f"{fmt(lo)}..{fmt(hi)}",
-                fmt(fig["max_abs_err"]), fmt(fig["max_rel_err"]))) + " |")
+            where = _code(g.names[0]) if len(g.layers) == 1 else \
+                f"{len(g.layers)}: {_code(grouping.name_pattern(g.names, universe))}"
+            if g.new is not None:
+                where = ("new: " if g.new else "accepted: ") + where
+            lines.append("| " + " | ".join([where] + [_cell(c) for c in (
+                g.text, ", ".join(fig["failing"]), "" if lo is None else f"{fmt(lo)}..{fmt(hi)}",
+                fmt(fig["max_abs_err"]), fmt(fig["max_rel_err"]))]) + " |")
         lines.append("")
         for g in found:
             rep = g.representative
@@ -161,7 +186,7 @@ def to_markdown(report: dict) -> str:
             if rep.get("error"):
                 lines.append(f"- **error** ({len(g.layers)} layer(s)): {_cell(rep['error'])}")
             if rep.get("conclusion"):
-                lines.append(f"- **explain** ({rep['name']}): {_cell(rep['conclusion']['text'])}")
+                lines.append(f"- **explain** ({_code(rep['name'])}): {_cell(rep['conclusion']['text'])}")
         bad = [layer for layer in report["layers"] if layer["status"] != "pass"]
         lines += ["", f"<details><summary>Per layer ({len(bad)} not passing)</summary>", "",
                   "| layer | status | failing strata | max abs err | max rel err | q/eps | codes |",
@@ -169,17 +194,15 @@ def to_markdown(report: dict) -> str:
         for layer in bad:
             sm = layer_summary(layer)
             lo, hi = sm["q_over_eps"]
-            lines.append("| " + " | ".join(_cell(c) for c in (
-                f"`{layer['name']}`", layer["status"], ", ".join(sm["failing"]),
+            lines.append("| " + " | ".join([_code(layer["name"])] + [_cell(c) for c in (
+                layer["status"], ", ".join(sm["failing"]),
                 fmt(sm["max_abs_err"]), fmt(sm["max_rel_err"]),
                 "" if lo is None else f"{fmt(lo)}..{fmt(hi)}",
                 ", ".join(sm["diagnoses"] + [f["code"] for f in layer.get("findings", [])])
-                or ("error" if layer.get("error") else ""))) + " |")
+                or ("error" if layer.get("error") else ""))]) + " |")
         lines += ["", "</details>", ""]
     else:
         lines += ["All layers within tolerance on every covered stratum.", ""]
-    for finding in report.get("findings", []):
-        lines.append(f"> {finding['code']}: {_cell(finding['message'])}")
     for warning in report.get("warnings", []):
         lines.append(f"> warning: {_cell(warning)}")
     return "\n".join(lines).rstrip() + "\n"

@@ -73,6 +73,7 @@ SHORT = {
         else "the copy's gain differs"),
     "checkpoint_bias_mismatch": lambda d: "the copy's bias differs",
     "checkpoint_layer_missing": lambda d: "missing from the candidate checkpoint",
+    "checkpoint_layer_extra": lambda d: "only in the candidate checkpoint",
     "checkpoint_shape_mismatch": lambda d: "shape differs in the candidate checkpoint",
 }
 
@@ -97,6 +98,7 @@ class Group:
     status: str  # fail | error
     texts: list[str]  # one per diagnosis and finding, `code, words`
     layers: list[dict] = field(default_factory=list)
+    new: bool | None = None  # with --baseline: a finding the baseline does not have
 
     @property
     def names(self) -> list[str]:
@@ -121,21 +123,44 @@ class Group:
         failing, compared = [], []
         for layer in self.layers:
             for s in layer["strata"] + layer.get("grad", []):
-                if s["status"] != "pass" and s["name"] not in failing:
-                    failing.append(s["name"])
-                if s["status"] == "fail":
+                if s["status"] == "fail":  # an errored stratum never ran: it is no failing stratum
                     compared.append(s)
+                    if s["name"] not in failing:
+                        failing.append(s["name"])
         qs = [s.get("failing_q_over_eps") or s["q_over_eps"] for s in compared]
         return {
             "failing": failing,
             "q_over_eps": (least(q["min"] for q in qs), worst(q["max"] for q in qs)),
             "max_abs_err": worst(s["max_abs_err"] for s in compared),
             "max_rel_err": worst(s["max_rel_err"] for s in compared),
+            "max_ulp": worst(s.get("max_ulp") for s in compared),
         }
 
 
-def signature(layer: dict) -> tuple[str, tuple[str, ...]]:
-    texts = [short(d) for d in layer.get("diagnoses", [])] + [short(f) for f in layer.get("findings", [])]
+def _clusters(values: list[float], spread: float = 1.1) -> dict[float, float]:
+    """Estimates within 10 % of each other are one value (their median): 9.76e-6 and 1.0e-5 are
+    the same eps, whatever digit rounding would split them on."""
+    import statistics
+
+    out: dict[float, float] = {}
+    run: list[float] = []
+    for v in sorted(set(values)) + [math.inf]:
+        if run and not (v <= run[0] * spread):
+            centre = statistics.median(run)
+            out.update((r, centre) for r in run)
+            run = []
+        run.append(v)
+    return out
+
+
+def signature(layer: dict, eps_of: dict | None = None) -> tuple[str, tuple[str, ...]]:
+    texts = []
+    for d in layer.get("diagnoses", []):
+        est = d.get("estimated_eps")
+        if eps_of and d["code"] == "eps_mismatch" and isinstance(est, (int, float)) and est in eps_of:
+            d = dict(d, estimated_eps=eps_of[est])
+        texts.append(short(d))
+    texts += [short(f) for f in layer.get("findings", [])]
     if layer["status"] == "error" and layer.get("error"):
         texts.append("error: " + _error_key(layer["error"]))
     if not texts:
@@ -145,16 +170,28 @@ def signature(layer: dict) -> tuple[str, tuple[str, ...]]:
 
 
 def groups(report: dict) -> list[Group]:
-    """Non-passing layers grouped by signature; the largest group first, then table order."""
+    """Non-passing layers grouped by signature, and the run's own checkpoint findings (layers only
+    the converted copy has) by code; the largest group first, then table order."""
+    bad = [layer for layer in report["layers"] if layer["status"] != "pass"]
+    for f in report.get("findings", []):  # a report-level finding as a layer of its own
+        bad.append({"name": f.get("layer", "*"), "status": "fail", "strata": [], "diagnoses": [], "findings": [f],
+                    "report_level": True})
+    estimates = [d["estimated_eps"] for l in bad for d in l.get("diagnoses", [])
+                 if d["code"] == "eps_mismatch" and isinstance(d.get("estimated_eps"), (int, float))
+                 and d["estimated_eps"] > 0]
+    eps_of = _clusters(estimates)
     found: dict = {}
-    for layer in report["layers"]:
-        if layer["status"] == "pass":
-            continue
-        status, texts = signature(layer)
+    for layer in bad:
+        status, texts = signature(layer, eps_of)
         group = found.setdefault((status, texts), Group(status, [_shown(t, layer) for t in texts]))
         group.layers.append(layer)
     ordered = list(found.values())
-    ordered.sort(key=lambda g: -len(g.layers))  # stable: ties keep the table order
+    gate = report.get("gate") or {}
+    if gate.get("baseline") is not None:  # new findings first: they are what fails the run
+        new_layers = {f["layer"] for f in gate.get("new_findings", [])}
+        for g in ordered:
+            g.new = any(name in new_layers for name in g.names)
+    ordered.sort(key=lambda g: (g.new is False, -len(g.layers)))  # stable: ties keep the table order
     return ordered
 
 
@@ -208,34 +245,63 @@ def _common(words: list[str], reverse: bool) -> str:
     return part[::-1] if reverse else part
 
 
+def _split(name: str) -> tuple[str, tuple[int, ...]]:
+    """model.layers.3.mlp.experts.7.norm -> ('model.layers.*.mlp.experts.*.norm', (3, 7))."""
+    return _INDEX.sub("*", name), tuple(int(m.group(1)) for m in _INDEX.finditer(name))
+
+
+def _fill(template: str, parts: list[str]) -> str:
+    it = iter(parts)
+    return re.sub(r"(?<=\.)\*(?=\.|$)", lambda m: next(it), template)
+
+
+def _spans(values) -> str:
+    text = _ranges(sorted(values))
+    return text if text.isdigit() else "{" + text + "}"
+
+
 def name_pattern(names: list[str], universe: list[str] | None = None) -> str:
     """model.layers.{0..5}.input_layernorm, model.layers.*.self_attn.{k,q}_norm, model.norm:
-    '*' where every index of the model is there, ranges where only some are."""
+    '*' only where every index the model has there is in the group, ranges where some are; a
+    group that is no grid of indices (some experts of some layers) is listed name by name."""
     universe = universe if universe is not None else names
-    all_indices: dict[str, set[int]] = {}
+    full: dict[str, set] = {}
     for name in universe:
-        m = list(_INDEX.finditer(name))
-        if len(m) == 1:
-            all_indices.setdefault(_INDEX.sub("*", name), set()).add(int(m[0].group(1)))
-    templates: dict[str, list[int]] = {}
+        template, idx = _split(name)
+        full.setdefault(template, set()).add(idx)
+    mine: dict[str, set] = {}
     for name in names:
-        m = list(_INDEX.finditer(name))
-        key = _INDEX.sub("*", name) if m else name
-        templates.setdefault(key, []).extend(int(x.group(1)) for x in m[:1] if len(m) == 1)
+        template, idx = _split(name)
+        mine.setdefault(template, set()).add(idx)
     rendered = []
-    for template, indices in templates.items():
-        if indices and set(indices) != all_indices.get(template, set()):
-            spans = _ranges(indices)
-            template = template.replace("*", spans if spans.isdigit() else "{" + spans + "}", 1)
-        rendered.append(template)
-    # one brace group per head (the part up to the layer index) and per last name part
+    for template, tuples in mine.items():
+        width = len(next(iter(tuples)))
+        if not width or tuples == full.get(template, set()):
+            rendered.append(template)
+            continue
+        per = [{t[i] for t in tuples} for i in range(width)]
+        size = 1
+        for values in per:
+            size *= len(values)
+        if size != len(tuples):  # not a grid: no pattern would be true
+            rendered.extend(_fill(template, [str(i) for i in t]) for t in sorted(tuples))
+            continue
+        everywhere = [{t[i] for t in full.get(template, ())} for i in range(width)]
+        rendered.append(_fill(template, ["*" if per[i] == everywhere[i] else _spans(per[i]) for i in range(width)]))
+    # one brace group per head (the part up to the last index) and per last name part
     heads: dict[tuple[str, str], list[str]] = {}
     for text in rendered:
-        cut = text.rfind("}.") + 2 if "}." in text else text.rfind("*.") + 2 if "*." in text else 0
+        cut = max(text.rfind("}."), text.rfind("*."))
+        cut = cut + 2 if cut >= 0 else 0
         head, rest = text[:cut], text[cut:]
         last = re.split(r"[._]", rest)[-1] if cut else rest
         heads.setdefault((head, last), []).append(rest)
     return ", ".join(head + _braced(rests) for (head, _), rests in heads.items())
+
+
+def universe(report: dict) -> list[str]:
+    """Every name a pattern may stand for: the checked layers and those only the copy has."""
+    return [l["name"] for l in report["layers"]] + [f["layer"] for f in report.get("findings", []) if f.get("layer")]
 
 
 def layer_count(n: int) -> str:

@@ -24,8 +24,10 @@ _MISSING = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # what Path.exists() read
 
 def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate_checkpoint=None, dtype=None,
                  reference_dtype="float64", device="cpu", reference_device="cpu", family=None, strata=None,
-                 baseline=None) -> None:
-    """Everything `parity check` can refuse without torch (outputs are cli.py's to check)."""
+                 baseline=None, options: dict | None = None) -> None:
+    """Everything `parity check` can refuse without torch (outputs are cli.py's to check);
+    `options` the numeric and free-form ones (option_values)."""
+    option_values(**(options or {}))
     checkpoint_input(checkpoint, family)
     if candidate_checkpoint:
         checkpoint_input(candidate_checkpoint)
@@ -147,3 +149,23 @@ def _findable(top: str) -> bool:
     except (ImportError, ValueError):  # a finder that fails, or imported without a spec: let import decide
         return True
     return importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
+
+
+def option_values(eps=None, candidate_eps=None, atol=None, rtol=None, timeout=None, max_violation_fraction=None,
+                  candidate_memory=None, candidate_args=None) -> None:
+    """The same rules api.check applies, said before torch loads."""
+    for flag, value in (("--eps", eps), ("--candidate-eps", candidate_eps), ("--atol", atol), ("--rtol", rtol)):
+        if value is not None and not (value >= 0 and value != float("inf")):
+            raise InputError(f"{flag} must be a finite number >= 0, got {value}")
+    if timeout is not None and not timeout > 0:
+        raise InputError(f"--timeout must be > 0 seconds (inf: no limit), got {timeout}")
+    if max_violation_fraction is not None and not 0.0 <= max_violation_fraction <= 1.0:
+        raise InputError("--max-violation-fraction must be between 0 and 1")
+    if candidate_memory is not None:
+        from parity_cli.supervisor import parse_memory
+
+        parse_memory(candidate_memory)
+    if candidate_args:
+        from parity_cli.implementations import parse_args
+
+        parse_args(candidate_args)

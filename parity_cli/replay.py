@@ -78,6 +78,12 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
         path = checkpoint or data["checkpoint"]["path"]
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"{where}: the report lacks what a rerun needs ({exc})") from None
+    from parity_cli.implementations import is_file_target
+
+    target, sep, _ = opts.candidate.rpartition(":")
+    if not candidate and sep and target and is_file_target(target) and not Path(target).is_file():
+        raise InputError(f"{where}: the report's candidate {opts.candidate} is not here; point at this machine's "
+                         "copy with --candidate FILE.py:ATTR")
     for flag, value, given in (("--checkpoint", path, checkpoint),
                                ("--candidate-checkpoint", opts.candidate_checkpoint, candidate_checkpoint)):
         if value and not given and not Path(value).exists():

@@ -47,13 +47,21 @@ def heading(console, text: str) -> None:
 
 # --- the verdict ----------------------------------------------------------------------------------
 
+def _fail_count(bad: int, n: int) -> str:
+    return f"{bad} of {n} layer fails" if n == 1 else f"{bad} of {n} layers fail"
+
+
+def _all(n: int) -> str:
+    return "the 1 layer is" if n == 1 else f"all {n} layers"
+
+
 def verdict(d: dict) -> tuple[bool, str]:
     """(passed, the sentence after PASS/FAIL), from the gate when the run had one."""
     s = d["summary"]
     gate = d.get("gate") or {}
     passed = gate.get("verdict", s["verdict"]) == "pass"
     bad = s["failed"] + s["errors"]
-    counts = f"{bad} of {s['layers']} layers fail" + (f" ({s['errors']} with an error)" if s["errors"] else "")
+    counts = _fail_count(bad, s["layers"]) + (f" ({s['errors']} with an error)" if s["errors"] else "")
     extra = len(d.get("findings", []))
     if extra:
         counts += f", {extra} checkpoint finding(s)"
@@ -62,14 +70,14 @@ def verdict(d: dict) -> tuple[bool, str]:
         new = len(gate.get("new_findings", []))
         if passed:
             what = f"no new finding against the baseline; {counts}, as accepted" if bad or extra else \
-                f"all {s['layers']} layers pass"
+                f"{_all(s['layers'])} pass"
         else:
             what = f"{new} new finding(s) beyond the baseline; {counts}"
         return passed, what
     if passed:
-        return True, f"all {s['layers']} layers within tolerance on {len(d['probes']['strata'])} strata"
+        return True, f"{_all(s['layers'])} within tolerance on {len(d['probes']['strata'])} strata"
     if not bad and not extra and gate.get("fail_on") == "warn":
-        return False, f"--fail-on warn and {gate.get('warnings', 0)} warning(s); all {s['layers']} layers pass"
+        return False, f"--fail-on warn and {gate.get('warnings', 0)} warning(s); {_all(s['layers'])} pass"
     return False, counts
 
 
@@ -85,14 +93,21 @@ def group_sentence(g: grouping.Group, universe: list[str]) -> str:
 
 
 def quiet_line(d: dict) -> str:
-    """--quiet: one line, verdict and counts, and on failure the largest group of findings."""
+    """--quiet: one line, verdict and counts, and on failure what failed it: the first new group
+    (the largest, without a baseline), or the first warning under --fail-on warn."""
+    from parity_cli.gate import all_warnings
+
     passed, what = verdict(d)
     line = ("PASS" if passed else "FAIL") + f": {what}"
-    found = grouping.groups(d)
-    if not passed and found:
-        line += " | " + group_sentence(found[0], [l["name"] for l in d["layers"]])
+    if passed:
+        return line
+    found = [g for g in grouping.groups(d) if g.new is not False]
+    if found:
+        line += " | " + group_sentence(found[0], grouping.universe(d))
         if len(found) > 1:
             line += f" (+{len(found) - 1} more group(s))"
+    elif (d.get("gate") or {}).get("fail_on") == "warn" and all_warnings(d):
+        line += " | warning: " + all_warnings(d)[0]
     return line
 
 
@@ -115,7 +130,7 @@ def render(d: dict, console, verbose: bool = False) -> None:
     conv = cand.get("checkpoint")
     if conv:
         out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({conv['format']}, family {conv['family']}), "
-                    f"eps {conv['eps']['value']:.6g} ({_e(conv['eps']['source'])}): {conv['findings']} difference(s)",
+                    f"eps {grouping.g(conv['eps']['value'])} ({_e(conv['eps']['source'])}): {conv['findings']} difference(s)",
                     width)
     _print(console, out)
     _render_groups(d, console, verbose)
@@ -131,24 +146,23 @@ def render(d: dict, console, verbose: bool = False) -> None:
         render_explain(d["explain"], console)
     _render_warnings(d, console)
     _render_baseline(d, console)
-    if len(d["layers"]) > 1 or not d["summary"]["verdict"] == "pass":
-        _print(console, wrap(verdict_markup(d), width))
+    _print(console, wrap(verdict_markup(d), width))  # the last line, what a CI log shows
 
 
 def _render_groups(d: dict, console, verbose: bool) -> None:
     found = grouping.groups(d)
-    report_findings = d.get("findings", [])
-    if not found and not report_findings:
+    if not found:
         return
     width = console.width
-    universe = [l["name"] for l in d["layers"]]
+    universe = grouping.universe(d)
     console.print()
     shown = found if verbose else found[:GROUPS_SHOWN]
     for g in shown:
-        colour = "magenta" if g.status == "error" else "red"
+        colour = "magenta" if g.status == "error" else "red" if g.new is not False else "yellow"
         n = len(g.layers)
-        out = wrap(f"{_e(g.names[0]) if n == 1 else grouping.layer_count(n)}: [{colour}]{_e(g.text)}[/]", width,
-                   hanging=4)
+        mark = "" if g.new is None else "new: " if g.new else "accepted by the baseline: "
+        out = wrap(f"{mark}{_e(g.names[0]) if n == 1 else grouping.layer_count(n)}: [{colour}]{_e(g.text)}[/]",
+                   width, hanging=4)
         if n > 1:
             out += wrap(_e(grouping.name_pattern(g.names, universe)), width, indent=4)
         fig = g.figures()
@@ -160,13 +174,13 @@ def _render_groups(d: dict, console, verbose: bool) -> None:
             parts.append(f"q/eps {fmt(lo)}..{fmt(hi)}")
         if fig["max_abs_err"] is not None:
             parts.append(f"max abs err {fmt(fig['max_abs_err'])}, max rel err {fmt(fig['max_rel_err'])}")
+        if fig["max_ulp"] and d["tolerance"].get("exact"):
+            parts.append(f"up to {fmt(fig['max_ulp'])} ulp")
         if parts:
             out += wrap(" · ".join(parts), width, indent=4, hanging=2)
         _print(console, out)
     if len(found) > len(shown):
         _print(console, wrap(f"... and {len(found) - len(shown)} more group(s): --verbose or the JSON report", width))
-    for finding in report_findings:
-        _print(console, wrap(f"[red]{_e(finding['code'])}[/]: {_e(finding['message'])}", width, hanging=2))
 
 
 def layer_table(d: dict, width: int) -> list:
@@ -177,7 +191,7 @@ def layer_table(d: dict, width: int) -> list:
     rows = []
     for layer in d["layers"]:
         strata = layer["strata"] + layer.get("grad", [])
-        failing = [s["name"] for s in strata if s["status"] != "pass"] + [f["code"] for f in layer.get("findings", [])]
+        failing = [s["name"] for s in strata if s["status"] == "fail"] + [f["code"] for f in layer.get("findings", [])]
         finite = [s for s in strata if s["status"] != "error"]
         # the failing rows' q/eps tells the story (small -> eps, large -> overflow); else the range covered
         shown = [s.get("failing_q_over_eps") or s["q_over_eps"] for s in finite if s["status"] == "fail"] \
@@ -214,7 +228,7 @@ def _render_warnings(d: dict, console) -> None:
     for layer in d["layers"]:
         for warning in layer.get("warnings", []):
             same.setdefault(warning, []).append(layer["name"])
-    universe = [l["name"] for l in d["layers"]]
+    universe = grouping.universe(d)
     lines = []
     for warning, names in same.items():
         where = names[0] if len(names) == 1 else \
@@ -228,13 +242,19 @@ def _render_warnings(d: dict, console) -> None:
 
 
 def _render_baseline(d: dict, console) -> None:
+    """What the baseline had and this run no longer has, one line per code (accepted findings
+    are marked on their groups above)."""
     gate = d.get("gate") or {}
-    for key, label in (("accepted", "accepted by the baseline"), ("gone", "in the baseline but gone")):
-        items = gate.get("baseline", {}).get(key, [])
-        if items:
-            _print(console, wrap(f"{len(items)} finding(s) {label}: "
-                                 + ", ".join(f"{f['layer']}/{f['stratum']}/{f['code']}" for f in items[:10])
-                                 + (", ..." if len(items) > 10 else ""), console.width))
+    gone = gate.get("baseline", {}).get("gone", [])
+    by_code: dict[str, list[str]] = {}
+    for f in gone:
+        by_code.setdefault(f["code"], [])
+        if f["layer"] not in by_code[f["code"]]:
+            by_code[f["code"]].append(f["layer"])
+    for code, names in by_code.items():
+        _print(console, wrap(f"gone since the baseline: {code} in {grouping.layer_count(len(names))} "
+                             f"({_e(grouping.name_pattern(names, names + grouping.universe(d)))})", console.width,
+                             hanging=4))
 
 
 # --- the heat grid: every layer x every stratum in a few lines ------------------------------------
@@ -300,7 +320,10 @@ def render_heat(d: dict, console, width: int | None = None) -> None:
     _print(console, wrap(HEAT_LEGEND, width, hanging=2))
     for start in range(0, len(layers), per_line):
         chunk = layers[start:start + per_line]
-        ruler = "".join(str((start + k) // 10 % 10) if (start + k) % 10 == 0 else " " for k in range(len(chunk)))
+        ruler = ""
+        for k in range(len(chunk)):  # the layer number at every tenth column: 0, 10, ..., 100, ...
+            if len(ruler) <= k:
+                ruler += str(start + k) if (start + k) % 10 == 0 and k + len(str(start + k)) <= len(chunk) else " "
         console.print(Text(" " * label_w + ruler, style="dim"), soft_wrap=True)
         for row in rows:
             line = Text(row.rjust(label_w - 1) + " ")

@@ -79,7 +79,7 @@ def test_ladder_names_eps_for_an_eps_fault(ckpt):
     ladder = api.explain(path, candidate=plugin("eps_hardcoded_1e5"), layers="model.norm")
     steps = {s["changes"]: s for s in ladder["model.norm"]}
     assert steps["nothing"]["status"] == "fail"
-    assert steps["eps"]["status"] == "pass" and "1e-05" in steps["eps"]["step"]
+    assert steps["eps"]["status"] == "pass" and "1e-5" in steps["eps"]["step"]
     assert steps["dtype"]["status"] == "fail"  # float64 does not cure an eps fault
 
 

@@ -106,7 +106,7 @@ def test_markdown_has_a_row_per_group(failing):
     rows = [line for line in top.splitlines() if line.startswith("| 25: ") or line.startswith("| 12: ")]
     assert len(rows) == 2
     message = next(d["message"] for l in rep["layers"] for d in l["diagnoses"] if d["code"] == "eps_mismatch")
-    assert top.count(message) == 1  # the full message once, not per layer
+    assert top.replace("\\", "").count(message) == 1  # the full message once (Markdown-escaped), not per layer
     assert md.split("<details>")[1].count("| `model.") == 37
 
 
@@ -192,10 +192,11 @@ def test_eps_estimates_that_round_alike_group_together():
         return {"name": name, "status": "fail", "strata": [], "findings": [],
                 "diagnoses": [{"code": "eps_mismatch", "estimated_eps": est, "configured_eps": 1e-6}]}
 
-    report = {"layers": [layer("a.0.n", 1e-5), layer("a.1.n", 9.99e-6), layer("a.2.n", 1e-4)]}
+    # 9.76e-6 and 1e-5 round to different 2-digit strings (9.8e-6, 1.0e-5) and are still one fault
+    report = {"layers": [layer("a.0.n", 1e-5), layer("a.1.n", 9.99e-6), layer("a.3.n", 9.76e-6), layer("a.2.n", 1e-4)]}
     found = grouping.groups(report)
-    assert [len(g.layers) for g in found] == [2, 1]
-    assert found[0].text == "eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6"
+    assert [len(g.layers) for g in found] == [3, 1]
+    assert found[0].text == "eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6"  # the median, 9.99e-6
     assert found[1].text == "eps_mismatch, behaves as eps ≈ 1.0e-4, configured 1e-6"
 
 
@@ -207,12 +208,19 @@ def test_eps_estimates_that_round_alike_group_together():
     (["m.layers.0.input_layernorm", "m.layers.0.post_attention_layernorm", "m.norm"], None,
      "m.layers.*.{input,post_attention}_layernorm, m.norm"),
     (["blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"], None, "blk.*.{attn,ffn}_norm, output_norm"),
+    # two indices (MoE experts, T5 blocks): '*' only where every index is in the group
+    ([f"m.layers.1.experts.{j}.norm" for j in range(4)],
+     [f"m.layers.{i}.experts.{j}.norm" for i in range(3) for j in range(4)], "m.layers.1.experts.*.norm"),
+    (["e.block.0.layer.0.ln", "e.block.1.layer.1.ln"],
+     [f"e.block.{i}.layer.{j}.ln" for i in range(3) for j in range(2)], "e.block.0.layer.0.ln, e.block.1.layer.1.ln"),
 ])
 def test_name_pattern(names, universe, expected):
     assert grouping.name_pattern(names, universe) == expected
 
 
 @pytest.mark.parametrize("args", [("check", "/nonexistent/model"), ("check", ".", "--dtype", "fp7"),
+                                  ("check", ".", "--atol", "-1"), ("check", ".", "--timeout", "0"),
+                                  ("check", ".", "--candidate-memory", "5XB"), ("check", ".", "--candidate-arg", "x"),
                                   ("check", ".", "--candidate", "no_such_impl"), ("inspect", "/nonexistent/model")])
 def test_bad_input_is_refused_before_torch_loads(args):
     """-X importtime lists every module imported: torch must not be among them."""
@@ -239,3 +247,49 @@ def test_real_third_party_faults_group_per_layer_kind(gemma):
     pytest.importorskip("transformers")
     r = run_parity("check", gemma, "--candidate", "transformers", "--candidate-eps", "1e-5", "-q")
     assert r.returncode == 1 and r.stdout.endswith(": eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6\n")
+
+
+def test_layers_only_the_copy_has_are_one_group_and_fail_junit(ckpt, tmp_path):
+    import torch
+
+    src = ckpt("llama", layers=2, eps=1e-5)
+    # the copy has 6 blocks' input norms where the source has 2: 4 layers only in the copy
+    extra = {f"model.layers.{i}.input_layernorm.weight": torch.ones(64, dtype=torch.bfloat16) for i in range(2, 6)}
+    copy = ckpt("llama", layers=2, eps=1e-5, weights=extra)
+    r = run_parity("check", src, "--candidate-checkpoint", copy, "--junit", tmp_path / "j.xml", "-q")
+    assert r.returncode == 1
+    assert r.stdout.endswith("| 4 layers (model.layers.{2..5}.input_layernorm): checkpoint_layer_extra, only in the "
+                             "candidate checkpoint\n")
+    suite = ET.parse(tmp_path / "j.xml").getroot()
+    assert suite.get("failures") == "4" and suite.get("tests") == "9"  # 5 checked layers pass, 4 extra fail
+
+
+def test_a_baseline_run_shows_its_new_group_first(gemma, tmp_path):
+    old = tmp_path / "old.json"
+    run_parity("check", gemma, "--candidate-eps", "1e-5", "--json", old)  # every layer: the eps fault
+    r = run_parity("check", gemma, "--candidate", TWO_FAULTS, "--baseline", old, "-q")
+    assert r.returncode == 1 and "| 12 layers (model.layers.*.self_attn.{k,q}_norm): weight_offset_mismatch" in r.stdout
+    r = run_parity("check", gemma, "--candidate", TWO_FAULTS, "--baseline", old)
+    lines = r.stdout.splitlines()
+    new = next(i for i, l in enumerate(lines) if l.startswith("new: 12 layers: weight_offset_mismatch"))
+    accepted = next(i for i, l in enumerate(lines) if l.startswith("accepted by the baseline: 25 layers: eps_mismatch"))
+    assert new < accepted
+
+
+def test_explain_says_a_crashing_candidate_does_not_run(ckpt):
+    misbehave = f"{Path(__file__).parent / 'plugins' / 'misbehave.py'}:os_exit_1"
+    r = run_parity("check", ckpt("llama", layers=1), "--candidate", misbehave, "--explain")
+    assert r.returncode == 1 and "conclusion: the candidate does not run: candidate process died" in r.stdout
+
+
+def test_replay_names_the_missing_candidate_file(gemma, tmp_path):
+    ci = tmp_path / "ci"
+    (ci / "plugins").mkdir(parents=True)
+    shutil.copy(TWO_FAULTS.rpartition(":")[0], ci / "plugins" / "k.py")
+    r = run_parity("check", gemma, "--candidate", "plugins/k.py:eps_wide_offset_narrow", "--layers", "model.norm",
+                   "--json", "r.json", cwd=ci)
+    assert r.returncode == 1 and load_json(ci / "r.json")["candidate"]["impl"] == "plugins/k.py:eps_wide_offset_narrow"
+    r = run_parity("explain", ci / "r.json", "--checkpoint", gemma, cwd=tmp_path)
+    assert r.returncode == 2 and "--candidate FILE.py:ATTR" in r.stderr
+    r = run_parity("explain", ci / "r.json", "--checkpoint", gemma, "--candidate", TWO_FAULTS, cwd=tmp_path)
+    assert r.returncode == 0 and "eps carries the error" in r.stdout
