@@ -120,6 +120,6 @@ def test_the_explain_ladder_uses_the_eps_the_diagnosis_found(ckpt):
     path = ckpt("gemma3", layers=1, eps=1e-6, dtype="float32")
     ladder = api.explain(path, candidate=plugin, layer_names=["model.norm"])["model.norm"]
     (eps_step,) = [s for s in ladder if s["changes"] == "eps"]
-    assert eps_step["step"] == "reference with eps 1e-05 (estimated)"
+    assert eps_step["step"] == "reference with eps 1e-5 (estimated)"
     (kernel,) = [s for s in ladder if s["changes"] == "kernel"]
     assert kernel["status"] == "pass" and eps_step["status"] == "fail"  # one factor alone is not enough

@@ -292,4 +292,4 @@ def test_explain_uses_the_candidate_checkpoint(ckpt, tmp_path):
     ladder = api.explain(src, candidate="hf", candidate_checkpoint=str(copy), layers="model.norm")
     steps = {s["changes"]: s for s in ladder["model.norm"]}
     assert steps["nothing"]["status"] == "fail"  # the copy's eps, as in the check
-    assert steps["eps"]["status"] == "pass" and "1e-05" in steps["eps"]["step"]
+    assert steps["eps"]["status"] == "pass" and "1e-5" in steps["eps"]["step"]
