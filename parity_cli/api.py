@@ -26,7 +26,7 @@ DTYPES = {
 
 @dataclass
 class CheckOptions:
-    candidate: str = "torch"
+    candidate: str | None = None  # None: torch, or onnxruntime for an .onnx candidate checkpoint
     reference: str = "oracle"
     dtype: str | None = None  # candidate input/weight dtype; None: the checkpoint's stored dtype
     device: str = "cpu"
@@ -215,11 +215,52 @@ def timeout_of(opts: CheckOptions) -> float | None:
     return None if opts.timeout == float("inf") else float(opts.timeout)
 
 
+def effective(opts: CheckOptions) -> CheckOptions:
+    """The candidate when none is named: an exported .onnx copy runs its own subgraphs in ONNX
+    Runtime; anything else gets torch's fused kernel."""
+    import dataclasses
+
+    from parity_cli.onnx_checkpoint import is_onnx
+
+    if opts.candidate:
+        return opts
+    onnx_copy = opts.candidate_checkpoint and is_onnx(opts.candidate_checkpoint)
+    return dataclasses.replace(opts, candidate="onnxruntime" if onnx_copy else "torch")
+
+
+def converted(opts: CheckOptions, reference_layers) -> tuple:
+    """--candidate-checkpoint: (its layers under the reference's names, the report's description
+    of it, the dtype its norms compute in or None). GGUF and HF copies go through discovery like
+    the reference; an .onnx graph through onnx_checkpoint."""
+    import fnmatch
+
+    from parity_cli.layers import discover_layers
+    from parity_cli.onnx_checkpoint import candidate_layers, is_onnx
+
+    if is_onnx(opts.candidate_checkpoint):
+        layers, info = candidate_layers(opts.candidate_checkpoint, reference_layers)
+        described = {"path": recorded_path(opts.candidate_checkpoint), "format": "onnx",
+                     "family": reference_layers[0].family if reference_layers else None, "model_type": None,
+                     "eps": info["eps"], "layers": len(layers), "unmatched": [], "onnx": info}
+        dtype = info["dtype"]
+    else:
+        ckpt2, fam2, eps2 = load(opts.candidate_checkpoint)
+        found2 = discover_layers(ckpt2, fam2, eps2)
+        layers = found2.layers
+        described = {"path": recorded_path(ckpt2.path), "format": ckpt2.format, "family": fam2.name,
+                     "model_type": ckpt2.model_type, "eps": {"value": eps2.value, "source": eps2.source},
+                     "layers": len(found2.layers), "unmatched": found2.unmatched}
+        dtype = None
+    if opts.layers:  # a --layers run compares those layers, and reports no others as extra
+        layers = [l for l in layers if fnmatch.fnmatchcase(l.name, opts.layers)]
+    return layers, described, dtype
+
+
 def check(path: str | Path, options: CheckOptions | None = None, progress=None, **kwargs):
     """Runs the whole check and returns a Report; raises InputError for bad input.
 
     `progress(done, total, layer_name)` is called before each layer (the CLI's progress bar)."""
-    opts = options or CheckOptions(**kwargs)
+    opts = effective(options or CheckOptions(**kwargs))
     from parity_cli import supervisor
 
     if supervisor.supervised(opts.candidate, opts.device, opts.isolation):
@@ -258,24 +299,18 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     found = discover_layers(ckpt, fam, eps, opts.layers)
     if not found.layers:
         raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
-    cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else stored_dtype(found.layers)
-    tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
-    grad_tol = grad_tolerance_for(cand_dtype_name, exact=opts.exact) if opts.grad else None
-    reference = Side(ref_impl, opts.reference, getattr(torch, ref_dtype_name), ref_device)
-
-    pairing, conversion = None, None
+    pairing, conversion, copy_dtype = None, None, None
     if opts.candidate_checkpoint:
         from parity_cli.pairing import pair
 
-        ckpt2, fam2, eps2 = load(opts.candidate_checkpoint)
-        found2 = discover_layers(ckpt2, fam2, eps2)
-        pairing = pair(found.layers, found2.layers, str(ckpt2.path))
-        conversion = {
-            "path": recorded_path(ckpt2.path), "format": ckpt2.format, "family": fam2.name, "model_type": ckpt2.model_type,
-            "eps": {"value": eps2.value, "source": eps2.source},
-            "layers": len(found2.layers), "unmatched": found2.unmatched,
-            "findings": sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings),
-        }
+        copy_layers, conversion, copy_dtype = converted(opts, found.layers)
+        pairing = pair(found.layers, copy_layers, conversion["path"])
+        conversion["findings"] = sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings)
+    # an exported graph computes in its own input type (float32 for most exports): probe it there
+    cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else (copy_dtype or stored_dtype(found.layers))
+    tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
+    grad_tol = grad_tolerance_for(cand_dtype_name, exact=opts.exact) if opts.grad else None
+    reference = Side(ref_impl, opts.reference, getattr(torch, ref_dtype_name), ref_device)
 
     warnings = list(found.warnings)
     if eps.source == "family-default":

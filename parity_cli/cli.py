@@ -109,13 +109,15 @@ def cli():
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
-@click.option("--candidate", default="torch", show_default=True,
-              help="Implementation under test: a built-in (oracle, torch, hf, transformers), an installed plugin "
-                   "name ('parity implementations'), MODULE:ATTR or FILE.py:ATTR.")
+@click.option("--candidate", default=None,
+              help="Implementation under test: a built-in (oracle, torch, hf, transformers, onnxruntime), an installed "
+                   "plugin name ('parity implementations'), MODULE:ATTR or FILE.py:ATTR [default: torch; onnxruntime "
+                   "with an .onnx --candidate-checkpoint].")
 @click.option("--candidate-arg", "candidate_args", multiple=True, metavar="KEY=VALUE",
               help="Keyword for the candidate's constructor or function (repeatable; VALUE parsed as JSON if it parses).")
 @click.option("--candidate-checkpoint", default=None, type=click.Path(),
-              help="A converted copy: compare its eps and weights with CHECKPOINT's, then probe the candidate with them.")
+              help="A converted copy (HF, GGUF, or an exported .onnx graph): compare its eps and weights with "
+                   "CHECKPOINT's, then probe the candidate with them (an .onnx graph: its own norm subgraphs).")
 @click.option("--reference", default="oracle", show_default=True, help="Implementation to compare against (any IMPL form).")
 @click.option("--reference-dtype", default="float64", show_default=True, help="dtype the reference runs at.")
 @click.option("--reference-device", default="cpu", show_default=True, help="Device the reference runs on.")

@@ -46,7 +46,7 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     from parity_cli.runners import InProcessRunner
     from parity_cli.supervisor import close_runners, open_runners, parse_memory
 
-    opts = dataclasses.replace(opts, grad=False)
+    opts = dataclasses.replace(api.effective(opts), grad=False)
     if layer_names:  # the caller has the report already (check --explain, parity explain REPORT.json)
         wanted = set(layer_names)
     else:
@@ -59,20 +59,20 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     if unknown:
         raise InputError(f"explain: no layer named {', '.join(unknown)} in {ckpt.path}")
     strata = select_strata(opts.strata)
+    copies, copy_dtype = None, None  # --candidate-checkpoint: the candidate keeps the copy's weights and eps
+    if opts.candidate_checkpoint:
+        from parity_cli.pairing import pair
+
+        copy_layers, _, copy_dtype = api.converted(opts, list(found.values()))
+        copies = pair(list(found.values()), copy_layers, opts.candidate_checkpoint).candidate_layers
     # the candidate dtype exactly as check() chooses it
     checked_layers = [l for n, l in found.items() if not opts.layers or fnmatch.fnmatchcase(n, opts.layers)]
-    cand_dtype_name = api.dtype_name(opts.dtype) if opts.dtype else api.stored_dtype(checked_layers)
+    cand_dtype_name = api.dtype_name(opts.dtype) if opts.dtype else (copy_dtype or api.stored_dtype(checked_layers))
     cand_dtype = getattr(torch, cand_dtype_name)
     ref_dtype = getattr(torch, api.dtype_name(opts.reference_dtype))
     reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, api.check_device(opts.reference_device))
     device = api.check_device(opts.device)
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
-    copies = None  # --candidate-checkpoint: the candidate keeps the copy's weights and eps in every step
-    if opts.candidate_checkpoint:
-        from parity_cli.pairing import pair
-
-        ckpt2, fam2, eps2 = api.load(opts.candidate_checkpoint)
-        copies = pair(list(found.values()), discover_layers(ckpt2, fam2, eps2).layers, str(ckpt2.path)).candidate_layers
     cand_impl, runners = open_runners(opts.candidate, api.candidate_args(opts), device, opts.isolation,
                                       api.timeout_of(opts), parse_memory(opts.candidate_memory))
     own_runner = InProcessRunner(impls.resolve("hf"))

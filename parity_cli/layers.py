@@ -33,6 +33,7 @@ class NormLayer:
     hf_class: str | None = None
     tensor: str = ""  # the weight tensor's full name
     semantic_offset: float | None = None  # the family's offset when gain_offset differs (GGUF Gemma: baked in)
+    program: bytes | None = None  # an exported graph's own subgraph for this norm (onnx_checkpoint)
 
     @property
     def stored_dtype(self) -> str:

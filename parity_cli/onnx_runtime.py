@@ -143,9 +143,55 @@ def _from_ort(value, dtype, device):
     return out.to(device=device, dtype=dtype)  # bfloat16 arrives as float32 holding bf16 values: exact
 
 
+def _program(layer, device: str):
+    """An exported graph's own norm subgraph (onnx_checkpoint): run as exported, its weights,
+    eps and casts included; the weight the job hands over is the same one, read from the file."""
+    import hashlib
+
+    import onnx
+    import torch
+
+    key = ("program", hashlib.sha256(layer.program).hexdigest(), device)
+    if key not in _SESSIONS:
+        model = onnx.load_from_string(layer.program)
+        inp = model.graph.input[0]
+        elem = inp.type.tensor_type.elem_type
+        rank = len(inp.type.tensor_type.shape.dim)
+        names = {v: k for k, v in _ONNX_TYPES.items()}
+        if elem not in names:
+            raise InputError(f"onnxruntime: {layer.name}'s subgraph takes ONNX type {elem}, not a float type")
+        out_elem = model.graph.output[0].type.tensor_type.elem_type
+        if out_elem == _ONNX_TYPES["bfloat16"] or elem == _ONNX_TYPES["bfloat16"]:
+            from onnx import TensorProto, helper
+
+            last = model.graph.output[0].name  # numpy has no bfloat16: read the bf16 values as float32, exactly
+            model.graph.node.append(helper.make_node("Cast", [last], [last + "__f32"], to=TensorProto.FLOAT))
+            del model.graph.output[:]
+            model.graph.output.append(helper.make_tensor_value_info(last + "__f32", TensorProto.FLOAT, None))
+        try:
+            session = _session(model, device)
+        except InputError:
+            raise
+        except Exception as exc:
+            raise InputError(f"onnxruntime: cannot run {layer.name}'s exported subgraph: "
+                             f"{' '.join(str(exc).split())[:240]}") from None
+        _SESSIONS[key] = (session, inp.name, getattr(torch, names[elem]), rank, model.graph.output[0].name)
+    session, name, dtype, rank, out = _SESSIONS[key]
+
+    def run(x):
+        shaped = x.reshape(*([1] * max(0, rank - 2)), -1, x.shape[-1]) if rank >= 2 else x
+        (y,) = session.run_with_ort_values([out], {name: _to_ort(shaped.to(dtype))})
+        return _from_ort(y, torch.float32 if dtype == torch.bfloat16 else dtype, x.device).reshape(x.shape).to(x.dtype)
+
+    return run
+
+
 def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | None = None):
     """(layer, weight, bias, eps) -> x -> y through an InferenceSession; see the module doc."""
     import torch
+
+    if getattr(layer, "program", None):
+        return _program(layer, str(weight.device))
 
     if op not in OPS:
         raise InputError(f"onnxruntime: op={op!r}; use one of {', '.join(OPS)}")

@@ -30,7 +30,14 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
     option_values(**(options or {}))
     checkpoint_input(checkpoint, family)
     if candidate_checkpoint:
-        checkpoint_input(candidate_checkpoint)
+        from parity_cli.onnx_checkpoint import is_onnx
+
+        if is_onnx(candidate_checkpoint):
+            onnx_input(candidate_checkpoint)
+            candidate = candidate or "onnxruntime"
+        else:
+            checkpoint_input(candidate_checkpoint)
+    candidate = candidate or "torch"
     if dtype is not None:
         dtype_input(dtype, "--dtype")
     dtype_input(reference_dtype, "--reference-dtype")
@@ -47,6 +54,14 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
 
 
 def inspect_inputs(checkpoint, family=None) -> None:
+    from parity_cli.onnx_checkpoint import is_onnx
+
+    if is_onnx(checkpoint):
+        return onnx_input(checkpoint)
+    return _inspect_inputs(checkpoint, family)
+
+
+def _inspect_inputs(checkpoint, family=None) -> None:
     """`parity inspect`: the checkpoint and --family."""
     checkpoint_input(checkpoint, family)
 
@@ -78,10 +93,15 @@ def checkpoint_input(path, family=None) -> None:
     from parity_cli.families import family_by_name, family_for_model_type
     from parity_cli.gguf_checkpoint import is_gguf
 
+    from parity_cli.onnx_checkpoint import is_onnx
+
     path = Path(path)
     st = _stat(path)
     if st is None:
         raise InputError(f"{path}: no such file or directory")
+    if is_onnx(path):
+        raise InputError(f"{path}: an exported ONNX graph has no config to check against; check the model it was "
+                         f"exported from with --candidate-checkpoint {path} (or: parity inspect {path})")
     gguf_file = stat.S_ISREG(st.st_mode) and is_gguf(path)
     if gguf_file:  # its model type is in metadata only gguf can read
         if not _findable("gguf"):
@@ -93,6 +113,24 @@ def checkpoint_input(path, family=None) -> None:
         family_by_name(family)
     elif not gguf_file:
         family_for_model_type(ckpt.model_type, str(path / "config.json"))
+
+
+def onnx_input(path) -> None:
+    """An .onnx file: a regular file within protobuf's size, and onnx + onnxruntime installed."""
+    from parity_cli.onnx_checkpoint import MAX_ONNX_BYTES
+
+    path = Path(path)
+    st = _stat(path)
+    if st is None:
+        raise InputError(f"{path}: no such file or directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{path}: not a regular file; refused")
+    if st.st_size > MAX_ONNX_BYTES:
+        raise InputError(f"{path}: {st.st_size} bytes, more than an ONNX protobuf can hold; refused")
+    for module in ("onnx", "onnxruntime"):
+        if not _findable(module):
+            raise InputError(f"{path}: reading ONNX needs the {module} package: pip install onnx onnxruntime "
+                             "(from a checkout: pip install -e '.[onnx]')")
 
 
 def dtype_input(name, option: str = "--dtype") -> None:

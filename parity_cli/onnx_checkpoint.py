@@ -1,0 +1,514 @@
+"""Stage 1 for an exported model: the norms of a `.onnx` graph, their eps, gains and subgraphs.
+
+An exporter rarely keeps a norm as one op. What is found:
+- fused: `RMSNormalization` (opset 23), ORT's `SimplifiedLayerNormalization` and
+  `SkipSimplifiedLayerNormalization`, `LayerNormalization`, `SkipLayerNormalization`; eps is the
+  `epsilon` attribute (the op's default 1e-5 when absent);
+- decomposed: `Pow(h, 2)` (or `Mul(h, h)`) -> `ReduceMean` -> `Add(eps)` -> `Sqrt` -> `Div`
+  (or `Reciprocal` -> `Mul`), or `Add(eps)` -> `Pow(-0.5)` -> `Mul`; `h = x - ReduceMean(x)`
+  makes it a LayerNorm; eps is the `Add`'s constant;
+- then `Mul` by the gain, through `Cast`s, where the gain is an initializer, or an initializer
+  plus a constant (`Add(w, 1)`: Gemma's offset kept in the graph); an exporter that folded
+  `1 + w` into one initializer stores the offset baked in, as llama.cpp's Gemma does.
+Each norm maps to a checkpoint layer by its gain's initializer name, else by the node path an
+exporter writes (`/model/layers.0/input_layernorm/Mul_1`). Its subgraph, from the norm's input
+to its output with the initializers it reads, is kept as bytes: `--candidate onnxruntime` runs
+exactly that, casts included.
+
+The file is untrusted: its size is capped before protobuf parses it, external data is read by
+each tensor's declared offset and length after checking them against the side file, never a
+path outside the model's directory, and only for norm gains."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity_cli.errors import InputError
+
+MAX_ONNX_BYTES = 2 << 30  # protobuf's own limit: larger models keep their weights as external data
+MAX_NORM_ELEMENTS = 1 << 22
+FUSED = {  # op -> (kind, input index of the gain, of the bias, default epsilon)
+    "RMSNormalization": ("rms_norm", 1, None, 1e-5),
+    "SimplifiedLayerNormalization": ("rms_norm", 1, None, 1e-5),
+    "SkipSimplifiedLayerNormalization": ("rms_norm", 2, None, 1e-5),
+    "LayerNormalization": ("layer_norm", 1, 2, 1e-5),
+    "SkipLayerNormalization": ("layer_norm", 2, 3, 1e-12),
+}
+_PASS = ("Cast", "Identity")
+_DTYPES = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
+
+
+@dataclass
+class OnnxNorm:
+    name: str  # the checkpoint layer it maps to (or its own best name)
+    kind: str
+    dim: int
+    eps: float
+    eps_source: str
+    form: str  # the op, or "decomposed"
+    weight: object  # torch tensor as stored
+    bias: object = None
+    offset: float = 0.0  # a constant the graph adds to the stored gain
+    dtype: str = "float32"  # the norm's input type in the graph
+    program: bytes = b""  # the subgraph x -> y, serialised
+    nodes: list = field(default_factory=list)
+
+
+def load_model(path: Path):
+    """The graph without its external data, after the size check."""
+    import onnx
+
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+    if size > MAX_ONNX_BYTES:
+        raise InputError(f"{path}: {size} bytes, more than an ONNX protobuf can hold ({MAX_ONNX_BYTES}); refused")
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise InputError(f"{path}: not a readable ONNX model ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]})") from None
+
+
+class _Graph:
+    def __init__(self, model, path: Path):
+        self.model, self.path = model, path
+        g = model.graph
+        self.init = {t.name: t for t in g.initializer}
+        self.producer = {}
+        self.consumers: dict[str, list] = {}
+        for node in g.node:
+            for out in node.output:
+                self.producer[out] = node
+            for inp in node.input:
+                self.consumers.setdefault(inp, []).append(node)
+        self.types = {}
+        try:
+            import onnx
+
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+                self.types[vi.name] = (vi.type.tensor_type.elem_type,
+                                       len(vi.type.tensor_type.shape.dim) if vi.type.tensor_type.HasField("shape") else None)
+        except Exception:
+            pass
+
+    def only(self, name: str, op: str | tuple):
+        """The single consumer of `name` with this op type, or None."""
+        ops = (op,) if isinstance(op, str) else op
+        found = [n for n in self.consumers.get(name, []) if n.op_type in ops]
+        return found[0] if len(found) == 1 else None
+
+    def through(self, name: str) -> str:
+        """Back through Cast/Identity to where a value comes from."""
+        seen = 0
+        while name in self.producer and self.producer[name].op_type in _PASS and seen < 8:
+            name = self.producer[name].input[0]
+            seen += 1
+        return name
+
+    def constant(self, name: str):
+        """A scalar constant (initializer or Constant node), through casts, else None."""
+        name = self.through(name)
+        t = self.init.get(name)
+        if t is None and name in self.producer and self.producer[name].op_type == "Constant":
+            node = self.producer[name]
+            t = next((a.t for a in node.attribute if a.name == "value"), None)
+        if t is None:
+            return None
+        arr = self.array(t, limit=16)
+        return float(arr.reshape(-1)[0]) if arr is not None and arr.size == 1 else None
+
+    def array(self, t, limit: int = MAX_NORM_ELEMENTS):
+        """An initializer as numpy, external data read by its declared offset and length."""
+        from onnx import numpy_helper
+
+        count = math.prod(t.dims) if t.dims else 1
+        if any(d < 0 for d in t.dims) or count > limit:
+            raise InputError(f"{self.path}: initializer {t.name!r} declares {list(t.dims)} elements "
+                             f"(a norm gain is at most {limit}); refused")
+        if t.data_location == 1:  # EXTERNAL
+            return self._external(t, count)
+        try:
+            return numpy_helper.to_array(t)
+        except Exception as exc:
+            raise InputError(f"{self.path}: initializer {t.name!r} does not hold its declared {list(t.dims)} "
+                             f"({' '.join(str(exc).split())[:120]})") from None
+
+    def _external(self, t, count: int):
+        import numpy as np
+        from onnx import helper
+
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+        base = self.path.parent.resolve()
+        target = (base / location).resolve()
+        if not location or os.path.isabs(location) or base not in target.parents:
+            raise InputError(f"{self.path}: initializer {t.name!r} points outside the model's directory "
+                             f"({location!r}); refused")
+        np_dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+        need = count * np.dtype(np_dtype).itemsize
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", need))
+        except ValueError:
+            raise InputError(f"{self.path}: initializer {t.name!r} has a malformed offset/length") from None
+        try:
+            size = target.stat().st_size
+        except OSError:
+            raise InputError(f"{self.path}: external data {location} of {t.name!r} is missing") from None
+        if length != need or offset < 0 or offset + length > size:
+            raise InputError(f"{self.path}: initializer {t.name!r} declares {length} bytes at {offset} of "
+                             f"{location} ({size} bytes) for {list(t.dims)} elements; refused")
+        with open(target, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read(length)
+        if t.data_type == 16:  # bfloat16: numpy has none; the 16-bit pattern
+            return np.frombuffer(data, dtype=np.uint16).reshape(tuple(t.dims))
+        return np.frombuffer(data, dtype=np_dtype).reshape(tuple(t.dims)).copy()
+
+    def gain(self, name: str):
+        """(initializer, offset) behind a gain operand: w, or w + c through casts."""
+        name = self.through(name)
+        if name in self.init:
+            return self.init[name], 0.0
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Add":
+            for a, b in ((0, 1), (1, 0)):
+                c = self.constant(node.input[b])
+                base = self.through(node.input[a])
+                if c is not None and base in self.init:
+                    return self.init[base], c
+        return None, 0.0
+
+
+def _tensor(graph: _Graph, t):
+    import numpy as np
+    import torch
+
+    arr = graph.array(t)
+    if t.data_type == 16:
+        if arr.dtype != np.uint16:  # onnx's own conversion gave float32 values
+            return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(arr.astype(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(arr, copy=True))
+
+
+def _norm_name(graph: _Graph, gain_name: str, nodes) -> str:
+    """The checkpoint layer a norm belongs to: its gain's initializer name, else the node path."""
+    for suffix in (".weight", ".scale", ".gamma"):
+        if gain_name.endswith(suffix) and not gain_name.startswith("onnx::"):
+            return gain_name[: -len(suffix)]
+    for node in reversed(nodes):  # the dynamo exporter: the module path in the node's metadata
+        scope = _scope(node)
+        if scope:
+            return scope
+    for node in nodes:  # the TorchScript exporter: /model/layers.0/input_layernorm/Mul_1
+        parts = [p for p in node.name.split("/") if p][:-1]
+        # a ModuleList's scope repeats its name: /model/layers/layers.0/ is model.layers.0
+        parts = [p for k, p in enumerate(parts) if not (k + 1 < len(parts) and parts[k + 1].startswith(p + "."))]
+        if parts:
+            return ".".join(parts)
+    return gain_name
+
+
+def _scope(node) -> str | None:
+    """'pkg.torch.onnx.name_scopes' = ['', 'model.layers.0.input_layernorm', 'mul_1']: the module
+    the op ran in. Read as a literal (never evaluated), and only when short."""
+    import ast
+
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes" and len(prop.value) < 4096:
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError, RecursionError):
+                return None
+            if isinstance(scopes, list) and len(scopes) >= 2 and all(isinstance(x, str) for x in scopes):
+                return scopes[-2] or None
+    return None
+
+
+def find_norms(model, path: Path) -> list[OnnxNorm]:
+    graph = _Graph(model, path)
+    found = []
+    for node in model.graph.node:
+        if node.op_type in FUSED:
+            norm = _fused(graph, node)
+        elif node.op_type == "ReduceMean":
+            norm = _decomposed(graph, node)
+        else:
+            norm = None
+        if norm is not None:
+            found.append(norm)
+    return found
+
+
+def _fused(graph: _Graph, node):
+    kind, gi, bi, default = FUSED[node.op_type]
+    if len(node.input) <= gi:
+        return None
+    w, offset = graph.gain(node.input[gi])
+    if w is None:
+        return None
+    attr = next((a for a in node.attribute if a.name == "epsilon"), None)
+    eps = float(attr.f) if attr is not None else default
+    source = f"onnx:{node.name or node.op_type}.epsilon" if attr is not None else f"onnx:{node.op_type} default"
+    bias = None
+    if bi is not None and len(node.input) > bi and node.input[bi]:
+        b, _ = graph.gain(node.input[bi])
+        bias = None if b is None else _tensor(graph, b)
+    x = node.input[0]
+    return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], [node])
+
+
+def _decomposed(graph: _Graph, mean_node):
+    """ReduceMean(h^2) -> Add(eps) -> Sqrt/Div or Pow(-0.5)/Mul -> normed -> Mul(gain) [+ bias]."""
+    sq = graph.producer.get(mean_node.input[0])
+    if sq is None:
+        return None
+    if sq.op_type == "Pow" and graph.constant(sq.input[1]) == 2.0:
+        h = sq.input[0]
+    elif sq.op_type == "Mul" and sq.input[0] == sq.input[1]:
+        h = sq.input[0]
+    else:
+        return None
+    add = graph.only(mean_node.output[0], "Add")
+    if add is None:
+        return None
+    other = add.input[1] if add.input[0] == mean_node.output[0] else add.input[0]
+    eps = graph.constant(other)
+    if eps is None:
+        return None
+    nodes = [sq, mean_node, add]
+    root = graph.only(add.output[0], ("Sqrt", "Pow"))
+    if root is None:
+        return None
+    nodes.append(root)
+    normed = None
+    if root.op_type == "Pow":  # (q + eps)^-0.5
+        if graph.constant(root.input[1]) != -0.5:
+            return None
+        mul = graph.only(root.output[0], "Mul")
+        normed = mul
+    else:
+        for consumer in graph.consumers.get(root.output[0], []):
+            if consumer.op_type == "Div" and consumer.input[1] == root.output[0]:
+                if graph.constant(consumer.input[0]) == 1.0:  # 1 / sqrt, then h * that
+                    nodes.append(consumer)
+                    normed = graph.only(consumer.output[0], "Mul")
+                else:
+                    normed = consumer  # h / sqrt
+            elif consumer.op_type == "Reciprocal":
+                nodes.append(consumer)
+                normed = graph.only(consumer.output[0], "Mul")
+    if normed is None or h not in normed.input:
+        return None
+    nodes.append(normed)
+    # centred h (x - mean(x)): a LayerNorm
+    kind, x = "rms_norm", h
+    h_src = graph.producer.get(graph.through(h)) if graph.through(h) != h else graph.producer.get(h)
+    sub = graph.producer.get(h)
+    if sub is not None and sub.op_type == "Sub":
+        m = graph.producer.get(sub.input[1])
+        if m is not None and m.op_type == "ReduceMean" and m.input[0] == sub.input[0]:
+            kind, x = "layer_norm", sub.input[0]
+            nodes = [m, sub] + nodes
+    del h_src
+    # the gain: a Mul by an initializer after optional casts
+    out, gain_mul = normed.output[0], None
+    for _ in range(3):
+        cand = graph.consumers.get(out, [])
+        if len(cand) != 1:
+            break
+        nxt = cand[0]
+        if nxt.op_type in _PASS:
+            nodes.append(nxt)
+            out = nxt.output[0]
+            continue
+        if nxt.op_type == "Mul":
+            gain_mul = nxt
+        break
+    if gain_mul is None:
+        return None
+    operand = gain_mul.input[1] if gain_mul.input[0] == out else gain_mul.input[0]
+    w, offset = graph.gain(operand)
+    if w is None:
+        return None
+    nodes.append(gain_mul)
+    y, bias = gain_mul.output[0], None
+    nxt = graph.only(y, "Add")
+    if kind == "layer_norm" and nxt is not None:
+        operand = nxt.input[1] if nxt.input[0] == y else nxt.input[0]
+        b, _ = graph.gain(operand)
+        if b is not None:
+            bias = _tensor(graph, b)
+            nodes.append(nxt)
+            y = nxt.output[0]
+    # x: the tensor before the Casts into h; the casts belong to the norm
+    while x in graph.producer and graph.producer[x].op_type in _PASS:
+        nodes.insert(0, graph.producer[x])
+        x = graph.producer[x].input[0]
+    return _norm(graph, kind, w, offset, bias, eps, f"onnx:{add.name or 'Add'} constant", "decomposed", x, y, nodes)
+
+
+def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes):
+    weight = _tensor(graph, w)
+    if weight.dim() == 0:
+        return None
+    elem = graph.types.get(x, (1, None))[0]
+    dtype = _DTYPES.get(elem, "float32")
+    norm = OnnxNorm(name=_norm_name(graph, w.name, nodes), kind=kind, dim=int(weight.shape[-1]), eps=eps,
+                    eps_source=source, form=form, weight=weight, bias=bias, offset=offset, dtype=dtype,
+                    nodes=[n.name for n in nodes])
+    norm.program = _subgraph(graph, x, y, nodes, form)
+    return norm
+
+
+def _subgraph(graph: _Graph, x: str, y: str, nodes, form: str) -> bytes:
+    """x -> y with every node between them and the initializers they read; a Skip op's skip
+    input becomes zeros shaped like x, so the op normalises x alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    # back from y through the norm's own nodes and any all-constant subtree (Constant nodes, an
+    # Add(w, 1) on the gain); any other tensor (a Skip op's skip, the rest of the model) is cut
+    allowed = {id(n) for n in nodes}
+    keep, stack, seen = [], [y], set()
+    while stack:
+        name = stack.pop()
+        if name == x or name in seen or name in graph.init or not name:
+            continue
+        seen.add(name)
+        node = graph.producer.get(name)
+        if node is None or not (id(node) in allowed or _constant_tree(graph, name)):
+            continue  # becomes zeros shaped like x, below
+        keep.append(node)
+        stack.extend(i for i in node.input if i)
+        if len(keep) > 64:
+            raise InputError(f"{graph.path}: a norm subgraph of more than 64 nodes; the pattern is not a norm")
+    keep.reverse()
+    order = {id(n): k for k, n in enumerate(graph.model.graph.node)}
+    keep.sort(key=lambda n: order.get(id(n), 0))
+    produced = {o for n in keep for o in n.output}
+    inputs_needed = {i for n in keep for i in n.input if i and i not in produced}
+    elem, rank = graph.types.get(x, (TensorProto.FLOAT, None))
+    out_elem, _ = graph.types.get(y, (elem, None))
+    extra_nodes, inits = [], []
+    for name in sorted(inputs_needed - {x}):
+        if name in graph.init:
+            t = graph.init[name]
+            arr = graph.array(t)
+            from onnx import numpy_helper
+
+            copy = numpy_helper.from_array(arr, name)
+            if t.data_type == 16:
+                copy = helper.make_tensor(name, TensorProto.BFLOAT16, list(t.dims), arr.reshape(-1).tolist(), raw=False)
+            inits.append(copy)
+        else:  # the skip of a Skip*Normalization, or a stray input: zeros like x
+            extra_nodes += [helper.make_node("Shape", [x], [f"{name}__shape"]),
+                            helper.make_node("ConstantOfShape", [f"{name}__shape"], [f"{name}__zf"],
+                                             value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0.0])),
+                            helper.make_node("Cast", [f"{name}__zf"], [name], to=elem)]
+    shape = [f"d{k}" for k in range((rank or 2) - 1)] + ["dim"]
+    g = helper.make_graph(extra_nodes + list(keep), "norm", [helper.make_tensor_value_info(x, elem, shape)],
+                          [helper.make_tensor_value_info(y, out_elem, None)], initializer=inits)
+    model = helper.make_model(g, opset_imports=list(graph.model.opset_import), producer_name="parity-cli")
+    model.ir_version = min(graph.model.ir_version or 10, 10)
+    return model.SerializeToString()
+
+
+def _constant_tree(graph: _Graph, name: str, depth: int = 0) -> bool:
+    """Whether `name` is computed from constants and initializers alone (within a few nodes)."""
+    if name in graph.init:
+        return True
+    node = graph.producer.get(name)
+    if node is None or depth > 6:
+        return False
+    if node.op_type == "Constant":
+        return True
+    return all(_constant_tree(graph, i, depth + 1) for i in node.input if i)
+
+
+def rank_of(program: bytes) -> int:
+    import onnx
+
+    m = onnx.load_from_string(program)
+    return len(m.graph.input[0].type.tensor_type.shape.dim)
+
+
+def _match_by_gain(norms: list[OnnxNorm], reference: list) -> None:
+    """A graph whose names say nothing (ORT's optimizer renames fused nodes, constant folding
+    renames Gemma's 1 + w): each such norm takes the reference layer whose effective gain it
+    holds, in graph order, then, failing that, the one it holds shifted by a whole number (a
+    dropped or doubled +1, which pairing then reports)."""
+    import torch
+
+    names = {l.name for l in reference}
+    free = [l for l in reference if l.name not in {n.name for n in norms}]
+    for shifts in ((0.0,), (-1.0, 1.0, -2.0, 2.0)):
+        for norm in norms:
+            if norm.name in names:
+                continue
+            gain = norm.offset + norm.weight.double().reshape(-1)
+            for layer in free:
+                if layer.dim != norm.dim or layer.weight.numel() != norm.weight.numel():
+                    continue
+                ref = layer.gain_offset + layer.weight.double().reshape(-1)
+                if any(torch.allclose(gain, ref + d, rtol=1e-3, atol=1e-6) for d in shifts):
+                    norm.name = layer.name
+                    free.remove(layer)
+                    break
+
+
+def is_onnx(path) -> bool:
+    return str(path).lower().endswith(".onnx")
+
+
+def candidate_layers(path, reference: list) -> tuple[list, dict]:
+    """The exported graph's norms as NormLayers under the reference's names (their family's
+    conventions, the graph's eps, gain, offset and subgraph), and what the report says of the
+    file. A norm that maps to no reference layer keeps its own name: pairing reports it."""
+    import dataclasses
+    from collections import Counter
+
+    from parity_cli.checkpoint import Eps
+    from parity_cli.layers import NormLayer
+
+    path = Path(path)
+    model = load_model(path)
+    norms = find_norms(model, path)
+    by_name = {layer.name: layer for layer in reference}
+    _match_by_gain(norms, reference)
+    layers, seen = [], set()
+    for norm in norms:
+        if norm.name in seen:
+            continue  # the same norm reached twice (a shared module): once
+        seen.add(norm.name)
+        ref = by_name.get(norm.name)
+        eps = Eps(norm.eps, norm.eps_source)
+        if ref is not None:
+            family_offset = ref.semantic_offset if ref.semantic_offset is not None else ref.gain_offset
+            layer = dataclasses.replace(ref, weight=norm.weight, bias=norm.bias, eps=eps, gain_offset=norm.offset,
+                                        semantic_offset=family_offset if family_offset != norm.offset else None,
+                                        tensor=norm.name, program=norm.program, warnings=[])
+        else:
+            layer = NormLayer(name=norm.name, kind=norm.kind, dim=norm.dim, order="native", gain_offset=norm.offset,
+                              eps=eps, weight=norm.weight, bias=norm.bias, family="onnx", tensor=norm.name,
+                              program=norm.program)
+        layers.append(layer)
+    eps_common = Counter(n.eps for n in norms).most_common(1)
+    dtypes = Counter(n.dtype for n in norms).most_common(1)
+    info = {"format": "onnx", "norms": len(norms),
+            "forms": dict(Counter(n.form for n in norms)),
+            "eps": {"value": eps_common[0][0] if eps_common else None,
+                    "source": "onnx: the most common eps of its norms"},
+            "dtype": dtypes[0][0] if dtypes else None,
+            "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+            "producer": f"{model.producer_name} {model.producer_version}".strip()}
+    if not norms:
+        raise InputError(f"{path}: no norm found in the graph (looked for {', '.join(FUSED)} and the decomposed "
+                         "Pow/ReduceMean/Add/Sqrt pattern followed by a Mul by the gain)")
+    return layers, info

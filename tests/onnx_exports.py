@@ -1,0 +1,98 @@
+"""Real exports for the ONNX tests: the checkpoint's norm layers as the real transformers (or
+torch) module classes, at their real module paths, loaded with the checkpoint's weights, then
+torch.onnx.export (TorchScript or dynamo) and, where asked, ONNX Runtime's transformer optimizer.
+
+The model applies every norm to an input of its width and chains them with a residual add, so
+the optimizer sees the pattern it fuses into SkipSimplifiedLayerNormalization."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+
+def _norm_class(layer):
+    if layer.hf_class is None:
+        return None
+    module, _, attr = layer.hf_class.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+class Seq(torch.nn.Module):
+    """A module-tree node that calls its children in order, so an exporter sees each norm at its
+    real path (model -> layers -> 0 -> input_layernorm), as in the real model's forward."""
+
+    def forward(self, state):
+        for child in self.children():
+            if isinstance(child, Seq):
+                state = child(state)
+                continue
+            streams, outs = state
+            k = [s.shape[-1] for s in streams].index(child.weight.shape[-1])
+            y = child(streams[k])
+            streams = streams[:k] + [streams[k] + y] + streams[k + 1:]  # a residual stream: x + y
+            state = (streams, outs + [y])
+        return state
+
+
+class Norms(Seq):
+    def __init__(self, layers, swap_class=None, eps=None):
+        super().__init__()
+        for layer in layers:
+            cls = swap_class or _norm_class(layer)
+            if cls is torch.nn.LayerNorm:
+                mod = cls(layer.dim, eps=(eps or {}).get(layer.name, layer.eps.value), bias=layer.bias is not None)
+            else:
+                mod = cls(layer.dim, eps=(eps or {}).get(layer.name, layer.eps.value))
+            with torch.no_grad():
+                mod.weight.copy_(layer.weight.float())
+                if layer.bias is not None:
+                    mod.bias.copy_(layer.bias.float())
+            parent = self
+            parts = layer.name.split(".")
+            for p in parts[:-1]:
+                if not hasattr(parent, p):
+                    parent.add_module(p, Seq())
+                parent = getattr(parent, p)
+            parent.add_module(parts[-1], mod)
+
+    def forward(self, *xs):
+        _, outs = super().forward((list(xs), []))
+        return tuple(outs)
+
+
+def export(ckpt_dir, out, exporter="torchscript", drop=(), swap_class=None, eps=None, half=False, optimize=False,
+           external=False):
+    """Exports the checkpoint's norms to `out`; returns the path."""
+    from parity_cli import api
+    from parity_cli.layers import discover_layers
+
+    ckpt, fam, resolved = api.load(ckpt_dir)
+    layers = [l for l in discover_layers(ckpt, fam, resolved).layers if l.name not in drop]
+    model = Norms(layers, swap_class, eps).eval()
+    dims = sorted({l.dim for l in layers}, reverse=True)  # distinct widths: one input each
+    dtype = torch.float16 if half else torch.float32
+    if half:
+        model = model.half()
+    inputs = tuple(torch.randn(1, 4, d, dtype=dtype) for d in dims)
+    kwargs = {"dynamo": exporter == "dynamo", "opset_version": 18 if exporter == "dynamo" else 17}
+    if exporter == "dynamo":
+        kwargs["optimize"] = True
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, inputs, str(out), **kwargs)
+    if optimize:
+        from onnxruntime.transformers import optimizer
+
+        opt = optimizer.optimize_model(str(out), model_type="bert", num_heads=0, hidden_size=0, opt_level=0)
+        opt.save_model_to_file(str(out))
+    if external:
+        import onnx
+
+        m = onnx.load(str(out))
+        onnx.save(m, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin",
+                  size_threshold=0)
+    return out
