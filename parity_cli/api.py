@@ -138,7 +138,10 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
 
     from parity_cli.layer_check import weight_stats
     from parity_cli.layers import discover_layers
+    from parity_cli.onnx_checkpoint import is_onnx
 
+    if is_onnx(path):
+        return _inspect_onnx(path)
     ckpt, fam, resolved = load(path, family, eps)
     found = discover_layers(ckpt, fam, resolved)
     warnings = list(found.warnings)
@@ -189,6 +192,44 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         "layers": layers,
         "warnings": warnings,
         "notes": notes,
+    }
+
+
+def _inspect_onnx(path) -> dict:
+    """An exported graph on its own: each norm found, its form, eps and where that came from,
+    its gain (with any offset the graph adds), and the dtype it computes in."""
+    import math
+    from collections import Counter
+
+    from parity_cli.layer_check import weight_stats
+    from parity_cli.onnx_checkpoint import find_norms, load_model
+
+    path = Path(path)
+    model = load_model(path)
+    norms = find_norms(model, path)
+    if not norms:
+        raise InputError(f"{path}: no norm found in the graph")
+    layers = []
+    for n in norms:
+        stats = weight_stats(n.weight)
+        gain = None if stats["min"] is None else {"min": n.offset + stats["min"], "max": n.offset + stats["max"]}
+        layers.append({"name": n.name, "kind": n.kind, "dim": n.dim, "shape": list(n.weight.shape), "order": n.form,
+                       "bias": n.bias is not None, "eps": {"value": n.eps, "source": n.eps_source},
+                       "weight": stats, "gain": gain, "gain_offset": n.offset, "form": n.form, "dtype": n.dtype,
+                       "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps), "warnings": []})
+    eps = Counter(n.eps for n in norms).most_common(1)[0][0]
+    forms = Counter(n.form for n in norms)
+    return {
+        "schema_version": 1,
+        "tool": {"name": "parity-cli", "version": __version__},
+        "checkpoint": {"path": str(path), "format": "onnx", "family": "onnx graph",
+                       "model_type": ", ".join(f"{k} x{v}" for k, v in forms.items()), "files": [path.name],
+                       "unmatched": []},
+        "eps": {"value": eps, "source": "the most common eps of its norms"},
+        "layers": layers,
+        "warnings": [],
+        "notes": [f"{len(set(n.eps for n in norms))} distinct eps values across {len(norms)} norms"]
+        if len(set(n.eps for n in norms)) > 1 else [],
     }
 
 

@@ -56,3 +56,171 @@ def test_candidate_args_are_checked(ckpt):
                                                       "accepts op=auto|fused|decomposed")
     r = run_parity("check", path, "--candidate", "torch", "--candidate-arg", "op=fused")
     assert r.returncode == 2 and "takes no arguments" in r.stderr
+
+
+# --- conversion parity of a real export --------------------------------------------------------------
+
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+import io  # noqa: E402
+
+from onnx_exports import export  # noqa: E402
+
+FUSED_OPS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
+             "SkipLayerNormalization"}
+
+
+def _export(*args, **kwargs):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return export(*args, **kwargs)
+
+
+def _ops(path):
+    import onnx
+
+    return collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+@pytest.mark.parametrize("exporter, optimize", [("torchscript", False), ("dynamo", False), ("torchscript", True)])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "bert"])
+def test_a_faithful_export_passes(ckpt, tmp_path, model_type, exporter, optimize):
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    src = ckpt(model_type, layers=2, hidden=64, heads=4, eps=1e-12 if model_type == "bert" else 1e-6)
+    path = _export(src, tmp_path / "m.onnx", exporter, optimize=optimize)
+    if optimize:  # ONNX Runtime's transformer optimizer fused the pattern: the fused ops are what runs
+        assert set(_ops(path)) & FUSED_OPS
+    report = api.check(src, candidate_checkpoint=str(path))
+    assert report.header["candidate"]["impl"] == "onnxruntime" and report.header["candidate"]["dtype"] == "float32"
+    conv = report.header["candidate"]["checkpoint"]
+    assert conv["format"] == "onnx" and conv["findings"] == 0 and conv["layers"] == len(report.layers)
+    assert report.passed, [(l.name, l.status, l.error, l.findings, [d.code for d in l.diagnoses]) for l in report.layers]
+
+
+def _set_eps(path, scope: str, value: float):
+    """Plants an eps: the Add after the ReduceMean in the one norm whose node names hold `scope`."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    consts = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant"}
+    means = {n.output[0] for n in model.graph.node if n.op_type == "ReduceMean" and scope in n.name}
+    (add,) = [n for n in model.graph.node if n.op_type == "Add" and n.input[0] in means]
+    node = consts[add.input[1]]
+    old = numpy_helper.to_array(node.attribute[0].t)
+    node.attribute[0].t.CopyFrom(numpy_helper.from_array(old.astype(old.dtype) * 0 + value))
+    onnx.save(model, str(path))
+
+
+def test_an_eps_changed_in_one_node_is_that_layer(ckpt, tmp_path):
+    src = ckpt("llama", layers=2, eps=1e-6)
+    path = _export(src, tmp_path / "m.onnx", "torchscript")
+    _set_eps(path, "layers.1/input_layernorm", 1e-5)
+    report = api.check(src, candidate_checkpoint=str(path))
+    bad = {l.name: l for l in report.layers if not l.passed}
+    assert list(bad) == ["model.layers.1.input_layernorm"]
+    layer = bad["model.layers.1.input_layernorm"]
+    (finding,) = layer.findings
+    assert finding["code"] == "checkpoint_eps_mismatch"
+    assert abs(finding["candidate"]["value"] - 1e-5) < 1e-11 and finding["reference"]["value"] == 1e-6
+    (diag,) = layer.diagnoses  # and the runtime computes with it: the probes see eps 1e-5
+    assert diag.code == "eps_mismatch" and abs(diag.evidence["estimated_eps"] - 1e-5) / 1e-5 < 0.05
+
+
+def test_a_missing_plus_one_is_a_shift_of_every_gain(ckpt, tmp_path):
+    """Gemma's checkpoint exported through Llama's class: the gain w where Gemma uses 1 + w."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    src = ckpt("gemma3_text", layers=1, hidden=64, heads=4, eps=1e-6)
+    path = _export(src, tmp_path / "m.onnx", "torchscript", swap_class=LlamaRMSNorm)
+    report = api.check(src, candidate_checkpoint=str(path))
+    assert not report.passed and all(not l.passed for l in report.layers)
+    for layer in report.layers:
+        (finding,) = layer.findings
+        assert finding["code"] == "checkpoint_weight_mismatch" and finding["uniform_shift"] == -1.0
+        assert "weight_offset_mismatch" in {d.code for d in layer.diagnoses}
+
+
+def test_a_dropped_norm_is_missing(ckpt, tmp_path):
+    src = ckpt("llama", layers=2, eps=1e-6)
+    path = _export(src, tmp_path / "m.onnx", "dynamo" if _has("onnxscript") else "torchscript",
+                   drop=("model.layers.0.post_attention_layernorm",))
+    report = api.check(src, candidate_checkpoint=str(path))
+    status = {l.name: (l.status, [f["code"] for f in l.findings]) for l in report.layers}
+    assert status.pop("model.layers.0.post_attention_layernorm") == ("fail", ["checkpoint_layer_missing"])
+    assert all(s == ("pass", []) for s in status.values())
+
+
+def test_fp16_weights_lose_what_float32_held(ckpt, tmp_path):
+    import torch
+
+    src = ckpt("llama", layers=1, eps=1e-6, dtype="float32")
+    path = _export(src, tmp_path / "m.onnx", "torchscript", half=True)
+    report = api.check(src, candidate_checkpoint=str(path))
+    assert report.header["candidate"]["dtype"] == "float16"  # the graph computes in half: probed there
+    from safetensors.torch import load_file
+
+    stored = load_file(str(src / "model.safetensors"))
+    for layer in report.layers:
+        w = stored[layer.name + ".weight"]
+        lossy = not torch.equal(w.half().float(), w)  # independent of the tool: does half hold these values?
+        codes = [f["code"] for f in layer.findings]
+        assert codes == (["checkpoint_weight_mismatch"] if lossy else [])
+        if lossy:
+            assert layer.findings[0].get("precision_loss") is True
+
+
+def _has(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_external_data_is_read_by_offset_and_checked(ckpt, tmp_path):
+    import onnx
+
+    src = ckpt("llama", layers=1, eps=1e-6)
+    path = _export(src, tmp_path / "m.onnx", "torchscript", external=True)
+    assert (tmp_path / "weights.bin").exists()
+    assert api.check(src, candidate_checkpoint=str(path)).passed
+    # a location outside the model's directory, and a length that is not the tensor's
+    for key, value, words in (("location", "../secret.bin", "outside the model's directory"),
+                              ("length", "3", "declares 3 bytes")):
+        model = onnx.load(str(path), load_external_data=False)
+        t = next(t for t in model.graph.initializer if t.name.endswith("norm.weight"))
+        entry = next(e for e in t.external_data if e.key == key)
+        entry.value = value
+        bad = tmp_path / f"bad_{key}.onnx"
+        onnx.save(model, str(bad))
+        r = run_parity("check", src, "--candidate-checkpoint", bad)
+        assert r.returncode == 2 and words in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_hostile_onnx_files_are_one_line(ckpt, tmp_path):
+    src = ckpt("llama", layers=1)
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\x08\x07" + bytes(range(256)) * 40)
+    r = run_parity("check", src, "--candidate-checkpoint", junk)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "junk.onnx" in r.stderr
+    huge = tmp_path / "huge.onnx"
+    with open(huge, "wb") as fh:  # sparse: 2 GiB + 1 byte declared, nothing written
+        fh.truncate((2 << 30) + 1)
+    r = run_parity("check", src, "--candidate-checkpoint", huge)
+    assert r.returncode == 2 and "more than an ONNX protobuf can hold" in r.stderr
+    r = run_parity("check", junk)
+    assert r.returncode == 2 and "--candidate-checkpoint" in r.stderr
+
+
+def test_inspect_an_export(ckpt, tmp_path):
+    src = ckpt("llama", layers=1, eps=1e-6)
+    path = _export(src, tmp_path / "m.onnx", "torchscript")
+    _set_eps(path, "/model/norm/", 1e-5)  # model.norm only
+    r = run_parity("inspect", path, "--json", tmp_path / "i.json", env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    import json
+
+    info = json.loads((tmp_path / "i.json").read_text())
+    eps = {l["name"]: l["eps"]["value"] for l in info["layers"]}
+    assert set(eps) == {"model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm", "model.norm"}
+    assert abs(eps.pop("model.norm") - 1e-5) < 1e-11 and all(abs(v - 1e-6) < 1e-12 for v in eps.values())
+    assert "2 distinct eps values" in r.stdout and max(len(line) for line in r.stdout.splitlines()) <= 80
