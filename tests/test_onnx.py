@@ -224,3 +224,27 @@ def test_inspect_an_export(ckpt, tmp_path):
     assert set(eps) == {"model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm", "model.norm"}
     assert abs(eps.pop("model.norm") - 1e-5) < 1e-11 and all(abs(v - 1e-6) < 1e-12 for v in eps.values())
     assert "2 distinct eps values" in r.stdout and max(len(line) for line in r.stdout.splitlines()) <= 80
+
+
+@pytest.mark.cuda
+def test_onnxruntime_on_cuda(ckpt):
+    import onnxruntime as ort
+    import torch
+
+    if not torch.cuda.is_available() or "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs a CUDA device and onnxruntime-gpu")
+    path = ckpt("llama", layers=1, hidden=64, heads=4, eps=1e-5)
+    report = api.check(path, candidate="onnxruntime", dtype="float16", device="cuda")
+    assert report.passed and report.header["candidate"]["device"].startswith("cuda")
+
+
+def test_cuda_without_the_gpu_runtime_is_one_line(ckpt):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu is installed")
+    from parity_cli.errors import InputError
+    from parity_cli.onnx_runtime import _session, build_graph
+
+    with pytest.raises(InputError, match="onnxruntime-gpu"):
+        _session(build_graph("rms_norm", "llama", 8, (), "float32", 1e-6, 0.0, "decomposed", False), "cuda")
