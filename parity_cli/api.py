@@ -49,6 +49,8 @@ class CheckOptions:
     jobs: int = 1  # supervised candidate workers over layers; 1: one
     isolation: str = "auto"  # auto | process | none (supervisor.open_runners)
     candidate_memory: str | int | None = None  # cap on the candidate's resident memory; None: half of RAM
+    activations: str | None = None  # a `parity capture` file: a `captured` stratum of real rows per layer
+    captured: dict | None = None  # its rows by layer, once loaded (check() fills it)
 
 
 def dtype_name(name: str) -> str:
@@ -340,6 +342,15 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     found = discover_layers(ckpt, fam, eps, opts.layers)
     if not found.layers:
         raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
+    captured_meta = None
+    if opts.activations:
+        import dataclasses
+
+        from parity_cli import capture
+
+        everything = discover_layers(ckpt, fam, eps).layers  # the fingerprint covers the whole model
+        rows, captured_meta = capture.load(opts.activations, found.layers, everything)
+        opts = dataclasses.replace(opts, captured=rows)
     pairing, conversion, copy_dtype = None, None, None
     if opts.candidate_checkpoint:
         from parity_cli.pairing import pair
@@ -417,12 +428,15 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                                                              "source": grad_tol.source}},
         "probes": {
             "seed": opts.seed,
-            "strata": [s.name for s in strata],
+            "strata": [s.name for s in strata] + (["captured"] if captured_meta else []),
             "not_covered": [n for n in load_strata() if n not in {s.name for s in strata}],
             "descriptions": {s.name: s.description for s in strata},
             "rounding": f"probes are rounded to {cand_dtype_name}; the reference sees the rounded values",
             "grad": opts.grad,
             "layers": opts.layers,
+            "activations": None if captured_meta is None else {
+                "path": recorded_path(opts.activations), **captured_meta,
+                "layers": sorted(opts.captured)},
         },
     }
     return Report(header=header, layers=results, warnings=warnings,

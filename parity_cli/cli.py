@@ -159,12 +159,15 @@ def cli():
               help="'warn' also fails on warnings such as a defaulted eps.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write error against q/eps with the attenuation curve (.svg or .png; needs matplotlib).")
+@click.option("--activations", default=None, type=click.Path(dir_okay=False),
+              help="A `parity capture` file: real rows as a `captured` stratum per layer, their q/eps and what "
+                   "each fault does to them.")
 @click.option("--quiet", "-q", is_flag=True, help="One line: the verdict, the counts and, on failure, the largest group.")
 @click.option("--verbose", "-v", is_flag=True, help="Every layer: the table, each diagnosis and every group.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
           exact, grad, timeout, candidate_memory, isolation, jobs, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
-          plot_path, quiet, verbose):
+          plot_path, activations, quiet, verbose):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
     import os
 
@@ -180,7 +183,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
                                         candidate_memory=candidate_memory, candidate_args=list(candidate_args)))
     outputs = _check_outputs({"--json": json_path, "--junit": junit_path, "--markdown": markdown_path,
                               "--plot": plot_path},
-                             [p for p in (checkpoint, candidate_checkpoint, baseline_path) if p])
+                             [p for p in (checkpoint, candidate_checkpoint, baseline_path, activations) if p])
     json_path, junit_path, markdown_path, plot_path = (
         None if outputs.get(f) is None else str(outputs[f]) for f in ("--json", "--junit", "--markdown", "--plot"))
     if plot_path:
@@ -200,6 +203,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
         candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
         candidate_memory=candidate_memory, isolation=isolation, jobs=jobs or os.cpu_count() or 1,
+        activations=activations,
     )
     with _progress(quiet) as progress:
         report = run_check(checkpoint, options, progress=progress)
@@ -445,6 +449,45 @@ def _plain(value):
     from parity_cli.report import _jsonable
 
     return _jsonable(value)
+
+
+@cli.command()
+@click.argument("model", type=click.Path())
+@click.option("--text", "text_path", default=None, type=click.Path(dir_okay=False), help="A text file to run.")
+@click.option("--prompt", default=None, help="A text to run (instead of --text).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--rows-per-layer", type=click.IntRange(min=3, max=4096), default=96, show_default=True,
+              help="Rows kept per layer: a third the smallest q, a third the largest, a third uniform.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("-o", "--output", "out_path", required=True, type=click.Path(dir_okay=False),
+              help="The safetensors file to write.")
+def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, out_path):
+    """Run MODEL (an HF directory with full weights) on real text and keep, per norm layer, a
+    bounded sample of the rows it sees; `parity check MODEL --activations FILE` probes with them."""
+    from parity_cli import preflight
+
+    preflight.inspect_inputs(model)
+    preflight.device_input(device)
+    if (text_path is None) == (prompt is None):
+        raise InputError("parity capture: give --text FILE or --prompt TEXT (one of them)")
+    outputs = _check_outputs({"-o": out_path}, [model] + ([text_path] if text_path else []))
+    if text_path:
+        try:
+            text = Path(text_path).read_text(encoding="utf-8", errors="replace")[: 64 * max_tokens]
+        except OSError as exc:
+            raise InputError(f"{text_path}: cannot read: {exc.strerror}") from None
+    else:
+        text = prompt
+    from parity_cli.capture import capture as run_capture
+    from parity_cli.capture import write
+
+    tensors, meta = run_capture(model, text, max_tokens=max_tokens, rows_per_layer=rows_per_layer, device=device,
+                                seed=seed)
+    write(tensors, meta, outputs["-o"])
+    click.echo(f"{out_path}: {len(tensors)} layers x up to {rows_per_layer} rows from {meta['tokens']} tokens"
+               + (f"; not reached: {', '.join(meta['not_seen'])}" if meta["not_seen"] else ""))
+    return EXIT_PASS
 
 
 @cli.command()

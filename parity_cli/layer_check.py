@@ -97,6 +97,11 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         return y if y is None or not heads else y.reshape(-1, y.shape[-1])
 
     probes = build_probes(strata, layer.dim, eps, candidate.dtype, opts.seed)
+    real = (getattr(opts, "captured", None) or {}).get(layer.name)
+    if real is not None:  # --activations: real rows, rounded to the candidate dtype like every probe
+        from parity_cli.probes import Probe
+
+        probes.append(Probe(stratum="captured", x=real.to(candidate.dtype).to(torch.float64)))
     xs = [spread(probe.x) for probe in probes]
     upstream = [upstream_for(opts.seed, probe.stratum, layer.dim, x) for probe, x in zip(probes, xs)] \
         if opts.grad else None
@@ -172,6 +177,10 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         result.diagnoses = diagnose(layer, strata_d, gain_d, tol, candidate.dtype, bias_d)
     if opts.grad and diagnose_failures:
         result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
+    if real is not None:
+        from parity_cli.capture import layer_summary
+
+        result.captured = layer_summary(layer, strata_d, gain_d, bias_d, eps, tol, result.diagnoses)
     if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
         for s in results + grads:
             s.x = s.ref = s.cand = s.shared = None

@@ -63,6 +63,7 @@ class LayerResult:
     shape: list[int] | None = None
     candidate_eps: dict | None = None  # where the candidate's eps differs in origin (--candidate-checkpoint)
     findings: list[dict] = field(default_factory=list)  # checkpoint-vs-checkpoint differences; each fails
+    captured: dict | None = None  # --activations: where real rows sit on q/eps, and what the faults do to them
 
     @property
     def status(self) -> str:
@@ -166,6 +167,7 @@ def _layer_dict(layer: LayerResult) -> dict:
         "grad": [_stratum_dict(s) for s in layer.grad],
         "candidate_eps": _jsonable(layer.candidate_eps),
         "findings": _jsonable(layer.findings),
+        "captured": _jsonable(layer.captured),
     }
 
 
@@ -176,6 +178,10 @@ def json_text(data: dict) -> str:
 
 def write_json(data: dict, path: str | Path) -> None:
     write_files({path: json_text(data)})
+
+
+def write_bytes(path, data: bytes) -> None:
+    write_files({path: data})
 
 
 def write_files(outputs: dict) -> None:
@@ -232,7 +238,7 @@ class _signals_held:
 def _stage(text: str, path: Path) -> str:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as fh:
             fh.write(text)
         umask = os.umask(0)
         os.umask(umask)

@@ -178,9 +178,35 @@ def _render_groups(d: dict, console, verbose: bool) -> None:
             parts.append(f"up to {fmt(fig['max_ulp'])} ulp")
         if parts:
             out += wrap(" · ".join(parts), width, indent=4, hanging=2)
+        real = captured_line(g.layers)
+        if real:
+            out += wrap(real, width, indent=4, hanging=2)
         _print(console, out)
     if len(found) > len(shown):
         _print(console, wrap(f"... and {len(found) - len(shown)} more group(s): --verbose or the JSON report", width))
+
+
+def captured_line(layers: list[dict]) -> str | None:
+    """--activations, over a group's layers: where real rows sit on q/eps, and what the fault
+    does to them (the measured candidate, and each diagnosed eps on its own)."""
+    got = [l["captured"] for l in layers if l.get("captured")]
+    if not got:
+        return None
+    rows = sum(c["q_over_eps"]["rows"] for c in got)
+    low = min(c["q_over_eps"]["min"] for c in got)
+    p50 = sorted(c["q_over_eps"]["p50"] for c in got)[len(got) // 2]
+    under = sum(c["q_over_eps"]["below_1pct_budget"] * c["q_over_eps"]["rows"] for c in got) / rows
+    text = (f"real rows ({rows} in {grouping.layer_count(len(got))}): q/eps from {fmt(low)}, median {fmt(p50)}; "
+            f"{100 * under:.3g} % under the 1 % budget (q/eps < 49.25)")
+    impacts = [i for c in got for i in c.get("impact", [])]
+    if impacts:
+        n = sum(i["rows"] for i in impacts)
+        over = sum(i["share_over_rtol"] * i["rows"] for i in impacts) / n
+        pct = sum(i["share_over_1pct"] * i["rows"] for i in impacts) / n
+        worst = max(i["worst_row"]["move"] for i in impacts)
+        text += (f"; the eps fault alone moves {100 * over:.3g} % of them by more than rtol, {100 * pct:.3g} % by "
+                 f"more than 1 % (worst {100 * worst:.3g} %)")
+    return text
 
 
 def layer_table(d: dict, width: int) -> list:

@@ -1,0 +1,275 @@
+"""Real activations: what each norm layer sees when the model runs on real text.
+
+`parity capture MODEL --text FILE` runs the model with transformers (its bundled tokenizer, its
+own class, never remote code), records the input of every norm layer parity checks through a
+forward pre-hook, and keeps a bounded sample of rows per layer: the smallest by q (where a wrong
+eps shows), the largest, and a uniform reservoir of the rest. Memory is K rows per layer
+whatever the number of tokens. The rows go to a safetensors file whose metadata holds the
+checkpoint's norm fingerprint (replay.fingerprint), so a check refuses rows from another model."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity_cli.errors import InputError
+
+MAX_ROWS_PER_LAYER = 4096
+MAX_FILE_BYTES = 1 << 30
+
+
+@dataclass
+class _Sample:
+    """K rows of one layer: k_small smallest q, k_large largest q, the rest a uniform reservoir."""
+
+    k_small: int
+    k_large: int
+    k_uniform: int
+    rng: random.Random
+    small: list = field(default_factory=list)  # max-heap by q: (-q, n, row)
+    large: list = field(default_factory=list)  # min-heap by q: (q, n, row)
+    uniform: list = field(default_factory=list)
+    seen: int = 0
+
+    def add(self, rows, q) -> None:
+        for row, qv in zip(rows, q.tolist()):
+            self.seen += 1
+            n = self.seen
+            if self.k_small:
+                if len(self.small) < self.k_small:
+                    heapq.heappush(self.small, (-qv, n, row))
+                elif -self.small[0][0] > qv:
+                    heapq.heapreplace(self.small, (-qv, n, row))
+            if self.k_large:
+                if len(self.large) < self.k_large:
+                    heapq.heappush(self.large, (qv, n, row))
+                elif self.large[0][0] < qv:
+                    heapq.heapreplace(self.large, (qv, n, row))
+            if self.k_uniform:  # reservoir sampling (algorithm R)
+                if len(self.uniform) < self.k_uniform:
+                    self.uniform.append((qv, n, row))
+                else:
+                    j = self.rng.randrange(n)
+                    if j < self.k_uniform:
+                        self.uniform[j] = (qv, n, row)
+
+    def rows(self):
+        """The kept rows, each once (a row can be both small and in the reservoir), by q."""
+        import torch
+
+        kept = {}
+        for entry in [(-a, n, r) for a, n, r in self.small] + self.large + self.uniform:
+            kept[entry[1]] = entry
+        ordered = sorted(kept.values(), key=lambda e: e[0])
+        return torch.stack([e[2] for e in ordered]) if ordered else None
+
+
+def _model_class(config):
+    """The checkpoint's own architecture class from transformers (config.architectures), so the
+    module names are the checkpoint's tensor names; never a class the directory ships."""
+    import transformers
+
+    for arch in config.architectures or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModel
+
+
+def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 96, device: str = "cpu",
+            seed: int = 0, chunk: int | None = None) -> tuple[dict, dict]:
+    """({layer name: float32 rows (k, dim)}, metadata) for the norm layers parity checks."""
+    import torch
+
+    from parity_cli import api
+    from parity_cli.implementations import mean_square
+    from parity_cli.layers import discover_layers
+    from parity_cli.replay import fingerprint
+
+    if not 3 <= rows_per_layer <= MAX_ROWS_PER_LAYER:
+        raise InputError(f"--rows-per-layer must be between 3 and {MAX_ROWS_PER_LAYER}")
+    if max_tokens < 1:
+        raise InputError("--max-tokens must be at least 1")
+    ckpt, fam, eps = api.load(model_dir)
+    layers = discover_layers(ckpt, fam, eps).layers
+    names = {layer.name: layer for layer in layers}
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+    except ImportError:
+        raise InputError("parity capture needs transformers: pip install transformers") from None
+    path = str(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:
+        raise InputError(f"{model_dir}: cannot load its config or bundled tokenizer: "
+                         f"{' '.join(str(exc).split())[:200]}") from None
+    cls = _model_class(config)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=False, use_safetensors=True,
+                                    torch_dtype="auto")
+    except Exception as exc:
+        raise InputError(f"{model_dir}: transformers cannot load the model ({cls.__name__}): "
+                         f"{' '.join(str(exc).split())[:200]}") from None
+    model = model.to(api.check_device(device)).eval()
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=True)["input_ids"][0][:max_tokens]
+    if ids.numel() == 0:
+        raise InputError("the text has no tokens")
+    # whole sequences as the model was trained on them (positions matter), up to its context
+    chunk = chunk or min(int(getattr(config, "max_position_embeddings", 0) or 2048), 2048)
+    k_small = k_large = rows_per_layer // 3
+    rng = random.Random(seed)
+    samples = {name: _Sample(k_small, k_large, rows_per_layer - k_small - k_large, rng) for name in names}
+    hooks, seen = [], set()
+    for qual, module in model.named_modules():
+        name = next((n for n in (qual, f"model.{qual}") if n in names), None)  # AutoModel drops the prefix
+        if name is None:
+            continue
+        layer = names[name]
+
+        def hook(mod, args, name=name, layer=layer):
+            x = args[0].detach()
+            rows = x.reshape(-1, x.shape[-1]).to("cpu", torch.float32)
+            if rows.shape[-1] != layer.dim:
+                return
+            seen.add(name)
+            samples[name].add(list(rows), mean_square(rows, layer.kind))
+
+        hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for start in range(0, ids.numel(), chunk):
+                model(input_ids=ids[start:start + chunk].unsqueeze(0).to(model.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = sorted(set(names) - seen)
+    tensors = {name: samples[name].rows().contiguous() for name in names if name in seen}
+    meta = {
+        "fingerprint": fingerprint(layers)["sha256"],
+        "checkpoint": str(model_dir),
+        "model_class": cls.__name__,
+        "tokens": int(ids.numel()),
+        "rows_per_layer": rows_per_layer,
+        "sampling": f"{k_small} smallest q, {k_large} largest q, {rows_per_layer - k_small - k_large} uniform",
+        "seed": seed,
+        "device": str(device),
+        "not_seen": missing,
+    }
+    return tensors, meta
+
+
+def write(tensors: dict, meta: dict, out) -> None:
+    """safetensors with the capture's settings and fingerprint as metadata, written atomically."""
+    from safetensors.torch import save
+
+    from parity_cli.report import write_bytes
+
+    write_bytes(Path(out), save(tensors, metadata={"parity": json.dumps(meta)}))
+
+
+def load(path, layers, all_layers) -> tuple[dict, dict]:
+    """The captured rows for `layers`, after checking the file is a capture of this model."""
+    import torch
+    from safetensors import safe_open
+
+    from parity_cli.replay import fingerprint
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the activations: {exc.strerror}") from None
+    if size > MAX_FILE_BYTES:
+        raise InputError(f"{path}: {size} bytes of activations, more than {MAX_FILE_BYTES}; refused")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = json.loads((fh.metadata() or {}).get("parity", "null"))
+            if not isinstance(meta, dict) or "fingerprint" not in meta:
+                raise InputError(f"{path}: not a parity capture (no parity metadata)")
+            if meta["fingerprint"] != fingerprint(all_layers)["sha256"]:
+                raise InputError(f"{path}: captured from another model (its norm fingerprint "
+                                 f"{str(meta['fingerprint'])[:12]}... is not this checkpoint's); refused")
+            rows = {}
+            by_name = {layer.name: layer for layer in layers}
+            for name in fh.keys():
+                if name not in by_name:
+                    continue
+                t = fh.get_tensor(name)
+                layer = by_name[name]
+                if t.dim() != 2 or t.shape[-1] != layer.dim or not 0 < t.shape[0] <= MAX_ROWS_PER_LAYER \
+                        or not t.is_floating_point():
+                    raise InputError(f"{path}: {name} holds {list(t.shape)} {t.dtype}, not rows of {layer.dim}")
+                rows[name] = t.to(torch.float64)
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"{path}: not a readable safetensors capture ({' '.join(str(exc).split())[:160]})") from None
+    return rows, meta
+
+
+def q_summary(rows, eps: float, kind: str) -> dict:
+    """Where real rows sit on the q/eps scale: min, 1st and 50th percentile, and the share under
+    the 1 % attenuation budget (q/eps < 49.25, where sqrt(q / (q + eps)) < 0.99)."""
+    import torch
+
+    from parity_cli.api import ONE_PERCENT_Q_OVER_EPS
+    from parity_cli.implementations import mean_square
+
+    r = mean_square(rows, kind) / eps if eps > 0 else torch.full((rows.shape[0],), float("inf"), dtype=torch.float64)
+    return {"rows": int(r.numel()), "min": float(r.min()), "p01": float(torch.quantile(r, 0.01)),
+            "p50": float(torch.quantile(r, 0.5)),
+            "below_1pct_budget": float((r < ONE_PERCENT_Q_OVER_EPS).double().mean())}
+
+
+def eps_impact(rows, gain, bias, eps: float, other_eps: float, kind: str, rtol: float) -> dict:
+    """What an eps of `other_eps` instead of `eps` does to real rows, in float64: per row the
+    largest |change| over the row's largest |output|; the share of rows moved by more than rtol
+    and by more than 1 %, and the worst row."""
+    import torch
+
+    from parity_cli.implementations import oracle_normalize
+
+    def out(e):
+        y = oracle_normalize(rows, e, kind) * gain
+        return y if bias is None else y + bias
+
+    y, alt = out(eps), out(other_eps)
+    scale = y.abs().amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    move = (alt - y).abs().amax(-1) / scale
+    worst = int(torch.argmax(move))
+    return {"eps": other_eps, "rows": int(move.numel()), "share_over_rtol": float((move > rtol).double().mean()),
+            "share_over_1pct": float((move > 0.01).double().mean()),
+            "worst_row": {"index": worst, "move": float(move[worst])}}
+
+
+def layer_summary(layer, strata, gain, bias, eps: float, tol, diagnoses) -> dict | None:
+    """For the report: the real rows' q/eps, what the candidate does to them (measured), and what
+    each diagnosed eps would do to them on its own (computed in float64)."""
+    import torch
+
+    s = next((s for s in strata if s.name == "captured"), None)
+    if s is None or s.x is None:
+        return None
+    out = {"q_over_eps": q_summary(s.x, eps, layer.kind)}
+    if s.cand is not None and s.ref is not None:
+        scale = s.ref.abs().amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
+        move = (s.cand - s.ref).abs().amax(-1) / scale
+        move = torch.where(torch.isnan(move), torch.full_like(move, float("inf")), move)
+        worst = int(torch.argmax(move))
+        out["candidate"] = {"share_over_rtol": float((move > tol.rtol).double().mean()),
+                            "share_over_1pct": float((move > 0.01).double().mean()),
+                            "worst_row": {"index": worst, "move": float(move[worst])}}
+    impacts = []
+    for d in diagnoses:
+        est = d.evidence.get("estimated_eps") if d.code == "eps_mismatch" else None
+        if isinstance(est, (int, float)) and est > 0:
+            impacts.append({"code": d.code, **eps_impact(s.x, gain, bias, eps, est, layer.kind, tol.rtol)})
+    out["impact"] = impacts
+    return out

@@ -1,0 +1,151 @@
+"""Issue 17: real activations — capture what the norms see from a real (tiny, random-weight)
+transformers model, probe with them, and say what an eps fault does to them."""
+
+import pytest
+
+from conftest import load_json, run_parity
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tokenizer(words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=words[0], pad_token=words[1])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("m") / "llama"
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, rms_norm_eps=1e-6)
+    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    _tokenizer(["<unk>", "<pad>"] + [f"w{i}" for i in range(98)]).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(1)
+    d = tmp_path_factory.mktemp("m") / "bert"
+    cfg = BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     vocab_size=100, layer_norm_eps=1e-12)
+    BertModel(cfg).save_pretrained(d, safe_serialization=True)
+    _tokenizer(["[UNK]", "[PAD]"] + [f"w{i}" for i in range(98)]).save_pretrained(d)
+    return d
+
+
+TEXT = " ".join(f"w{(7 * i) % 98}" for i in range(300))
+
+
+def _all_inputs(model_dir, layer_name, text):
+    """Every row the layer sees, collected by the test's own hook on the model transformers loads."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import transformers as tf
+
+    cfg = tf.AutoConfig.from_pretrained(model_dir)
+    model = getattr(tf, cfg.architectures[0]).from_pretrained(model_dir).eval()
+    rows = []
+    module = dict(model.named_modules()).get(layer_name) or dict(model.named_modules())[layer_name.removeprefix("model.")]
+    h = module.register_forward_pre_hook(lambda m, a: rows.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+    ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    return torch.cat(rows).double()
+
+
+@pytest.mark.parametrize("which", ["llama", "bert"])
+def test_capture_sees_every_norm_and_keeps_the_smallest_rows(which, llama, bert, tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    from parity_cli import api
+    from parity_cli.layers import discover_layers
+
+    model = {"llama": llama, "bert": bert}[which]
+    out = tmp_path / "acts.safetensors"
+    r = run_parity("capture", model, "--prompt", TEXT, "--rows-per-layer", "12", "-o", out)
+    assert r.returncode == 0, r.stderr
+    ckpt, fam, eps = api.load(model)
+    names = {l.name for l in discover_layers(ckpt, fam, eps).layers}
+    with safe_open(str(out), framework="pt") as fh:
+        assert set(fh.keys()) == names  # every norm layer parity checks was hooked
+        rows = {n: fh.get_tensor(n).double() for n in fh.keys()}
+    first = sorted(names)[0]
+    seen = _all_inputs(model, first, TEXT)
+    kind_mean = seen.mean(-1, keepdim=True) if which == "bert" else 0.0
+    q = ((seen - kind_mean) ** 2).mean(-1)
+    smallest = seen[torch.argsort(q)[:4]]  # the 4 (= 12 // 3) smallest-q rows of the whole text
+    kept = rows[first]
+    assert kept.shape[0] <= 12 and seen.shape[0] == 300
+    for row in smallest:
+        assert torch.isclose(kept, row, rtol=0, atol=1e-6).all(-1).any()
+
+
+def test_an_eps_fault_on_real_rows_matches_a_float64_recomputation(llama, tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    out = tmp_path / "acts.safetensors"
+    assert run_parity("capture", llama, "--prompt", TEXT, "--rows-per-layer", "30", "-o", out).returncode == 0
+    rep = tmp_path / "r.json"
+    r = run_parity("check", llama, "--candidate-eps", "1e-5", "--activations", out, "--json", rep)
+    assert r.returncode == 1 and "real rows (" in r.stdout
+    data = load_json(rep)
+    assert "captured" in data["probes"]["strata"]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(llama / "model.safetensors"))
+    with safe_open(str(out), framework="pt") as fh:
+        rows = {n: fh.get_tensor(n).double() for n in fh.keys()}
+    for layer in data["layers"]:
+        cap = layer["captured"]
+        (diag,) = [d for d in layer["diagnoses"] if d["code"] == "eps_mismatch"]
+        est = diag["estimated_eps"]
+        x = rows[layer["name"]].float().double()  # rounded to the candidate dtype (float32), as every probe
+        g = weights[layer["name"] + ".weight"].double()
+
+        def norm(e):
+            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + e) * g
+
+        y, alt = norm(1e-6), norm(est)
+        move = (alt - y).abs().amax(-1) / y.abs().amax(-1)
+        (impact,) = cap["impact"]
+        assert impact["share_over_rtol"] == pytest.approx(float((move > 1.3e-6).double().mean()))
+        assert impact["share_over_1pct"] == pytest.approx(float((move > 0.01).double().mean()))
+        assert impact["worst_row"]["move"] == pytest.approx(float(move.max()), rel=1e-9)
+        q_eps = (x * x).mean(-1) / 1e-6
+        assert cap["q_over_eps"]["min"] == pytest.approx(float(q_eps.min()), rel=1e-9)
+        assert cap["q_over_eps"]["below_1pct_budget"] == pytest.approx(float((q_eps < 49.2512562814).double().mean()))
+
+
+def test_a_capture_of_another_model_is_refused(llama, bert, tmp_path):
+    out = tmp_path / "acts.safetensors"
+    assert run_parity("capture", bert, "--prompt", "w1 w2 w3", "-o", out).returncode == 0
+    r = run_parity("check", llama, "--activations", out)
+    assert r.returncode == 2 and "captured from another model" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_rows_stay_bounded_by_k_whatever_the_tokens(llama, tmp_path):
+    from safetensors import safe_open
+
+    for tokens in (30, 400):
+        out = tmp_path / f"a{tokens}.safetensors"
+        assert run_parity("capture", llama, "--prompt", TEXT + " " + TEXT, "--max-tokens", tokens,
+                          "--rows-per-layer", "9", "-o", out).returncode == 0
+        with safe_open(str(out), framework="pt") as fh:
+            assert all(fh.get_tensor(n).shape[0] <= 9 for n in fh.keys())
