@@ -140,7 +140,7 @@ def to_markdown(report: dict) -> str:
     """Verdict, context, one table row per group of layers that fail the same way (each
     diagnosis' full message once), then the per-layer rows folded away in <details>."""
     from parity_cli import grouping
-    from parity_cli.terminal import fmt, verdict
+    from parity_cli.terminal import captured_line, fmt, verdict
 
     cand, ref, tol = report["candidate"], report["reference"], report["tolerance"]
     passed, what = verdict(report)
@@ -187,6 +187,9 @@ def to_markdown(report: dict) -> str:
                 lines.append(f"- **error** ({len(g.layers)} layer(s)): {_cell(rep['error'])}")
             if rep.get("conclusion"):
                 lines.append(f"- **explain** ({_code(rep['name'])}): {_cell(rep['conclusion']['text'])}")
+            real = captured_line(g.layers)
+            if real:
+                lines.append(f"- **real rows** ({len(g.layers)} layer(s)): {_cell(real)}")
         bad = [layer for layer in report["layers"] if layer["status"] != "pass"]
         lines += ["", f"<details><summary>Per layer ({len(bad)} not passing)</summary>", "",
                   "| layer | status | failing strata | max abs err | max rel err | q/eps | codes |",

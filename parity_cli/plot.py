@@ -49,7 +49,10 @@ def write_plot(report, path: str) -> None:
                 xs.append(q)
                 ys.append(1e3 if math.isinf(e) else max(e, floor))
     for name, (xs, ys) in sorted(by_stratum.items()):
-        ax.scatter(xs, ys, s=9, alpha=0.6, label=name)
+        if name == "captured":  # real rows (--activations): marked apart, drawn on top
+            ax.scatter(xs, ys, s=28, marker="x", color="black", zorder=5, label="captured (real rows)")
+        else:
+            ax.scatter(xs, ys, s=9, alpha=0.6, label=name)
     lo = min((min(xs) for xs, _ in by_stratum.values() if xs), default=1e-3)
     hi = max((max(xs) for xs, _ in by_stratum.values() if xs), default=1e9)
     grid = [10 ** (math.log10(lo / 3) + k * (math.log10(hi * 3) - math.log10(lo / 3)) / 400) for k in range(401)]
