@@ -356,6 +356,13 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         from parity_cli.pairing import pair
 
         copy_layers, conversion, copy_dtype = converted(opts, found.layers)
+        if conversion["format"] == "onnx" and opts.candidate == "onnxruntime":
+            # the graph's own subgraphs run: its eps, its form, its dtype; nothing here would change them
+            for flag, given in (("--candidate-eps", opts.candidate_eps is not None),
+                                ("--candidate-arg", bool(candidate_args(opts)))):
+                if given:
+                    raise InputError(f"{flag}: an exported .onnx copy runs its own subgraphs, with the eps and form "
+                                     "it has; edit the graph, or check another candidate against its weights")
         pairing = pair(found.layers, copy_layers, conversion["path"])
         conversion["findings"] = sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings)
     # an exported graph computes in its own input type (float32 for most exports): probe it there

@@ -33,11 +33,14 @@ MAX_NORM_ELEMENTS = 1 << 22
 FUSED = {  # op -> (kind, input index of the gain, of the bias, default epsilon)
     "RMSNormalization": ("rms_norm", 1, None, 1e-5),
     "SimplifiedLayerNormalization": ("rms_norm", 1, None, 1e-5),
-    "SkipSimplifiedLayerNormalization": ("rms_norm", 2, None, 1e-5),
+    "SkipSimplifiedLayerNormalization": ("rms_norm", 2, None, 1e-12),  # ORT's contrib schema default
     "LayerNormalization": ("layer_norm", 1, 2, 1e-5),
     "SkipLayerNormalization": ("layer_norm", 2, 3, 1e-12),
 }
 _PASS = ("Cast", "Identity")
+SKIP_EXTRA = {"SkipSimplifiedLayerNormalization": (1, 3), "SkipLayerNormalization": (1, 4)}  # skip, folded bias
+MAX_GAIN_BYTES = 64 << 20  # all norm gains read from one file together (a 405B model has 17 MB)
+_FLOAT_TYPES = (1, 10, 11, 16)
 _DTYPES = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
 
 
@@ -124,7 +127,21 @@ class _Graph:
         return float(arr.reshape(-1)[0]) if arr is not None and arr.size == 1 else None
 
     def array(self, t, limit: int = MAX_NORM_ELEMENTS):
-        """An initializer as numpy, external data read by its declared offset and length."""
+        """An initializer as numpy, external data read by its declared offset and length; each
+        initializer read once, all of them together at most MAX_GAIN_BYTES."""
+        cache = self.__dict__.setdefault("_arrays", {})
+        key = t.name if t.name and self.init.get(t.name) is t else None  # a Constant node's value has no name
+        if key is not None and key in cache:
+            return cache[key]
+        arr = self._array(t, limit)
+        self.__dict__["_read"] = self.__dict__.get("_read", 0) + arr.nbytes
+        if self._read > MAX_GAIN_BYTES:
+            raise InputError(f"{self.path}: more than {MAX_GAIN_BYTES} bytes of norm gains; refused")
+        if key is not None:
+            cache[key] = arr
+        return arr
+
+    def _array(self, t, limit: int):
         from onnx import numpy_helper
 
         count = math.prod(t.dims) if t.dims else 1
@@ -157,9 +174,14 @@ class _Graph:
         except ValueError:
             raise InputError(f"{self.path}: initializer {t.name!r} has a malformed offset/length") from None
         try:
-            size = target.stat().st_size
+            st = target.stat()
         except OSError:
             raise InputError(f"{self.path}: external data {location} of {t.name!r} is missing") from None
+        import stat as stat_mod
+
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise InputError(f"{self.path}: external data {location} of {t.name!r} is not a regular file; refused")
+        size = st.st_size
         if length != need or offset < 0 or offset + length > size:
             raise InputError(f"{self.path}: initializer {t.name!r} declares {length} bytes at {offset} of "
                              f"{location} ({size} bytes) for {list(t.dims)} elements; refused")
@@ -189,6 +211,10 @@ def _tensor(graph: _Graph, t):
     import numpy as np
     import torch
 
+    if t.data_type not in _FLOAT_TYPES:
+        raise InputError(f"{graph.path}: the norm gain {t.name!r} has ONNX type {t.data_type}, not a float type; "
+                         "refused")
+
     arr = graph.array(t)
     if t.data_type == 16:
         if arr.dtype != np.uint16:  # onnx's own conversion gave float32 values
@@ -197,10 +223,11 @@ def _tensor(graph: _Graph, t):
     return torch.from_numpy(np.array(arr, copy=True))
 
 
-def _norm_name(graph: _Graph, gain_name: str, nodes) -> str:
-    """The checkpoint layer a norm belongs to: its gain's initializer name, else the node path."""
+def _norm_name(graph: _Graph, gain_name: str, nodes, shared: bool = False) -> str:
+    """The checkpoint layer a norm belongs to: its gain's initializer name (unless several norms
+    read it: an exporter merged identical gains), else the name scopes or the node path."""
     for suffix in (".weight", ".scale", ".gamma"):
-        if gain_name.endswith(suffix) and not gain_name.startswith("onnx::"):
+        if gain_name.endswith(suffix) and not gain_name.startswith("onnx::") and not shared:
             return gain_name[: -len(suffix)]
     for node in reversed(nodes):  # the dynamo exporter: the module path in the node's metadata
         scope = _scope(node)
@@ -260,8 +287,24 @@ def _fused(graph: _Graph, node):
     if bi is not None and len(node.input) > bi and node.input[bi]:
         b, _ = graph.gain(node.input[bi])
         bias = None if b is None else _tensor(graph, b)
-    x = node.input[0]
-    return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], [node])
+    x, nodes = node.input[0], [node]
+    while x in graph.producer and graph.producer[x].op_type in _PASS:  # casts into the op belong to it
+        nodes.insert(0, graph.producer[x])
+        x = graph.producer[x].input[0]
+    if node.op_type in SKIP_EXTRA:
+        # the residual (skip) and a dense layer's bias ORT folded in are the model's, not the norm's:
+        # the subgraph normalises the probe alone
+        import onnx
+
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        skip, folded = SKIP_EXTRA[node.op_type]
+        if len(copy.input) > folded:
+            copy.input[folded] = ""
+        nodes[-1] = copy
+        return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes,
+                     zeros={node.input[skip]}, original=node)
+    return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes)
 
 
 def _decomposed(graph: _Graph, mean_node):
@@ -304,8 +347,16 @@ def _decomposed(graph: _Graph, mean_node):
             elif consumer.op_type == "Reciprocal":
                 nodes.append(consumer)
                 normed = graph.only(consumer.output[0], "Mul")
-    if normed is None or h not in normed.input:
+    if normed is None:
         return None
+    if h not in normed.input:  # T5 casts x twice: one Cast feeds the Pow, another the Mul
+        base = graph.through(h)
+        other = next((i for i in normed.input if i != h and graph.through(i) == base and i != base), None)
+        if other is None:
+            return None
+        while other != base and other in graph.producer and graph.producer[other].op_type in _PASS:
+            nodes.append(graph.producer[other])
+            other = graph.producer[other].input[0]
     nodes.append(normed)
     # centred h (x - mean(x)): a LayerNorm
     kind, x = "rms_norm", h
@@ -354,20 +405,38 @@ def _decomposed(graph: _Graph, mean_node):
     return _norm(graph, kind, w, offset, bias, eps, f"onnx:{add.name or 'Add'} constant", "decomposed", x, y, nodes)
 
 
-def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes):
+def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes, zeros=frozenset(), original=None):
     weight = _tensor(graph, w)
     if weight.dim() == 0:
         return None
-    elem = graph.types.get(x, (1, None))[0]
+    elem = _elem_type(graph, x, w)
     dtype = _DTYPES.get(elem, "float32")
-    norm = OnnxNorm(name=_norm_name(graph, w.name, nodes), kind=kind, dim=int(weight.shape[-1]), eps=eps,
+    shared = len({n.name for n in graph.consumers.get(w.name, [])}) > 1  # one initializer, several norms
+    norm = OnnxNorm(name=_norm_name(graph, w.name, nodes, shared), kind=kind, dim=int(weight.shape[-1]), eps=eps,
                     eps_source=source, form=form, weight=weight, bias=bias, offset=offset, dtype=dtype,
                     nodes=[n.name for n in nodes])
-    norm.program = _subgraph(graph, x, y, nodes, form)
+    norm.program = _subgraph(graph, x, y, nodes, form, elem, zeros, original)
     return norm
 
 
-def _subgraph(graph: _Graph, x: str, y: str, nodes, form: str) -> bytes:
+def _elem_type(graph, x: str, w) -> int:
+    """x's element type: from shape inference, else (ORT's contrib ops are not typed by onnx's
+    inference) a Cast that produced it, else the gain's own type (the Skip ops bind both to T)."""
+    if x in graph.types and graph.types[x][0]:
+        return graph.types[x][0]
+    node = graph.producer.get(x)
+    if node is not None and node.op_type == "Cast":
+        to = next((a.i for a in node.attribute if a.name == "to"), 0)
+        if to:
+            return to
+    for vi in graph.model.graph.input:
+        if vi.name == x:
+            return vi.type.tensor_type.elem_type
+    return w.data_type
+
+
+def _subgraph(graph: _Graph, x: str, y: str, nodes, form: str, elem: int, zeros=frozenset(),
+              original=None) -> bytes:
     """x -> y with every node between them and the initializers they read; a Skip op's skip
     input becomes zeros shaped like x, so the op normalises x alone."""
     import onnx
@@ -376,13 +445,16 @@ def _subgraph(graph: _Graph, x: str, y: str, nodes, form: str) -> bytes:
     # back from y through the norm's own nodes and any all-constant subtree (Constant nodes, an
     # Add(w, 1) on the gain); any other tensor (a Skip op's skip, the rest of the model) is cut
     allowed = {id(n) for n in nodes}
+    swap = {id(original): nodes[-1]} if original is not None else {}  # a Skip op with its folded bias cut
     keep, stack, seen = [], [y], set()
     while stack:
         name = stack.pop()
-        if name == x or name in seen or name in graph.init or not name:
+        if name == x or name in seen or name in zeros or not name or name in graph.init:
             continue
         seen.add(name)
         node = graph.producer.get(name)
+        if node is not None and id(node) in swap:
+            node = swap[id(node)]
         if node is None or not (id(node) in allowed or _constant_tree(graph, name)):
             continue  # becomes zeros shaped like x, below
         keep.append(node)
@@ -391,14 +463,15 @@ def _subgraph(graph: _Graph, x: str, y: str, nodes, form: str) -> bytes:
             raise InputError(f"{graph.path}: a norm subgraph of more than 64 nodes; the pattern is not a norm")
     keep.reverse()
     order = {id(n): k for k, n in enumerate(graph.model.graph.node)}
+    order.update({id(new): order.get(old, 0) for old, new in swap.items()})
     keep.sort(key=lambda n: order.get(id(n), 0))
     produced = {o for n in keep for o in n.output}
     inputs_needed = {i for n in keep for i in n.input if i and i not in produced}
-    elem, rank = graph.types.get(x, (TensorProto.FLOAT, None))
-    out_elem, _ = graph.types.get(y, (elem, None))
+    rank = graph.types.get(x, (None, None))[1]
+    out_elem = graph.types.get(y, (None, None))[0] or elem
     extra_nodes, inits = [], []
     for name in sorted(inputs_needed - {x}):
-        if name in graph.init:
+        if name in graph.init and name not in zeros:
             t = graph.init[name]
             arr = graph.array(t)
             from onnx import numpy_helper
@@ -421,15 +494,24 @@ def _subgraph(graph: _Graph, x: str, y: str, nodes, form: str) -> bytes:
 
 
 def _constant_tree(graph: _Graph, name: str, depth: int = 0) -> bool:
-    """Whether `name` is computed from constants and initializers alone (within a few nodes)."""
+    """Whether `name` is computed from constants and initializers alone (within a few nodes);
+    memoised, so a graph built to fan out costs each tensor once."""
+    memo = graph.__dict__.setdefault("_const", {})
+    if name in memo:
+        return memo[name]
     if name in graph.init:
-        return True
-    node = graph.producer.get(name)
-    if node is None or depth > 6:
-        return False
-    if node.op_type == "Constant":
-        return True
-    return all(_constant_tree(graph, i, depth + 1) for i in node.input if i)
+        result = True
+    else:
+        node = graph.producer.get(name)
+        if node is None or depth > 6:
+            result = False
+        elif node.op_type == "Constant":
+            result = True
+        else:
+            memo[name] = False  # a cycle in a hostile graph is no constant
+            result = all(_constant_tree(graph, i, depth + 1) for i in node.input if i)
+    memo[name] = result
+    return result
 
 
 def rank_of(program: bytes) -> int:

@@ -179,7 +179,11 @@ def _program(layer, device: str):
     session, name, dtype, rank, out = _SESSIONS[key]
 
     def run(x):
-        shaped = x.reshape(*([1] * max(0, rank - 2)), -1, x.shape[-1]) if rank >= 2 else x
+        # the graph's own rank: leading 1s added (batch), or rows folded; (n, heads, dim) kept whole
+        if x.dim() <= rank:
+            shaped = x.reshape(*([1] * (rank - x.dim())), *x.shape)
+        else:
+            shaped = x.reshape(*([1] * max(0, rank - 2)), -1, x.shape[-1])
         (y,) = session.run_with_ort_values([out], {name: _to_ort(shaped.to(dtype))})
         return _from_ort(y, torch.float32 if dtype == torch.bfloat16 else dtype, x.device).reshape(x.shape).to(x.dtype)
 

@@ -6,6 +6,8 @@ a finding that fails the layer (or the report, for layers only the copy has)."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from parity_cli.layers import NormLayer
@@ -63,7 +65,8 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked:
         "max_abs_diff": float(diff[bad].max()),
         "channels": [{"channel": j, "reference": float(ref64[j]), "candidate": float(cand64[j])} for j in idx],
     }
-    shift = round(float(delta.mean()))
+    mean = float(delta.mean())
+    shift = round(mean) if math.isfinite(mean) else 0  # a NaN gain has no shift to name
     if count == ref64.numel() and shift and bool(((delta - shift).abs() < 1e-2).all()):
         finding["uniform_shift"] = float(shift)
         finding["message"] += (f"; every channel is shifted by {shift:+g}: a gain offset (1 + w) "

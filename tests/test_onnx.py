@@ -248,3 +248,130 @@ def test_cuda_without_the_gpu_runtime_is_one_line(ckpt):
 
     with pytest.raises(InputError, match="onnxruntime-gpu"):
         _session(build_graph("rms_norm", "llama", 8, (), "float32", 1e-6, 0.0, "decomposed", False), "cuda")
+
+
+# --- whole real models, exported as a user does (review of issue 16) ---------------------------------
+
+WHOLE = {
+    "llama": lambda T: T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64)),
+    "bert": lambda T: T.BertModel(T.BertConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        layer_norm_eps=1e-12, max_position_embeddings=64)),
+}
+
+
+def _whole(kind, tmp_path, perturb: bool):
+    import warnings
+
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = WHOLE[kind](T).eval()
+    if perturb:  # every 1-D parameter, biases of the dense layers before the norms included
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            out = self.m(input_ids=ids, use_cache=False) if kind == "llama" else self.m(input_ids=ids)
+            return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Logits(model), (torch.randint(0, 128, (1, 8)),), str(tmp_path / "m.onnx"), dynamo=True,
+                          opset_version=18)
+    return tmp_path / "hf", tmp_path / "m.onnx"
+
+
+@pytest.mark.parametrize("kind, perturb", [("llama", False), ("bert", True)])
+def test_a_whole_model_export_passes(kind, perturb, tmp_path):
+    """A fresh Llama's norms all hold ones: the exporter merges them into one initializer, so
+    names come from the module scopes; a BERT with biased dense layers, after ORT's optimizer,
+    has SkipLayerNormalization with the dense bias folded in, which is not the norm's."""
+    pytest.importorskip("onnxscript")
+    hf, path = _whole(kind, tmp_path, perturb)
+    report = api.check(str(hf), candidate_checkpoint=str(path))
+    assert report.passed and report.header["candidate"]["checkpoint"]["findings"] == 0, \
+        [(l.name, l.status, l.error, l.findings) for l in report.layers]
+    if kind == "bert":
+        from onnxruntime.transformers import optimizer
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            opt = optimizer.optimize_model(str(path), model_type="bert", num_heads=4, hidden_size=64)
+        opt.save_model_to_file(str(tmp_path / "opt.onnx"))
+        assert "SkipLayerNormalization" in _ops(tmp_path / "opt.onnx")
+        report = api.check(str(hf), candidate_checkpoint=str(tmp_path / "opt.onnx"))
+        assert report.passed, [(l.name, l.status, l.error, l.findings) for l in report.layers]
+
+
+def test_candidate_options_that_a_graph_would_ignore_are_refused(ckpt, tmp_path):
+    src = ckpt("llama", layers=1, eps=1e-6)
+    path = _export(src, tmp_path / "m.onnx", "torchscript")
+    r = run_parity("check", src, "--candidate-checkpoint", path, "--candidate-eps", "1e-2")
+    assert r.returncode == 2 and "runs its own subgraphs" in r.stderr
+
+
+def _graph_with_gain(tmp_path, gain, name="model.norm.weight", fan=0):
+    """x -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul -> Mul(gain); `fan` nests a
+    Max of the axes `fan` times over itself (a graph built to make a naive walk explode)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Constant", [], ["axes0"], value=helper.make_tensor("a", TensorProto.INT64, [1], [-1]))]
+    axes = "axes0"
+    for k in range(fan):
+        nodes.append(helper.make_node("Max", [axes] * 8, [f"axes{k + 1}"]))
+        axes = f"axes{k + 1}"
+    nodes += [helper.make_node("Constant", [], ["two"], value=helper.make_tensor("t", TensorProto.FLOAT, [], [2.0])),
+              helper.make_node("Constant", [], ["eps"], value=helper.make_tensor("e", TensorProto.FLOAT, [], [1e-6])),
+              helper.make_node("Pow", ["x", "two"], ["sq"]),
+              helper.make_node("ReduceMean", ["sq", axes], ["q"], keepdims=1),
+              helper.make_node("Add", ["q", "eps"], ["qe"]), helper.make_node("Sqrt", ["qe"], ["r"]),
+              helper.make_node("Reciprocal", ["r"], ["inv"]), helper.make_node("Mul", ["x", "inv"], ["n"]),
+              helper.make_node("Mul", ["n", name], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64])], initializer=[gain])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    path = tmp_path / "g.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def test_hostile_graphs_are_refused_quickly(tmp_path):
+    import time
+
+    from onnx import TensorProto, helper
+
+    ones = helper.make_tensor("model.norm.weight", TensorProto.FLOAT, [64], [1.0] * 64)
+    path = _graph_with_gain(tmp_path, ones, fan=40)  # 8^40 paths through the axes, walked once each
+    t0 = time.monotonic()
+    r = run_parity("inspect", path)
+    assert r.returncode == 0 and time.monotonic() - t0 < 30 and "model.norm" in r.stdout
+    strings = helper.make_tensor("model.norm.weight", TensorProto.STRING, [64], [b"x"] * 64)
+    r = run_parity("inspect", _graph_with_gain(tmp_path, strings))
+    assert r.returncode == 2 and "not a float type" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_external_data_in_a_fifo_is_refused(tmp_path):
+    import os
+
+    from onnx import TensorProto, helper
+
+    os.mkfifo(tmp_path / "pipe.bin")
+    gain = helper.make_tensor("model.norm.weight", TensorProto.FLOAT, [0], [])
+    gain.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "pipe.bin"), ("offset", "0"), ("length", "0")):
+        entry = gain.external_data.add()
+        entry.key, entry.value = key, value
+    r = run_parity("inspect", _graph_with_gain(tmp_path, gain))
+    assert r.returncode == 2 and "not a regular file" in r.stderr
