@@ -17,11 +17,11 @@ TWO_FAULTS = f"{Path(__file__).parent / 'plugins' / 'two_faults.py'}:eps_wide_of
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    """Gemma 3 shaped, 6 blocks: 6 x 6 norms + the final one = 37 layers, 12 of them q/k norms
+    """Gemma 3 shaped, 3 blocks: 3 x 6 norms + the final one = 19 layers, 6 of them q/k norms
     over the 16-wide head (hidden 64 / 4 heads), configured eps 1e-6."""
     from parity_cli.synthetic import write_checkpoint
 
-    return write_checkpoint(tmp_path_factory.mktemp("g") / "gemma", "gemma3_text", layers=6, hidden=64, heads=4,
+    return write_checkpoint(tmp_path_factory.mktemp("g") / "gemma", "gemma3_text", layers=3, hidden=64, heads=4,
                             eps=1e-6)
 
 
@@ -38,20 +38,20 @@ def failing(gemma, tmp_path_factory):
 def test_a_failing_run_fits_one_screen_with_the_verdict_first(failing):
     stdout, rep, _, _ = failing
     lines = stdout.splitlines()
-    assert lines[0] == "FAIL: 37 of 37 layers fail" and lines[-1] == lines[0]
+    assert lines[0] == "FAIL: 19 of 19 layers fail" and lines[-1] == lines[0]
     assert max(len(line) for line in lines) <= 80 and "…" not in stdout
     assert len(lines) <= 40  # 37 layers, two faults: the groups and the heat grid, not 37 rows
     # one line per fault: the planted eps 1e-5 against the configured 1e-6, and the missing +1
-    assert sum(line.startswith("25 layers: eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6") for line in lines) == 1
-    assert sum(line.startswith("12 layers: weight_offset_mismatch") for line in lines) == 1
+    assert sum(line.startswith("13 layers: eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6") for line in lines) == 1
+    assert sum(line.startswith("6 layers: weight_offset_mismatch") for line in lines) == 1
     assert "model.layers.*.self_attn.{k,q}_norm" in stdout
     # the per-layer detail is in the JSON, one diagnosis per layer
-    assert sum(len(l["diagnoses"]) for l in rep["layers"]) == 37
+    assert sum(len(l["diagnoses"]) for l in rep["layers"]) == 19
 
 
 def test_verbose_has_every_layer(gemma):
     r = run_parity("check", gemma, "--candidate", TWO_FAULTS, "--verbose", env={"COLUMNS": "80"})
-    names = [f"model.layers.{i}.self_attn.q_norm" for i in range(6)] + ["model.norm"]
+    names = [f"model.layers.{i}.self_attn.q_norm" for i in range(3)] + ["model.norm"]
     assert all(f"{n} eps_mismatch" in r.stdout or f"{n} weight_offset_mismatch" in r.stdout for n in names)
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
 
@@ -59,7 +59,7 @@ def test_verbose_has_every_layer(gemma):
 def test_quiet_is_one_line_with_the_largest_group(gemma, ckpt):
     r = run_parity("check", gemma, "--candidate", TWO_FAULTS, "-q")
     assert r.returncode == 1 and len(r.stdout.splitlines()) == 1
-    assert r.stdout.startswith("FAIL: 37 of 37 layers fail | 25 layers (") and "(+1 more group(s))" in r.stdout
+    assert r.stdout.startswith("FAIL: 19 of 19 layers fail | 13 layers (") and "(+1 more group(s))" in r.stdout
     r = run_parity("check", ckpt("llama", layers=2), "-q")
     assert r.returncode == 0 and r.stdout == "PASS: all 5 layers within tolerance on 7 strata\n"
 
@@ -96,18 +96,18 @@ def test_junit_classname_is_stable_and_failures_are_grouped(failing):
     messages = {c.get("name"): c.find("failure").get("message") for c in cases}
     eps = {m.split(";")[0] for n, m in messages.items() if not n.endswith(("q_norm", "k_norm"))}
     assert eps == {"eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6"}
-    assert "12 layers (model.layers.*.self_attn.{k,q}_norm)" in suite.find("system-out").text
+    assert "6 layers (model.layers.*.self_attn.{k,q}_norm)" in suite.find("system-out").text
 
 
 def test_markdown_has_a_row_per_group(failing):
     _, rep, _, md = failing
     top = md.split("<details>")[0]
-    assert top.startswith("## parity: FAIL — 37 of 37 layers fail")
-    rows = [line for line in top.splitlines() if line.startswith("| 25: ") or line.startswith("| 12: ")]
+    assert top.startswith("## parity: FAIL — 19 of 19 layers fail")
+    rows = [line for line in top.splitlines() if line.startswith("| 13: ") or line.startswith("| 6: ")]
     assert len(rows) == 2
     message = next(d["message"] for l in rep["layers"] for d in l["diagnoses"] if d["code"] == "eps_mismatch")
     assert top.replace("\\", "").count(message) == 1  # the full message once (Markdown-escaped), not per layer
-    assert md.split("<details>")[1].count("| `model.") == 37
+    assert md.split("<details>")[1].count("| `model.") == 19
 
 
 def test_explain_runs_one_ladder_per_group(gemma, tmp_path):
@@ -117,11 +117,11 @@ def test_explain_runs_one_ladder_per_group(gemma, tmp_path):
     assert r.stdout.count("conclusion:") == 2
     rep = load_json(out)
     groups = rep["explain"]["groups"]
-    assert sorted(len(g["layers"]) for g in groups) == [12, 25]
+    assert sorted(len(g["layers"]) for g in groups) == [6, 13]
     by_size = {len(g["layers"]): g for g in groups}
-    assert by_size[25]["conclusion"]["factor"] == "eps" and by_size[25]["conclusion"]["residual"]["status"] == "pass"
+    assert by_size[13]["conclusion"]["factor"] == "eps" and by_size[13]["conclusion"]["residual"]["status"] == "pass"
     # a missing +1 is the candidate's math: the family's own kernel at the same dtype passes
-    assert by_size[12]["conclusion"]["factor"] == "kernel"
+    assert by_size[6]["conclusion"]["factor"] == "kernel"
     assert all(l["conclusion"]["factor"] in ("eps", "kernel") for l in rep["layers"])
     assert max(len(line) for line in r.stdout.splitlines()) <= 80
 
@@ -242,7 +242,7 @@ def test_real_third_party_faults_group_per_layer_kind(gemma):
     ort = f"{Path(__file__).parent / 'plugins' / 'onnx_norm.py'}:rms_normalization_defaults"
     r = run_parity("check", gemma, "--candidate", ort, "--dtype", "float32", "-q")
     assert r.returncode == 1 and len(r.stdout.splitlines()) == 1
-    assert r.stdout.startswith("FAIL: 37 of 37 layers fail | 37 layers (")
+    assert r.stdout.startswith("FAIL: 19 of 19 layers fail | 19 layers (")
     assert "eps_mismatch, behaves as eps ≈ 1.0e-5, configured 1e-6; weight_offset_mismatch" in r.stdout
     pytest.importorskip("transformers")
     r = run_parity("check", gemma, "--candidate", "transformers", "--candidate-eps", "1e-5", "-q")
@@ -268,11 +268,11 @@ def test_a_baseline_run_shows_its_new_group_first(gemma, tmp_path):
     old = tmp_path / "old.json"
     run_parity("check", gemma, "--candidate-eps", "1e-5", "--json", old)  # every layer: the eps fault
     r = run_parity("check", gemma, "--candidate", TWO_FAULTS, "--baseline", old, "-q")
-    assert r.returncode == 1 and "| 12 layers (model.layers.*.self_attn.{k,q}_norm): weight_offset_mismatch" in r.stdout
+    assert r.returncode == 1 and "| 6 layers (model.layers.*.self_attn.{k,q}_norm): weight_offset_mismatch" in r.stdout
     r = run_parity("check", gemma, "--candidate", TWO_FAULTS, "--baseline", old)
     lines = r.stdout.splitlines()
-    new = next(i for i, l in enumerate(lines) if l.startswith("new: 12 layers: weight_offset_mismatch"))
-    accepted = next(i for i, l in enumerate(lines) if l.startswith("accepted by the baseline: 25 layers: eps_mismatch"))
+    new = next(i for i, l in enumerate(lines) if l.startswith("new: 6 layers: weight_offset_mismatch"))
+    accepted = next(i for i, l in enumerate(lines) if l.startswith("accepted by the baseline: 13 layers: eps_mismatch"))
     assert new < accepted
 
 
