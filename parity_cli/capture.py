@@ -67,16 +67,17 @@ class _Sample:
         return torch.stack([e[2] for e in ordered]) if ordered else None
 
 
-def _model_class(config):
+def _model_class(config, gguf: bool = False):
     """The checkpoint's own architecture class from transformers (config.architectures), so the
-    module names are the checkpoint's tensor names; never a class the directory ships."""
+    module names are the checkpoint's tensor names; never a class the directory ships. A GGUF
+    (llama.cpp's format, causal LMs) names none: its causal-LM class."""
     import transformers
 
     for arch in config.architectures or []:
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls
-    return transformers.AutoModel
+    return transformers.AutoModelForCausalLM if gguf else transformers.AutoModel
 
 
 def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 96, device: str = "cpu",
@@ -100,20 +101,25 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         from transformers import AutoConfig, AutoTokenizer
     except ImportError:
         raise InputError("parity capture needs transformers: pip install transformers") from None
-    path = str(model_dir)
+    from parity_cli.gguf_checkpoint import is_gguf
+
+    source = Path(model_dir)
+    gguf = source.is_file() and is_gguf(source)
+    path = str(source.parent if gguf else source)
+    extra = {"gguf_file": source.name} if gguf else {}  # transformers dequantizes it (needs gguf, accelerate)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False, **extra)
     except Exception as exc:
         raise InputError(f"{model_dir}: cannot load its config or bundled tokenizer: "
                          f"{' '.join(str(exc).split())[:200]}") from None
-    cls = _model_class(config)
+    cls = _model_class(config, gguf)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=False, use_safetensors=True,
-                                    torch_dtype="auto")
+        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=False, torch_dtype="auto",
+                                    **(extra or {"use_safetensors": True}))
     except Exception as exc:
         raise InputError(f"{model_dir}: transformers cannot load the model ({cls.__name__}): "
                          f"{' '.join(str(exc).split())[:200]}") from None

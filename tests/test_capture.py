@@ -149,3 +149,64 @@ def test_rows_stay_bounded_by_k_whatever_the_tokens(llama, tmp_path):
                           "--rows-per-layer", "9", "-o", out).returncode == 0
         with safe_open(str(out), framework="pt") as fh:
             assert all(fh.get_tensor(n).shape[0] <= 9 for n in fh.keys())
+
+
+def _write_gguf(hf, out):
+    """A whole tiny Llama as a GGUF transformers can dequantize: llama.cpp's tensor names (gguf-py's
+    map), its metadata keys, and a gpt2-style byte-level BPE vocabulary with merges."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(f"{hf}/config.json"))
+    sd = load_file(f"{hf}/model.safetensors")
+    L = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_block_count(L); w.add_context_length(cfg["max_position_embeddings"]); w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"]); w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"]); w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_vocab_size(cfg["vocab_size"]); w.add_file_type(0)
+    # a byte-level BPE vocabulary as llama.cpp writes for gpt2-style tokenizers: "Ġw12" = Ġ + w + 1 + 2 merged
+    chars = ["Ġ", "w"] + [str(d) for d in range(10)]
+    merges, words = ["Ġ w"], ["<|endoftext|>"] + chars + ["Ġw"]
+    for i in range(40):
+        prev, nxt = "Ġw", f"Ġw{i}"
+        if i >= 10:
+            merges.append(f"Ġw{i // 10} {i % 10}") if f"Ġw{i // 10}" in words else None
+        else:
+            merges.append(f"Ġw {i}")
+        words.append(nxt)
+    words += [f"<pad{k}>" for k in range(cfg["vocab_size"] - len(words))]
+    w.add_tokenizer_model("gpt2"); w.add_token_list(words); w.add_token_merges(merges)
+    w.add_token_types([3] + [1] * (len(words) - 1)); w.add_bos_token_id(0); w.add_eos_token_id(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, L)
+    for k, t in sd.items():
+        base = k[: -len(".weight")]
+        g = names.get_name(base)
+        if g is None:
+            continue
+        w.add_tensor(f"{g}.weight", t.float().numpy())
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+    return out
+
+
+def test_capture_from_a_gguf(llama, tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from safetensors import safe_open
+
+    from parity_cli import api
+    from parity_cli.layers import discover_layers
+
+    path = _write_gguf(llama, tmp_path / "tiny.gguf")
+    out = tmp_path / "acts.safetensors"
+    r = run_parity("capture", path, "--prompt", " " + " ".join(f"w{i % 40}" for i in range(200)), "-o", out)
+    assert r.returncode == 0, r.stderr
+    ckpt, fam, eps = api.load(path)
+    names = {l.name for l in discover_layers(ckpt, fam, eps).layers}
+    with safe_open(str(out), framework="pt") as fh:
+        assert set(fh.keys()) == names and all(fh.get_tensor(n).shape[0] > 3 for n in names)
+    r = run_parity("check", path, "--activations", out, "--candidate-eps", "1e-5", "-q")
+    assert r.returncode == 1 and "eps_mismatch" in r.stdout
