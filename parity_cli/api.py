@@ -348,7 +348,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
 
         from parity_cli import capture
 
-        everything = discover_layers(ckpt, fam, eps).layers  # the fingerprint covers the whole model
+        # the fingerprint covers the whole model, whatever --layers picked
+        everything = discover_layers(ckpt, fam, eps).layers if opts.layers else found.layers
         rows, captured_meta = capture.load(opts.activations, found.layers, everything)
         opts = dataclasses.replace(opts, captured=rows)
     pairing, conversion, copy_dtype = None, None, None

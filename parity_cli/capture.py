@@ -187,16 +187,13 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
 
     from parity_cli.replay import fingerprint
 
+    from parity_cli.jsonfile import parse, regular_file
+
     path = Path(path)
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the activations: {exc.strerror}") from None
-    if size > MAX_FILE_BYTES:
-        raise InputError(f"{path}: {size} bytes of activations, more than {MAX_FILE_BYTES}; refused")
+    regular_file(path, "the activations", MAX_FILE_BYTES, f"more than a capture may have ({MAX_FILE_BYTES}); refused")
     try:
         with safe_open(str(path), framework="pt") as fh:
-            meta = json.loads((fh.metadata() or {}).get("parity", "null"))
+            meta = parse((fh.metadata() or {}).get("parity", "null"), path, "the capture's metadata")
             if not isinstance(meta, dict) or "fingerprint" not in meta:
                 raise InputError(f"{path}: not a parity capture (no parity metadata)")
             if meta["fingerprint"] != fingerprint(all_layers)["sha256"]:
@@ -238,40 +235,38 @@ def eps_impact(rows, gain, bias, eps: float, other_eps: float, kind: str, rtol: 
     """What an eps of `other_eps` instead of `eps` does to real rows, in float64: per row the
     largest |change| over the row's largest |output|; the share of rows moved by more than rtol
     and by more than 1 %, and the worst row."""
-    import torch
-
     from parity_cli.implementations import oracle_normalize
 
     def out(e):
         y = oracle_normalize(rows, e, kind) * gain
         return y if bias is None else y + bias
 
-    y, alt = out(eps), out(other_eps)
-    scale = y.abs().amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
-    move = (alt - y).abs().amax(-1) / scale
+    return {"eps": other_eps, **_moved(out(other_eps), out(eps), rtol)}
+
+
+def _moved(changed, base, rtol: float) -> dict:
+    """Per row the largest |change| over the row's largest |output| (a NaN row counts as moved
+    without bound): how many rows move past rtol and past 1 %, and the worst."""
+    import torch
+
+    scale = base.abs().amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    move = (changed - base).abs().amax(-1) / scale
+    move = torch.where(torch.isnan(move), torch.full_like(move, float("inf")), move)
     worst = int(torch.argmax(move))
-    return {"eps": other_eps, "rows": int(move.numel()), "share_over_rtol": float((move > rtol).double().mean()),
+    return {"rows": int(move.numel()), "share_over_rtol": float((move > rtol).double().mean()),
             "share_over_1pct": float((move > 0.01).double().mean()),
             "worst_row": {"index": worst, "move": float(move[worst])}}
 
 
-def layer_summary(layer, strata, gain, bias, eps: float, tol, diagnoses) -> dict | None:
+def captured_summary(layer, strata, gain, bias, eps: float, tol, diagnoses) -> dict | None:
     """For the report: the real rows' q/eps, what the candidate does to them (measured), and what
     each diagnosed eps would do to them on its own (computed in float64)."""
-    import torch
-
     s = next((s for s in strata if s.name == "captured"), None)
     if s is None or s.x is None:
         return None
     out = {"q_over_eps": q_summary(s.x, eps, layer.kind)}
     if s.cand is not None and s.ref is not None:
-        scale = s.ref.abs().amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
-        move = (s.cand - s.ref).abs().amax(-1) / scale
-        move = torch.where(torch.isnan(move), torch.full_like(move, float("inf")), move)
-        worst = int(torch.argmax(move))
-        out["candidate"] = {"share_over_rtol": float((move > tol.rtol).double().mean()),
-                            "share_over_1pct": float((move > 0.01).double().mean()),
-                            "worst_row": {"index": worst, "move": float(move[worst])}}
+        out["candidate"] = _moved(s.cand, s.ref, tol.rtol)
     impacts = []
     for d in diagnoses:
         est = d.evidence.get("estimated_eps") if d.code == "eps_mismatch" else None

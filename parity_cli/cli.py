@@ -473,8 +473,12 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
         raise InputError("parity capture: give --text FILE or --prompt TEXT (one of them)")
     outputs = _check_outputs({"-o": out_path}, [model] + ([text_path] if text_path else []))
     if text_path:
+        from parity_cli.jsonfile import regular_file
+
+        regular_file(text_path, "the text", 1 << 30, "over the 1 GiB a text may have")
         try:
-            text = Path(text_path).read_text(encoding="utf-8", errors="replace")[: 64 * max_tokens]
+            with open(text_path, "rb") as fh:  # at most what --max-tokens can use
+                text = fh.read(64 * max_tokens).decode("utf-8", errors="replace")
         except OSError as exc:
             raise InputError(f"{text_path}: cannot read: {exc.strerror}") from None
     else:

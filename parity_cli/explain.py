@@ -45,6 +45,7 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     from parity_cli.probes import select_strata
     from parity_cli.runners import InProcessRunner
     from parity_cli.supervisor import close_runners, open_runners, parse_memory
+    from parity_cli.terminal import fmt
 
     opts = dataclasses.replace(api.effective(opts), grad=False)
     if layer_names:  # the caller has the report already (check --explain, parity explain REPORT.json)
@@ -120,9 +121,7 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
             if est is not None and est[0] > 0:
                 shifted = dataclasses.replace(layer, eps=Eps(est[0], "estimated from the candidate"))
                 keep = cand(cand_dtype, opts.candidate_eps if opts.candidate_eps is not None else (other or layer).eps.value)
-                from parity_cli.grouping import g as _g
-
-                steps.append(_step(f"reference with eps {_g(float(f'{est[0]:.3g}'))} (estimated)", "eps",
+                steps.append(_step(f"reference with eps {fmt(est[0])} (estimated)", "eps",
                                    check_layer(shifted, reference, keep, strata, tol, opts, cand_layer=other,
                                                diagnose_failures=False)))
             else:

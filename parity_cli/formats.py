@@ -7,12 +7,6 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 
-def _num(value) -> str:
-    from parity_cli.terminal import fmt
-
-    return fmt(value)
-
-
 def layer_summary(layer: dict) -> dict:
     """Failing strata, worst errors, q/eps range of the failing probes, diagnosis codes."""
     strata = layer["strata"]
@@ -42,13 +36,15 @@ def _failing_q(strata):
 
 
 def failure_message(layer: dict) -> str:
+    from parity_cli.terminal import fmt
+
     s = layer_summary(layer)
     lo, hi = s["q_over_eps"]
     parts = [layer["status"] + (f": strata {', '.join(s['failing'])}" if s["failing"] else "")]
     if s["max_abs_err"] is not None:
-        parts.append(f"max abs err {_num(s['max_abs_err'])}, max rel err {_num(s['max_rel_err'])}")
+        parts.append(f"max abs err {fmt(s['max_abs_err'])}, max rel err {fmt(s['max_rel_err'])}")
     if lo is not None:
-        parts.append(f"q/eps {_num(lo)}..{_num(hi)}")
+        parts.append(f"q/eps {fmt(lo)}..{fmt(hi)}")
     if layer.get("error"):
         parts.append(f"error: {layer['error']}")
     if s["diagnoses"]:

@@ -12,8 +12,16 @@ import re
 from dataclasses import dataclass, field
 
 
+def unpadded(text: str) -> str:
+    """1e-06 -> 1e-6, 3.9e+13 -> 3.9e13: how a config file (and a person) writes an exponent."""
+    if "e" not in text:  # inf and nan have none
+        return text
+    mantissa, exponent = text.split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def sci(value) -> str:
-    """Two significant digits, exponent without padding: 1.0e-5 (what a config file would say)."""
+    """Two significant digits: 1.0e-5 (what a config file would say)."""
     from parity_cli.report import unjfloat
 
     value = unjfloat(value)
@@ -21,17 +29,12 @@ def sci(value) -> str:
         return "?"
     if value == 0 or not math.isfinite(value):
         return f"{value:g}"
-    mantissa, exponent = f"{value:.1e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
+    return unpadded(f"{value:.1e}")
 
 
 def g(value) -> str:
-    """%g with the exponent unpadded: 1e-6, as a config file writes it."""
-    text = f"{float(value):g}"
-    if "e" in text:
-        mantissa, exponent = text.split("e")
-        text = f"{mantissa}e{int(exponent)}"
-    return text
+    """%g with the exponent unpadded: 1e-6."""
+    return unpadded(f"{float(value):g}")
 
 
 def _offset_words(item: dict) -> str:

@@ -14,16 +14,29 @@ from parity_cli.errors import InputError
 MAX_BYTES = {"config": 16 << 20, "index": 64 << 20, "report": 256 << 20}
 
 
+def regular_file(path: str | Path, what: str, cap: int, over: str) -> int:
+    """The size of `path` once it is known to be a regular file of at most `cap` bytes (a FIFO
+    would block the first read, a device never end); `over` says what the cap is. Every input
+    file that is not JSON (an .onnx graph, a capture, a text) is opened after this check too."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except ValueError:  # an embedded NUL: not a name the system can have
+        raise InputError(f"{path}: cannot read {what}: No such file or directory") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{path}: {what} is not a regular file (a FIFO, device or directory); refused")
+    if st.st_size > cap:
+        raise InputError(f"{path}: {what} is {st.st_size} bytes, {over}")
+    return st.st_size
+
+
 def load(path: str | Path, what: str, kind: str = "config") -> object:
     """The parsed JSON of `path`, or InputError("<path>: <what> ...") in one line."""
     path = Path(path)
     cap = MAX_BYTES[kind]
+    regular_file(path, what, cap, f"over the {cap >> 20} MiB a {kind} may have")
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{path}: {what} is not a regular file (a FIFO, device or directory); refused")
-        if st.st_size > cap:
-            raise InputError(f"{path}: {what} is {st.st_size} bytes, over the {cap >> 20} MiB a {kind} may have")
         with open(path, "rb") as fh:
             data = fh.read(cap + 1)
     except OSError as exc:

@@ -178,9 +178,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     if opts.grad and diagnose_failures:
         result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
     if real is not None:
-        from parity_cli.capture import layer_summary
+        from parity_cli.capture import captured_summary
 
-        result.captured = layer_summary(layer, strata_d, gain_d, bias_d, eps, tol, result.diagnoses)
+        result.captured = captured_summary(layer, strata_d, gain_d, bias_d, eps, tol, result.diagnoses)
     if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
         for s in results + grads:
             s.x = s.ref = s.cand = s.shared = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from parity_cli.errors import InputError
@@ -57,19 +57,15 @@ class OnnxNorm:
     offset: float = 0.0  # a constant the graph adds to the stored gain
     dtype: str = "float32"  # the norm's input type in the graph
     program: bytes = b""  # the subgraph x -> y, serialised
-    nodes: list = field(default_factory=list)
 
 
 def load_model(path: Path):
     """The graph without its external data, after the size check."""
     import onnx
 
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
-    if size > MAX_ONNX_BYTES:
-        raise InputError(f"{path}: {size} bytes, more than an ONNX protobuf can hold ({MAX_ONNX_BYTES}); refused")
+    from parity_cli.jsonfile import regular_file
+
+    regular_file(path, "the ONNX model", MAX_ONNX_BYTES, f"more than an ONNX protobuf can hold ({MAX_ONNX_BYTES}); refused")
     try:
         return onnx.load(str(path), load_external_data=False)
     except Exception as exc:
@@ -360,14 +356,12 @@ def _decomposed(graph: _Graph, mean_node):
     nodes.append(normed)
     # centred h (x - mean(x)): a LayerNorm
     kind, x = "rms_norm", h
-    h_src = graph.producer.get(graph.through(h)) if graph.through(h) != h else graph.producer.get(h)
     sub = graph.producer.get(h)
     if sub is not None and sub.op_type == "Sub":
         m = graph.producer.get(sub.input[1])
         if m is not None and m.op_type == "ReduceMean" and m.input[0] == sub.input[0]:
             kind, x = "layer_norm", sub.input[0]
             nodes = [m, sub] + nodes
-    del h_src
     # the gain: a Mul by an initializer after optional casts
     out, gain_mul = normed.output[0], None
     for _ in range(3):
@@ -413,9 +407,8 @@ def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes, zeros=fr
     dtype = _DTYPES.get(elem, "float32")
     shared = len({n.name for n in graph.consumers.get(w.name, [])}) > 1  # one initializer, several norms
     norm = OnnxNorm(name=_norm_name(graph, w.name, nodes, shared), kind=kind, dim=int(weight.shape[-1]), eps=eps,
-                    eps_source=source, form=form, weight=weight, bias=bias, offset=offset, dtype=dtype,
-                    nodes=[n.name for n in nodes])
-    norm.program = _subgraph(graph, x, y, nodes, form, elem, zeros, original)
+                    eps_source=source, form=form, weight=weight, bias=bias, offset=offset, dtype=dtype)
+    norm.program = _subgraph(graph, x, y, nodes, elem, zeros, original)
     return norm
 
 
@@ -435,11 +428,10 @@ def _elem_type(graph, x: str, w) -> int:
     return w.data_type
 
 
-def _subgraph(graph: _Graph, x: str, y: str, nodes, form: str, elem: int, zeros=frozenset(),
+def _subgraph(graph: _Graph, x: str, y: str, nodes, elem: int, zeros=frozenset(),
               original=None) -> bytes:
     """x -> y with every node between them and the initializers they read; a Skip op's skip
     input becomes zeros shaped like x, so the op normalises x alone."""
-    import onnx
     from onnx import TensorProto, helper
 
     # back from y through the norm's own nodes and any all-constant subtree (Constant nodes, an
@@ -512,13 +504,6 @@ def _constant_tree(graph: _Graph, name: str, depth: int = 0) -> bool:
             result = all(_constant_tree(graph, i, depth + 1) for i in node.input if i)
     memo[name] = result
     return result
-
-
-def rank_of(program: bytes) -> int:
-    import onnx
-
-    m = onnx.load_from_string(program)
-    return len(m.graph.input[0].type.tensor_type.shape.dim)
 
 
 def _match_by_gain(norms: list[OnnxNorm], reference: list) -> None:

@@ -69,20 +69,10 @@ def _inspect_inputs(checkpoint, family=None) -> None:
 def report_input(path, what: str = "the report") -> None:
     """A saved report (`parity report`, `parity explain`) or a --baseline: there, a regular
     file, under the size cap. Worded as jsonfile.load words it; the JSON is read later."""
-    from parity_cli.jsonfile import MAX_BYTES
+    from parity_cli.jsonfile import MAX_BYTES, regular_file
 
-    path = Path(path)
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
-    except ValueError:  # an embedded NUL: not a name the system can have
-        raise InputError(f"{path}: cannot read {what}: No such file or directory") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"{path}: {what} is not a regular file (a FIFO, device or directory); refused")
     cap = MAX_BYTES["report"]
-    if st.st_size > cap:
-        raise InputError(f"{path}: {what} is {st.st_size} bytes, over the {cap >> 20} MiB a report may have")
+    regular_file(Path(path), what, cap, f"over the {cap >> 20} MiB a report may have")
 
 
 def checkpoint_input(path, family=None) -> None:
@@ -117,16 +107,13 @@ def checkpoint_input(path, family=None) -> None:
 
 def onnx_input(path) -> None:
     """An .onnx file: a regular file within protobuf's size, and onnx + onnxruntime installed."""
+    from parity_cli.jsonfile import regular_file
     from parity_cli.onnx_checkpoint import MAX_ONNX_BYTES
 
     path = Path(path)
-    st = _stat(path)
-    if st is None:
+    if _stat(path) is None:
         raise InputError(f"{path}: no such file or directory")
-    if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"{path}: not a regular file; refused")
-    if st.st_size > MAX_ONNX_BYTES:
-        raise InputError(f"{path}: {st.st_size} bytes, more than an ONNX protobuf can hold; refused")
+    regular_file(path, "the ONNX model", MAX_ONNX_BYTES, "more than an ONNX protobuf can hold; refused")
     for module in ("onnx", "onnxruntime"):
         if not _findable(module):
             raise InputError(f"{path}: reading ONNX needs the {module} package: pip install onnx onnxruntime "

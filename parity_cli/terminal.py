@@ -27,11 +27,7 @@ def fmt(value) -> str:
         return "-"
     if value == 0:
         return "0"
-    text = f"{value:.3g}"
-    if "e" in text:
-        mantissa, exponent = text.split("e")
-        text = f"{mantissa}e{int(exponent)}"
-    return text
+    return grouping.unpadded(f"{value:.3g}")
 
 
 def _print(console, lines) -> None:

@@ -206,3 +206,47 @@ def test_capture_from_a_gguf(llama, tmp_path):
         assert set(fh.keys()) == names and all(fh.get_tensor(n).shape[0] > 3 for n in names)
     r = run_parity("check", path, "--activations", out, "--candidate-eps", "1e-5", "-q")
     assert r.returncode == 1 and "eps_mismatch" in r.stdout
+
+
+def test_hostile_captures_and_texts_are_one_line(llama, tmp_path):
+    """A FIFO would block the read forever; junk, another file's metadata and rows of the wrong
+    width are refused in one line, before any layer runs."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\xff" * 8 + b"{not json")
+    plain = tmp_path / "plain.safetensors"  # a safetensors file, but no capture's metadata
+    save_file({"model.norm": torch.zeros(3, 64)}, str(plain))
+    nested = tmp_path / "nested.safetensors"
+    save_file({"model.norm": torch.zeros(3, 64)}, str(nested), metadata={"parity": "[" * 100000})
+    for path, words in ((fifo, "not a regular file"), (junk, "not a readable safetensors capture"),
+                        (plain, "not a parity capture"), (nested, "metadata")):
+        r = run_parity("check", llama, "--activations", path)
+        assert r.returncode == 2 and words in r.stderr and len(r.stderr.splitlines()) == 1, (path, r.stderr)
+    text = tmp_path / "pipe.txt"
+    os.mkfifo(text)
+    r = run_parity("capture", llama, "--text", text, "-o", tmp_path / "a.safetensors")
+    assert r.returncode == 2 and "not a regular file" in r.stderr and not (tmp_path / "a.safetensors").exists()
+
+
+def test_rows_of_the_wrong_width_are_refused(llama, tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from parity_cli import api
+    from parity_cli.layers import discover_layers
+    from parity_cli.replay import fingerprint
+
+    ckpt, fam, eps = api.load(llama)
+    meta = {"parity": json.dumps({"fingerprint": fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"]})}
+    bad = tmp_path / "wide.safetensors"
+    save_file({"model.norm": torch.zeros(3, 65)}, str(bad), metadata=meta)  # the model's width is 64
+    r = run_parity("check", llama, "--activations", bad)
+    assert r.returncode == 2 and "model.norm holds [3, 65]" in r.stderr and "rows of 64" in r.stderr

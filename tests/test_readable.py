@@ -218,19 +218,26 @@ def test_name_pattern(names, universe, expected):
     assert grouping.name_pattern(names, universe) == expected
 
 
-@pytest.mark.parametrize("args", [("check", "/nonexistent/model"), ("check", ".", "--dtype", "fp7"),
-                                  ("check", ".", "--atol", "-1"), ("check", ".", "--timeout", "0"),
-                                  ("check", ".", "--candidate-memory", "5XB"), ("check", ".", "--candidate-arg", "x"),
-                                  ("check", ".", "--candidate", "no_such_impl"), ("inspect", "/nonexistent/model")])
-def test_bad_input_is_refused_before_torch_loads(args):
-    """-X importtime lists every module imported: torch must not be among them."""
+@pytest.mark.parametrize("args, words", [
+    (("check", "/nonexistent/model"), "/nonexistent/model: no such file"),
+    (("check", "CKPT", "--dtype", "fp7"), "--dtype: unknown dtype 'fp7'"),
+    (("check", "CKPT", "--atol", "-1"), "--atol must be a finite number >= 0"),
+    (("check", "CKPT", "--timeout", "0"), "--timeout must be > 0"),
+    (("check", "CKPT", "--candidate-memory", "5XB"), "--candidate-memory: '5XB' is not a size"),
+    (("check", "CKPT", "--candidate-arg", "x"), "--candidate-arg 'x': expected KEY=VALUE"),
+    (("check", "CKPT", "--candidate", "no_such_impl"), "unknown implementation 'no_such_impl'"),
+    (("inspect", "/nonexistent/model"), "/nonexistent/model: no such file")])
+def test_bad_input_is_refused_before_torch_loads(gemma, args, words):
+    """-X importtime lists every module imported: torch must not be among them. CKPT is a real
+    checkpoint, so each refusal is the option's own."""
     import subprocess
     import sys
 
+    args = [str(gemma) if a == "CKPT" else a for a in args]
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "parity_cli", *args], capture_output=True, text=True)
     assert r.returncode == 2
     errors = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
-    assert len(errors) == 1 and errors[0].startswith("parity: error: ")
+    assert len(errors) == 1 and errors[0].startswith("parity: error: ") and words in errors[0], errors
     assert not re.search(r"\|\s+torch$", r.stderr, re.M)
 
 
