@@ -14,6 +14,7 @@ from parity_cli.checkpoint import open_checkpoint, resolve_eps
 from parity_cli.errors import InputError
 from parity_cli.families import family_by_name, family_for_model_type
 from parity_cli.grouping import g as _g
+from parity_cli.parallel import resolve_jobs
 from parity_cli.replay import fingerprint, options_from_report, recorded_path, recorded_spec  # noqa: F401
 
 DTYPES = {
@@ -46,7 +47,8 @@ class CheckOptions:
     candidate_checkpoint: str | None = None  # a converted copy: the candidate uses its weights and eps
     grad: bool = False  # backward parity too
     timeout: float | None = None  # seconds per layer for the candidate; None: 120 s; inf: no limit
-    jobs: int = 1  # supervised candidate workers over layers; 1: one
+    jobs: int | str = 1  # workers over layers; "auto": one per CPU this process may run on
+    threads: int = 1  # torch intra-op threads per process (the parent's and each candidate child's)
     isolation: str = "auto"  # auto | process | none (supervisor.open_runners)
     candidate_memory: str | int | None = None  # cap on the candidate's resident memory; None: half of RAM
     activations: str | None = None  # a `parity capture` file: a `captured` stratum of real rows per layer
@@ -106,7 +108,7 @@ def _eps_dict(eps) -> dict:
     return out
 
 
-def environment(device: str) -> dict:
+def environment(device: str, threads: int | None = None, jobs: int | None = None) -> dict:
     import torch
 
     env = {
@@ -115,6 +117,10 @@ def environment(device: str) -> dict:
         "platform": platform.platform(),
         "device_name": "cpu",
         "cuda": torch.version.cuda,
+        # what the timing of this run rests on: the CPUs it may use, its workers and their threads
+        "cpus": resolve_jobs("auto"),
+        "jobs": jobs,
+        "threads": threads,
     }
     env["torch_build"] = {"cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
                           "debug": torch.version.debug, "git": getattr(torch.version, "git_version", None)}
@@ -382,16 +388,21 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
                         f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
 
-    workers = max(1, min(opts.jobs, len(found.layers)))
+    workers = max(1, min(resolve_jobs(opts.jobs), len(found.layers)))
+    if not (isinstance(opts.threads, int) and opts.threads >= 1):
+        raise InputError(f"--threads must be a whole number >= 1, got {opts.threads}")
     timeout = timeout_of(opts)
     if opts.candidate_memory is None and memory is not None:
         memory //= workers  # the default is half of RAM for all the workers together
-    cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers)
+    cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers,
+                                      threads=opts.threads)
     isolated = any(getattr(r, "isolated", False) for r in runners)
     threads = torch.get_num_threads()
     try:
-        if workers > 1:
-            torch.set_num_threads(1)  # the workers are the parallelism; intra-op threads would fight them
+        # One intra-op thread per process unless asked: on tensors of 8K-82K elements a second
+        # thread gains 1.03-1.19x idle, and on a loaded CI box the pool spins against the load
+        # (213 s against 14.7 s measured, BENCHMARKS.md). Parallelism comes from --jobs.
+        torch.set_num_threads(opts.threads)
         candidates = [Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps, r)
                       for r in runners]
         results = run_layers(found.layers, pairing, reference, candidates, strata, tol, opts, grad_tol, progress)
@@ -404,7 +415,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
 
     header = {
         "tool": {"name": "parity-cli", "version": __version__},
-        "environment": environment(device),
+        "environment": environment(device, threads=opts.threads, jobs=workers),
         "checkpoint": {
             "path": recorded_path(ckpt.path),
             "fingerprint": fingerprint(found.layers),
@@ -425,7 +436,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                           conversion["eps"]["source"] if conversion else eps.source),
                       "checkpoint": conversion,
                       "timeout": timeout, "isolation": opts.isolation, "isolated": isolated,
-                      "memory_cap": memory if isolated else None, "workers": workers},
+                      "memory_cap": memory if isolated else None, "workers": workers,
+                      "threads": opts.threads},
         "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "source": tol.source,
                       "mean_rounding": tol.mean_rounding,
                       "max_violation_fraction": opts.max_violation_fraction,

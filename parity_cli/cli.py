@@ -132,8 +132,10 @@ def cli():
 @click.option("--isolation", type=click.Choice(["auto", "process", "none"]), default="auto", show_default=True,
               help="Where the candidate runs: auto (plugins and GPU runs in a supervised process, the "
                    "built-ins oracle/torch/hf here), process (always supervised), none (here; for debugging).")
-@click.option("--jobs", "-j", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Supervised candidate workers over layers, one torch thread each (0: one per CPU).")
+@click.option("--jobs", "-j", default="1", show_default=True, metavar="N|auto",
+              help="Workers over layers (auto: one per CPU this process may use).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch intra-op threads per process; parallelism comes from --jobs.")
 @click.option("--explain", is_flag=True,
               help="For each failing layer, change one factor at a time (dtype, kernel, eps) and show which carries the error.")
 @click.option("--dtype", default=None, help="Candidate input/weight dtype (float32, bfloat16, float16, float64); default: as stored.")
@@ -165,7 +167,7 @@ def cli():
 @click.option("--quiet", "-q", is_flag=True, help="One line: the verdict, the counts and, on failure, the largest group.")
 @click.option("--verbose", "-v", is_flag=True, help="Every layer: the table, each diagnosis and every group.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
-          exact, grad, timeout, candidate_memory, isolation, jobs, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
+          exact, grad, timeout, candidate_memory, isolation, jobs, threads, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
           plot_path, activations, quiet, verbose):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
@@ -180,7 +182,8 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
                            baseline=baseline_path,
                            options=dict(eps=eps, candidate_eps=candidate_eps, atol=atol, rtol=rtol, timeout=timeout,
                                         max_violation_fraction=max_violation_fraction,
-                                        candidate_memory=candidate_memory, candidate_args=list(candidate_args)))
+                                        candidate_memory=candidate_memory, candidate_args=list(candidate_args),
+                                        jobs=jobs))
     outputs = _check_outputs({"--json": json_path, "--junit": junit_path, "--markdown": markdown_path,
                               "--plot": plot_path},
                              [p for p in (checkpoint, candidate_checkpoint, baseline_path, activations) if p])
@@ -202,7 +205,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
         candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
-        candidate_memory=candidate_memory, isolation=isolation, jobs=jobs or os.cpu_count() or 1,
+        candidate_memory=candidate_memory, isolation=isolation, jobs=jobs, threads=threads,
         activations=activations,
     )
     with _progress(quiet) as progress:

@@ -16,6 +16,7 @@ residual check. Otherwise nothing is claimed."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +42,8 @@ class Factors:
     gain_value: float = 0.0  # the offset, or the uniform scale
     eps_spread: float = 0.0  # of the estimate: (75th - 25th percentile) / median
     eps_interval: tuple = ()  # (25th, 75th percentile) of the per-element estimates
+    eps_shared: bool = False  # an estimate remembered by the probe set: its normalised probes are shared
+    eps_raw: float = 0.0  # this layer's own median, when eps is a shared estimate
 
 
 @dataclass
@@ -93,20 +96,36 @@ class Panel:
 
     def __init__(self, ctx):
         self.ctx = ctx
-        self.strata = [s for s in ctx.strata if s.cand is not None and s.x is not None]
+        self.originals = [s for s in ctx.strata if s.cand is not None and s.x is not None]
+        merged = _merged(self.originals)
+        self.strata = [merged] if merged is not None else self.originals
         self.bias = ctx.bias
+
+    def named(self, f: "Factors"):
+        """(stratum, its normalised rows) for every compared stratum, merged batch or not."""
+        if self.strata is self.originals:
+            return list(zip(self.originals, self.normalised(f)))
+        (n,) = self.normalised(f)
+        return [(s, n[lo:hi]) for s, (_, lo, hi) in zip(self.originals, self.strata[0].segments)]
 
     def normalised(self, f: Factors):
         key = ("fit", f.centred, f.variance, f.eps, f.outside, f.precision, str(self.ctx.dtype))
         out = []
         for s in self.strata:
             # the layer's own eps (or 0) is shared by every layer of this probe set; an estimate is not
-            shared = getattr(s, "shared", None) is not None and f.eps_label != "estimated"
+            shared = getattr(s, "shared", None) is not None and (f.eps_label != "estimated" or f.eps_shared)
             store = s.shared if shared else self.ctx.cache.setdefault(id(s), {})
             if key not in store:
                 store[key] = normalise(s.x, f, self.ctx.dtype)
             out.append(store[key])
         return out
+
+    def shared_store(self):
+        """The probe set's store (the first compared stratum's), or None."""
+        for s in self.strata:
+            if getattr(s, "shared", None) is not None:
+                return s.shared
+        return None
 
     def gain(self, f: Factors):
         g = self.ctx.gain
@@ -118,6 +137,21 @@ class Panel:
             return self.ctx.cache[("channel_gain", f.centred, f.variance)]  # set by _resolve_gain
         return g
 
+    def sampled(self, f: Factors):
+        """(stratum or its sample, the variant there) for the residual check: on a large stratum
+        only the sampled elements of the variant are computed."""
+        g = self.gain(f)
+        out = []
+        for s, n in zip(self.strata, self.normalised(f)):
+            if n.shape[0] > MATCH_ROWS or n.shape[-1] > MATCH_COLS:
+                s = _sampled(self.ctx, s)
+                v = n[s.rows[:, None], s.cols] * g[s.cols]
+                out.append((s, v if self.bias is None else v + self.bias[s.cols]))
+            else:
+                v = n * g
+                out.append((s, v if self.bias is None else v + self.bias))
+        return out
+
     def outputs(self, f: Factors):
         g = self.gain(f)
         ys = []
@@ -127,6 +161,36 @@ class Panel:
         return ys
 
 
+@dataclass
+class _Batch:
+    """Every compared stratum of a layer as the one batch the comparison ran on: the screen and
+    the residual check then take a few passes over it instead of a few per stratum, and its
+    normalised variants are the probe set's, shared by every layer that has it."""
+
+    x: object
+    ref: object
+    cand: object
+    bad: object
+    violations: int
+    shared: dict
+    segments: list
+    name: str = "*"
+
+
+def _merged(strata):
+    """The strata's batch when they are all of one (layer_check sets `batch`) and cover it in
+    order, else None (the per-stratum path: hand-built strata, per-head rows, captured rows)."""
+    import torch
+
+    batch = getattr(strata[0], "batch", None) if strata else None
+    if batch is None or len(strata) != len(batch.segments) or any(
+            getattr(s, "batch", None) is not batch or s.name != seg[0] for s, seg in zip(strata, batch.segments)):
+        return None
+    bad = torch.cat([s.bad if s.bad is not None else torch.zeros(s.ref.shape, dtype=torch.bool) for s in strata])
+    return _Batch(batch.x, batch.ref, batch.cand, bad, sum(s.violations for s in strata), batch.store,
+                  batch.segments)
+
+
 # --- the residual check --------------------------------------------------------------------------------
 
 def match(ctx, strata, variant_outputs, extra_rel: float = 0.0) -> float | None:
@@ -134,34 +198,42 @@ def match(ctx, strata, variant_outputs, extra_rel: float = 0.0) -> float | None:
     elements and nearly all failing ones; else the mean error/allowance on the failing elements
     (lower is closer). `extra_rel` widens the allowance by a relative term (the bound of a
     float32 accumulation over the row)."""
+    parts = []
+    for s, v in zip(strata, variant_outputs):
+        if v.shape[0] > MATCH_ROWS or v.shape[-1] > MATCH_COLS:
+            s = _sampled(ctx, s)  # the screen saw the failing elements; here a strided sample will do
+            v = v[s.rows[:, None], s.cols]
+        parts.append((s, v))
+    return _match(ctx, parts, extra_rel)
+
+
+def _match(ctx, parts, extra_rel: float) -> float | None:
+    """match() on (stratum or its sample, the variant there) pairs."""
     import torch
 
     total = hit = bad_total = bad_hit = 0
     closeness = 0.0
-    for s, v in zip(strata, variant_outputs):
-        if v.shape[0] > MATCH_ROWS or v.shape[-1] > MATCH_COLS:
-            s = _sampled(ctx, s)  # the screen saw the failing elements; here a strided sample will do
-            v = v[s.rows][:, s.cols]
-        allowed = ctx.tol.atol + (ctx.tol.rtol + extra_rel) * v.abs()
+    for s, v in parts:
+        allowed = v.abs().mul_(ctx.tol.rtol + extra_rel).add_(ctx.tol.atol)
         if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding:  # as the pass/fail comparison grants
-            allowed = allowed + _rounding(ctx, s)
-        both_nan = torch.isnan(v) & torch.isnan(s.cand)
-        err = torch.where(both_nan | (s.cand == v), torch.zeros_like(v), (s.cand - v).abs() / allowed)
-        err = torch.nan_to_num(err, nan=math.inf)
+            allowed.add_(_rounding(ctx, s))
+        err = (s.cand - v).abs_().div_(allowed)
+        if not bool(torch.isfinite(err).all()):
+            # NaN or inf somewhere: equal values (inf == inf) and NaN on both sides are agreement
+            same = (s.cand == v) | (torch.isnan(v) & torch.isnan(s.cand))
+            err = torch.where(same, torch.zeros_like(v), err).nan_to_num_(nan=math.inf)
         ok = err <= MATCH_SLACK
         key = ("ref_bad", id(s))
         if key not in ctx.cache:  # depends on the stratum only, not on the variant
-            ref_allowed = ctx.tol.atol + ctx.tol.rtol * s.ref.abs()
-            if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding:
-                ref_allowed = ref_allowed + _rounding(ctx, s)
-            ctx.cache[key] = ~(((s.cand - s.ref).abs() <= ref_allowed) | (s.cand == s.ref)
-                               | (torch.isnan(s.cand) & torch.isnan(s.ref)))
-        ref_bad = ctx.cache[key]
+            ctx.cache[key] = (_bad(ctx, s), int(_bad(ctx, s).sum()))
+        ref_bad, n_bad = ctx.cache[key]
         total += ok.numel()
         hit += int(ok.sum())
-        bad_total += int(ref_bad.sum())
-        bad_hit += int((ok & ref_bad).sum())
-        closeness += float(err[ref_bad & ok].sum())
+        bad_total += n_bad
+        if n_bad:
+            hits = ok & ref_bad
+            bad_hit += int(hits.sum())
+            closeness += float(err[hits].sum())
     if bad_total == 0 or hit < MATCH_SHARE * total or bad_hit < MATCH_SHARE * bad_total:
         return None
     ctx.cache["reproduced"] = {"failing_elements": bad_hit / bad_total, "elements": hit / total,
@@ -174,12 +246,28 @@ class _Rows:
     """A stratum's strided sample of rows and channels, with what the residual check reads
     (x keeps whole rows: the LayerNorm allowance needs the row's statistics)."""
 
-    x: object
+    source: object  # the stratum or batch sampled (x is read from it only when needed)
     ref: object
     cand: object
     rows: object
     key: int
     cols: object = None
+    bad: object = None  # the comparison's mask, sampled
+    violations: int = 0
+
+    @property
+    def x(self):
+        return self.source.x[self.rows]
+
+
+@functools.lru_cache(maxsize=256)
+def _strided_rows(lo: int, hi: int, count: int):
+    """About `count` rows of [lo, hi), strided, the first and the last kept."""
+    import torch
+
+    n = hi - lo
+    rows = torch.unique(torch.cat([torch.arange(0, n, n // count + 1), torch.tensor([max(n - 1, 0)])]))
+    return rows[rows < n] + lo
 
 
 def _sampled(ctx, s, count: int = 0):
@@ -189,13 +277,19 @@ def _sampled(ctx, s, count: int = 0):
     key = ("sample", id(s), count)
     if key not in ctx.cache:
         n, d = s.x.shape
-        rows = torch.unique(torch.cat([torch.arange(0, n, n // count + 1), torch.tensor([max(n - 1, 0)])]))
-        rows = rows[rows < n]
+        rows = torch.cat([_strided_rows(lo, hi, count) for _, lo, hi in getattr(s, "segments", None) or [("", 0, n)]])
         cols = torch.arange(0, d, d // MATCH_COLS + 1) if d > MATCH_COLS else torch.arange(d)
         if d > MATCH_COLS:  # the channels that failed are always in the sample, whichever they are
-            _, failed_cols, _, _ = _failing(ctx, s)
-            cols = torch.unique(torch.cat([cols, failed_cols[:MATCH_COLS]]))
-        ctx.cache[key] = _Rows(s.x[rows], s.ref[rows][:, cols], s.cand[rows][:, cols], rows, id(s), cols)
+            failed_cols = torch.nonzero(_bad(ctx, s).any(0)).flatten()  # sorted, each once
+            if failed_cols.numel() > MATCH_COLS:
+                failed_cols = failed_cols[:: failed_cols.numel() // MATCH_COLS + 1]
+            keep = torch.zeros(d, dtype=torch.bool)
+            keep[cols] = True
+            keep[failed_cols] = True
+            cols = torch.nonzero(keep).flatten()
+        bad = _bad(ctx, s)[rows[:, None], cols]
+        grid = (rows[:, None], cols)
+        ctx.cache[key] = _Rows(s, s.ref[grid], s.cand[grid], rows, id(s), cols, bad, s.violations)
     return ctx.cache[key]
 
 
@@ -209,17 +303,31 @@ def _failing(ctx, s):
         empty = torch.zeros(0, dtype=torch.long)
         ctx.cache[key] = (empty, empty, s.cand.new_zeros(0), 0.0)
     if key not in ctx.cache:
-        allowed = ctx.tol.atol + ctx.tol.rtol * s.ref.abs()
-        if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding:
-            allowed = allowed + _rounding(ctx, s)
-        bad = ~(((s.cand - s.ref).abs() <= allowed) | (s.cand == s.ref) | (torch.isnan(s.cand) & torch.isnan(s.ref)))
-        rows, cols = torch.nonzero(bad, as_tuple=True)
-        if rows.numel() > SCREEN_SAMPLE:  # a strided sample decides as well as all of them, for less
-            keep = torch.arange(0, rows.numel(), rows.numel() // SCREEN_SAMPLE + 1)
-            rows, cols = rows[keep], cols[keep]
+        bad = _bad(ctx, s)
+        cap = SCREEN_SAMPLE * min(2, len(getattr(s, "segments", None) or [s]))
+        # a strided sample of positions keeps about `cap` of the failing elements, spread like them
+        step = max(1, s.violations // cap)
+        flat = torch.nonzero(bad.reshape(-1)[::step]).flatten() * step
+        rows, cols = flat // bad.shape[-1], flat % bad.shape[-1]
         extra = _rounding(ctx, s)[rows, cols] if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding else 0.0
         ctx.cache[key] = (rows, cols, s.cand[rows, cols], extra)
     return ctx.cache[key]
+
+
+def _bad(ctx, s):
+    """The elements outside tolerance against the reference: the comparison's own mask when it
+    kept one (it computed exactly this), else computed here."""
+    import torch
+
+    bad = getattr(s, "bad", None)
+    if bad is not None:
+        return bad
+    if not s.violations:
+        return torch.zeros(s.ref.shape, dtype=torch.bool)
+    allowed = ctx.tol.atol + ctx.tol.rtol * s.ref.abs()
+    if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding:
+        allowed = allowed + _rounding(ctx, s)
+    return ~(((s.cand - s.ref).abs() <= allowed) | (s.cand == s.ref) | (torch.isnan(s.cand) & torch.isnan(s.ref)))
 
 
 def screen(ctx, panel: Panel, f: Factors, extra_rel: float) -> bool:
@@ -233,15 +341,26 @@ def screen(ctx, panel: Panel, f: Factors, extra_rel: float) -> bool:
         rows, cols, cand, extra = _failing(ctx, s)
         if rows.numel() == 0:
             continue
-        v = n[rows, cols] * g[cols]
+        v = n.reshape(-1).index_select(0, rows * n.shape[-1] + cols).mul_(g.index_select(0, cols))
         if panel.bias is not None:
-            v = v + panel.bias[cols]
-        allowed = ctx.tol.atol + (ctx.tol.rtol + extra_rel) * v.abs() + extra
-        same = (cand == v) | (torch.isnan(cand) & torch.isnan(v))
-        ok = same | ((cand - v).abs() <= MATCH_SLACK * allowed)
+            v.add_(panel.bias.index_select(0, cols))
+        allowed = v.abs().mul_(ctx.tol.rtol + extra_rel).add_(ctx.tol.atol).add_(extra).mul_(MATCH_SLACK)
+        ok = (cand - v).abs_() <= allowed
+        if not (bool(torch.isfinite(v).all()) and _all_finite(ctx, cand)):
+            ok |= (cand == v) | (torch.isnan(cand) & torch.isnan(v))  # inf == inf, NaN on both sides
         bad_total += ok.numel()
         bad_hit += int(ok.sum())
     return bad_total > 0 and bad_hit >= MATCH_SHARE * bad_total
+
+
+def _all_finite(ctx, t) -> bool:
+    """Once per tensor of the layer (the candidate's failing values are screened many times)."""
+    import torch
+
+    key = ("finite", id(t))
+    if key not in ctx.cache:
+        ctx.cache[key] = (t, bool(torch.isfinite(t).all()))  # t kept: its id stays its own
+    return ctx.cache[key][1]
 
 
 def _rounding(ctx, s):
@@ -264,8 +383,9 @@ def _gain_rows(panel: Panel, f: Factors):
 
     from parity_cli.implementations import mean_square
 
+    named = panel.named(f)
     for name in ("normal", "mixed", "large", "outlier"):
-        rows = [(s, n) for s, n in zip(panel.strata, panel.normalised(f)) if s.name == name]
+        rows = [(s, n) for s, n in named if s.name == name]
         if rows:
             s, n = rows[0]
             # which rows: a property of the probes alone, so every layer of the probe set shares it
@@ -297,22 +417,37 @@ def fit_gain(panel: Panel, f: Factors):
     return g, s
 
 
+EPS_COLS = 2048  # channels per row the eps estimate reads (strided): its quartiles are the same to a
+# percent or so, and a failing layer costs a fraction of what it did (BENCHMARKS.md, issue 18)
+
+
 def estimate_eps(panel: Panel, f: Factors, gain):
     """eps from rows where it is visible (q/eps <= 100) given the gain: inside the root,
     y = x/sqrt(q + e) gives e = x^2/(y/g)^2 - q; outside, y = x/(sqrt(q) + e) gives
-    e = x/(y/g) - sqrt(q). The median over usable elements, or None."""
+    e = x/(y/g) - sqrt(q). The median over usable elements, or None. q is the whole row's
+    (shared by every layer of the probe set); the elements are a strided sample of channels."""
     import torch
 
+    from parity_cli.implementations import mean_square
+
     samples = []
-    for s in panel.strata:
+    for s in panel.originals:
         if s.name not in ("tiny", "constant"):
             continue
-        x = s.x - s.x.mean(-1, keepdim=True) if f.centred else s.x
-        q = (s.x - s.x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) if f.variance \
-            else x.pow(2).mean(-1, keepdim=True)
-        y = (s.cand - (0 if panel.bias is None else panel.bias)) / gain
+        d = s.x.shape[-1]
+        cols = slice(None) if d <= EPS_COLS else slice(0, d, -(-d // EPS_COLS))
+        store = s.shared if getattr(s, "shared", None) is not None else panel.ctx.cache.setdefault(id(s), {})
+        key = ("eps_rows", f.centred, f.variance, d)
+        if key not in store:
+            mean = s.x.mean(-1, keepdim=True)
+            q = mean_square(s.x, "layer_norm" if f.variance or f.centred else "rms_norm").unsqueeze(-1)
+            x = (s.x - mean if f.centred else s.x)[:, cols]
+            store[key] = (x, q, x.abs() > 0.25 * q.sqrt())
+        x, q, large = store[key]
+        g = gain[cols]
+        y = (s.cand[:, cols] - (0 if panel.bias is None else panel.bias[cols])) / g
         visible = (q > 0) & (q <= 100 * max(panel.ctx.eps, 1e-30))
-        usable = visible & (gain.abs() > 1e-3) & (x.abs() > 0.25 * q.sqrt()) & torch.isfinite(y) & (y != 0)
+        usable = visible & (g.abs() > 1e-3) & large & torch.isfinite(y) & (y != 0)
         est = (x / y - q.sqrt()) if f.outside else (x * x) / (y * y) - q
         samples.append(est[usable])
     est = torch.cat(samples) if samples else None
@@ -340,14 +475,19 @@ def _complexity(f: Factors, expected: Factors) -> float:
 
 def candidates(ctx, panel: Panel):
     """Every combination worth trying, cheapest first (fitted values are resolved lazily)."""
-    kind = ctx.layer.kind
-    expected = Factors(centred=kind == "layer_norm", eps=ctx.eps)
+    return _combinations(ctx.layer.kind, ctx.eps, ctx.dtype.itemsize)
+
+
+@functools.lru_cache(maxsize=32)
+def _combinations(kind: str, eps: float, itemsize: int):
+    """The same list for every layer of a kind, eps and dtype width: built once."""
+    expected = Factors(centred=kind == "layer_norm", eps=eps)
     norms = [expected]
     if kind == "rms_norm":
         norms += [replace(expected, centred=True), replace(expected, variance=True)]
     else:
         norms += [replace(expected, centred=False)]
-    precisions = ["exact"] + (["no_upcast"] if ctx.dtype.itemsize <= 2 else ["float32"])
+    precisions = ["exact"] + (["no_upcast"] if itemsize <= 2 else ["float32"])
     out = []
     for base in norms:
         # scale and channel gains are fitted only if a combination with them is reached
@@ -355,13 +495,13 @@ def candidates(ctx, panel: Panel):
         for gain, value in gains:
             gf = replace(base, gain=gain, gain_value=value)
             for outside in ((False, True) if kind == "rms_norm" else (False,)):
-                for eps, label in ((ctx.eps, "configured"), (0.0, "zero"), (None, "estimated")):
-                    if label == "zero" and (ctx.eps == 0 or outside):
+                for value, label in ((eps, "configured"), (0.0, "zero"), (None, "estimated")):
+                    if label == "zero" and (eps == 0 or outside):
                         continue
                     for precision in precisions:
-                        out.append(replace(gf, eps=eps, eps_label=label, outside=outside, precision=precision))
+                        out.append(replace(gf, eps=value, eps_label=label, outside=outside, precision=precision))
     out.sort(key=lambda f: _complexity(f, expected))
-    return expected, out
+    return expected, tuple(out)
 
 
 def _resolve_gain(ctx, panel: Panel, f: Factors) -> Factors | None:
@@ -395,9 +535,40 @@ def _resolve_eps(ctx, panel: Panel, f: Factors) -> Factors | None:
     if key not in ctx.cache:
         est = estimate_eps(panel, f, panel.gain(f))
         ok = est is not None and est[0] > 0 and abs(est[0] - ctx.eps) > 0.05 * ctx.eps
-        ctx.cache[key] = est if ok else None
+        ctx.cache[key] = _snapped(panel, key, est) if ok else None
     est = ctx.cache[key]
-    return None if est is None else replace(f, eps=est[0], eps_spread=est[1], eps_interval=(est[2], est[3]))
+    return None if est is None else replace(f, eps=est[0], eps_spread=est[1], eps_interval=(est[2], est[3]),
+                                            eps_shared=est[4], eps_raw=est[5])
+
+
+SNAPPED = 8  # estimates remembered per probe set
+
+
+def _snapped(panel: Panel, key, est):
+    """An estimate that an earlier layer of this probe set already made, when that one lies in
+    this layer's interquartile range (the data cannot tell them apart), else this one; either
+    way the residual check then tests it on this layer. Layers that fail the same way then
+    share one eps, and its normalised probes are computed once instead of once per layer."""
+    med, spread, lo, hi = est
+    store = panel.shared_store()
+    if store is None:
+        return med, spread, lo, hi, False, med
+    seen = store.setdefault(("eps_estimates",) + key[1:4], [])
+    for e in seen:
+        if lo <= e <= hi:
+            return e, spread, lo, hi, True, med
+    if len(seen) < SNAPPED:
+        seen.append(med)
+        return med, spread, lo, hi, True, med
+    return med, spread, lo, hi, False, med
+
+
+def _try(ctx, panel: Panel, f: Factors) -> float | None:
+    """The residual check of one combination: the screen on the failing elements, then match."""
+    extra = ctx.layer.dim * U32 if f.precision == "float32" else 0.0
+    if not screen(ctx, panel, f, extra):
+        return None
+    return _match(ctx, panel.sampled(f), extra)
 
 
 def fit(ctx, max_factors: float = 3.0) -> Fit | None:
@@ -417,10 +588,10 @@ def fit(ctx, max_factors: float = 3.0) -> Fit | None:
         f = None if f is None else _resolve_eps(ctx, panel, f)
         if f is None:
             continue
-        extra = ctx.layer.dim * U32 if f.precision == "float32" else 0.0
-        if not screen(ctx, panel, f, extra):
-            continue
-        closeness = match(ctx, panel.strata, panel.outputs(f), extra)
+        closeness = _try(ctx, panel, f)
+        if closeness is None and f.eps_shared and f.eps != f.eps_raw:  # the shared estimate does not fit here
+            f = replace(f, eps=f.eps_raw, eps_shared=False)
+            closeness = _try(ctx, panel, f)
         if closeness is not None and (best is None or closeness < best.closeness):
             level, best = cost, Fit(f, closeness)
             best.reproduced = dict(ctx.cache["reproduced"])

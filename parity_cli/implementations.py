@@ -28,6 +28,9 @@ class Implementation:
     source: str  # "built-in" or where the plugin was loaded from
     prepare: Callable[..., Prepared]  # (layer, weight, bias, eps) -> Prepared
     description: str = ""
+    # y = normalise(x, eps, kind) * (offset + w) (+ b) at float64: the gain-free part is shared
+    # by every layer of a probe set (the oracle); None: run prepare's function per layer
+    normalise: Callable | None = None
 
 
 # --- the float64 oracle -----------------------------------------------------------------
@@ -223,7 +226,8 @@ def require(spec: str, option: str | None = None) -> None:
 
 
 BUILTINS = {
-    "oracle": Implementation("oracle", "built-in", _oracle, "float64 reference of the family's exact math"),
+    "oracle": Implementation("oracle", "built-in", _oracle, "float64 reference of the family's exact math",
+                             normalise=oracle_normalize),
     "torch": Implementation("torch", "built-in", _torch, "torch.nn.functional rms_norm/layer_norm at the candidate dtype"),
     "hf": Implementation("hf", "built-in", _hf, "transcription of the family's Hugging Face numerics"),
     "transformers": Implementation("transformers", "built-in", _transformers,

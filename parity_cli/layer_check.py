@@ -15,6 +15,17 @@ from parity_cli.runners import CandidateJob, failure
 
 
 @dataclass
+class Batch:
+    """One probe set's rows through both sides of one layer, as compared."""
+
+    x: object
+    ref: object
+    cand: object
+    segments: list  # (stratum, first row, end row)
+    store: dict  # the probe set's: what diagnosis computes from x alone, for every layer
+
+
+@dataclass
 class Side:
     """One side of the comparison: an implementation at a dtype on a device."""
 
@@ -53,7 +64,8 @@ def first_head(layer, strata, gain, bias):
     n = 1
     for h in heads:
         n *= h
-    first = [dataclasses.replace(s, x=_every(s.x, n), ref=_every(s.ref, n), cand=_every(s.cand, n)) for s in strata]
+    first = [dataclasses.replace(s, x=_every(s.x, n), ref=_every(s.ref, n), cand=_every(s.cand, n),
+                                 bad=_every(s.bad, n)) for s in strata]
     return first, gain.reshape(-1, layer.dim)[0], None if bias is None else bias.reshape(-1, layer.dim)[0]
 
 
@@ -72,10 +84,10 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     checkpoint's weight, eps and conventions while the reference keeps the original's."""
     import torch
 
-    from parity_cli.comparison import compare, errored, mean_rounding_allowance
+    from parity_cli.comparison import compare_batch, errored, mean_rounding_allowance, workspace
     from parity_cli.diagnosis import bitwise_diagnosis, diagnose, diagnose_grad
     from parity_cli.gradients import grad_strata, upstream_for
-    from parity_cli.probes import build_probes
+    from parity_cli.probes import Probe, build_probe_set, probe_set
     from parity_cli.report import LayerResult
 
     cand_layer = cand_layer or layer
@@ -88,6 +100,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     b_ref = None if layer.bias is None else layer.bias.to(candidate.dtype).to(reference.dtype, copy=True)
 
     heads = layer.shape[:-1]  # per-head gains (Cohere q/k norms): every head sees every probe
+    per_row = 1
+    for h in heads:
+        per_row *= h
 
     def spread(x):
         return x if not heads else x.reshape(x.shape[0], *([1] * len(heads)), x.shape[-1]).expand(
@@ -96,55 +111,71 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     def rows(y):
         return y if y is None or not heads else y.reshape(-1, y.shape[-1])
 
-    probes = build_probes(strata, layer.dim, eps, candidate.dtype, opts.seed)
+    sets = [build_probe_set(strata, layer.dim, eps, candidate.dtype, opts.seed)]
     real = (getattr(opts, "captured", None) or {}).get(layer.name)
     if real is not None:  # --activations: real rows, rounded to the candidate dtype like every probe
-        from parity_cli.probes import Probe
-
-        probes.append(Probe(stratum="captured", x=real.to(candidate.dtype).to(torch.float64)))
+        sets.append(probe_set([Probe(stratum="captured", x=real.to(candidate.dtype).to(torch.float64))]))
+    probes = [p for ps in sets for p in ps.probes]
     xs = [spread(probe.x) for probe in probes]
     upstream = [upstream_for(opts.seed, probe.stratum, layer.dim, x) for probe, x in zip(probes, xs)] \
         if opts.grad else None
+    # The candidate reads the probe set at its dtype, converted once for every layer; whatever
+    # could write into an input gets its own copy (runners.execute, or the pipe to its process).
+    inputs = [spread(ps.at(candidate.dtype)[lo:hi]) for ps in sets for _, lo, hi in ps.segments]
     job = CandidateJob(
         layer=cand_layer, weight=cand_layer.weight.to(candidate.dtype, copy=True),
         bias=None if cand_layer.bias is None else cand_layer.bias.to(candidate.dtype, copy=True),
-        eps=cand_eps, device=candidate.device, inputs=[x.to(candidate.dtype, copy=True) for x in xs],
+        eps=cand_eps, device=candidate.device, inputs=inputs,
         upstream=None if upstream is None else [u.to(candidate.dtype) for u in upstream])
     candidate.runner.submit(job)  # the candidate computes while the reference does, below
 
-    try:
-        ref_fn = reference.impl.prepare(layer, w_ref.to(reference.device),
-                                        None if b_ref is None else b_ref.to(reference.device), eps)
-    except Exception as exc:
-        raise InputError(failure(f"--reference {reference.spec}: cannot build {layer.name}: ", exc)) from None
-    refs = [_reference(ref_fn, x, reference, layer, probe) for probe, x in zip(probes, xs)]
+    work = workspace()
+    refs = [_reference_batch(ps, j, reference, layer, w_ref, b_ref, eps, spread, rows, work, keep_tensors)
+            for j, ps in enumerate(sets)]
     run = candidate.runner.collect()
     layer_error = run.error
 
     results, grads, returned_dtypes = [], [], set()
-    for k, (probe, x) in enumerate(zip(probes, xs)):
-        ref = refs[k]
-        out = run.output(k)
-        if out.dtype:
-            returned_dtypes.add(out.dtype)
-        if out.error:
-            results.append(errored(probe.stratum, rows(x), eps, layer.kind, out.error))
-        elif tuple(out.value.shape) != tuple(ref.shape):
-            results.append(errored(probe.stratum, rows(x), eps, layer.kind,
-                                   f"candidate returned shape {list(out.value.shape)}, expected {list(ref.shape)}"))
-        else:
-            extra = None
-            if layer.kind == "layer_norm" and tol.mean_rounding:
-                extra = rows(mean_rounding_allowance(x, layer.gain_offset + w_ref.cpu(), eps, tol))
-            q = probe.mean_square(layer.kind)
-            if heads:
-                q = q.repeat_interleave(rows(x).shape[0] // q.shape[0])
-            results.append(compare(probe.stratum, rows(x), rows(ref), rows(out.value), eps, layer.kind, tol,
-                                   opts.max_violation_fraction, extra, candidate.dtype, q))
-            results[-1].shared = probe.q  # every layer of this probe set: diagnosis variants are computed once
-        if opts.grad:
+    k0 = 0
+    gain = layer.gain_offset + w_ref.cpu().to(torch.float64)
+    for j, (ps, ref) in enumerate(zip(sets, refs)):
+        x_rows = rows(spread(ps.x)) if heads else ps.x
+        cand = torch.empty_like(ref) if keep_tensors else work.get(f"cand{j}", ref.shape)
+        placed, valid = {}, []
+        for k, (name, lo, hi) in enumerate(ps.segments):
+            out = run.output(k0 + k)
+            if out.dtype:
+                returned_dtypes.add(out.dtype)
+            expected = tuple(xs[k0 + k].shape)
+            if out.error:
+                placed[k] = errored(name, rows(xs[k0 + k]), eps, layer.kind, out.error)
+            elif tuple(out.value.shape) != expected:
+                placed[k] = errored(name, rows(xs[k0 + k]), eps, layer.kind,
+                                    f"candidate returned shape {list(out.value.shape)}, expected {list(expected)}")
+            else:
+                cand[lo * per_row:hi * per_row].copy_(rows(out.value))
+                valid.append((k, (name, lo * per_row, hi * per_row)))
+        extra = None
+        if layer.kind == "layer_norm" and tol.mean_rounding:
+            extra = rows(mean_rounding_allowance(spread(ps.x), gain, eps, tol))
+        q = ps.mean_square(layer.kind)
+        if heads:
+            q = q.repeat_interleave(per_row)
+        compared = compare_batch([seg for _, seg in valid], x_rows, ref, cand, eps, layer.kind, tol,
+                                 opts.max_violation_fraction, extra, candidate.dtype, q, work)
+        batch = None
+        if len(valid) == len(ps.segments) and not heads:  # diagnosis can work on the batch as a whole
+            batch = Batch(x_rows, ref, cand, ps.segments, ps.cache.setdefault("fit", {}))
+        for (k, _), result in zip(valid, compared):
+            result.shared = ps.probes[k].q  # every layer of this probe set: diagnosis variants are computed once
+            result.batch = batch
+            placed[k] = result
+        results += [placed[k] for k in range(len(ps.segments))]
+        k0 += len(ps.segments)
+    if opts.grad:
+        for k, (probe, x) in enumerate(zip(probes, xs)):
             grads.extend(grad_strata(probe, x, upstream[k], rows, layer, reference, w_ref, b_ref, eps, grad_tol,
-                                     run.grad(k), layer_error or out.error))
+                                     run.grad(k), layer_error or run.output(k).error))
     warnings = list(layer.warnings)
     weight_findings = []
     if stats["nonfinite"]:
@@ -166,7 +197,6 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     if cand_layer is not layer or candidate.eps is not None:
         result.candidate_eps = {"value": cand_eps, "source": "option:--candidate-eps" if candidate.eps is not None
                                 else cand_layer.eps.source}
-    gain = layer.gain_offset + w_ref.cpu().to(torch.float64)
     bias = None if b_ref is None else b_ref.cpu().to(torch.float64)
     strata_d, gain_d, bias_d = first_head(layer, results, gain, bias)
     if not diagnose_failures:  # the explain ladder's rungs: only their figures are read
@@ -183,8 +213,34 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         result.captured = captured_summary(layer, strata_d, gain_d, bias_d, eps, tol, result.diagnoses)
     if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
         for s in results + grads:
-            s.x = s.ref = s.cand = s.shared = None
+            s.x = s.ref = s.cand = s.shared = s.bad = s.batch = None
     return result
+
+
+def _reference_batch(ps, j, reference: Side, layer, w_ref, b_ref, eps, spread, rows, work, fresh):
+    """The reference's outputs for a probe set as one float64 CPU batch (rows, dim). The oracle
+    is N(x) * gain (+ bias), with N(x) computed once per probe set; any other reference runs
+    stratum by stratum, and a fault in it is the user's input."""
+    import torch
+
+    normalise = getattr(reference.impl, "normalise", None)
+    if normalise is not None and reference.dtype == torch.float64 and str(reference.device) == "cpu":
+        n = ps.normalised(eps, layer.kind, normalise)
+        gain = layer.gain_offset + w_ref
+        if gain.dim() > 1:  # per-head gains: every head of a row sees the row
+            n = n.reshape(n.shape[0], *([1] * (gain.dim() - 1)), n.shape[-1])
+        shape = (n.shape[0] * (gain.numel() // gain.shape[-1]), n.shape[-1])
+        out = torch.empty(shape, dtype=torch.float64) if fresh else work.get(f"ref{j}", shape)
+        y = torch.mul(n, gain, out=out.view(n.shape[0], *gain.shape))
+        if b_ref is not None:
+            y.add_(b_ref)
+        return out
+    try:
+        ref_fn = reference.impl.prepare(layer, w_ref.to(reference.device),
+                                        None if b_ref is None else b_ref.to(reference.device), eps)
+    except Exception as exc:
+        raise InputError(failure(f"--reference {reference.spec}: cannot build {layer.name}: ", exc)) from None
+    return torch.cat([rows(_reference(ref_fn, spread(p.x), reference, layer, p)) for p in ps.probes])
 
 
 def _reference(ref_fn, x, reference: Side, layer, probe):
@@ -196,6 +252,8 @@ def _reference(ref_fn, x, reference: Side, layer, probe):
             y = ref_fn(x.to(device=reference.device, dtype=reference.dtype, copy=True))
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"returned {type(y).__name__}, not a tensor")
+        if tuple(y.shape) != tuple(x.shape):
+            raise TypeError(f"returned shape {list(y.shape)} for input {list(x.shape)}")
         return y.detach().to("cpu", torch.float64)
     except Exception as exc:
         raise InputError(failure(f"--reference {reference.spec} failed on {layer.name}, "
@@ -215,6 +273,10 @@ def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata,
                progress=None):
     """Every layer, in order. With several candidate sides (--jobs N: N supervised children),
     layers go to whichever is free; the parent's work for a layer runs in that side's thread."""
+
+    from parity_cli.probes import forget_estimates
+
+    forget_estimates()
 
     def one(layer, candidate):
         if pairing is None:

@@ -177,8 +177,12 @@ def _findable(top: str) -> bool:
 
 
 def option_values(eps=None, candidate_eps=None, atol=None, rtol=None, timeout=None, max_violation_fraction=None,
-                  candidate_memory=None, candidate_args=None) -> None:
+                  candidate_memory=None, candidate_args=None, jobs=None) -> None:
     """The same rules api.check applies, said before torch loads."""
+    if jobs is not None:
+        from parity_cli.parallel import resolve_jobs
+
+        resolve_jobs(jobs)
     for flag, value in (("--eps", eps), ("--candidate-eps", candidate_eps), ("--atol", atol), ("--rtol", rtol)):
         if value is not None and not (value >= 0 and value != float("inf")):
             raise InputError(f"{flag} must be a finite number >= 0, got {value}")

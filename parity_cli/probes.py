@@ -150,21 +150,95 @@ GENERATORS = {
 }
 
 
+@dataclass
+class ProbeSet:
+    """Every stratum's rows in one float64 batch, built once per (strata, dim, eps, dtype, seed)
+    and shared by every layer that has them: the reference normalises it once and each layer
+    multiplies by its gain; the comparison runs over the whole batch in a few passes.
+
+    Nobody writes into it: a candidate gets copies (parity_cli.runners), the reference reads."""
+
+    x: object  # float64 (rows, dim)
+    probes: list  # one Probe per stratum, its x a view of the batch rows
+    cache: dict = field(default_factory=dict, repr=False)  # per probe set: q, normalised rows, dtype copies
+
+    @property
+    def segments(self) -> list[tuple[str, int, int]]:
+        out, start = [], 0
+        for p in self.probes:
+            out.append((p.stratum, start, start + p.x.shape[0]))
+            start += p.x.shape[0]
+        return out
+
+    def mean_square(self, kind: str):
+        """q of every row of the batch (float64, rows)."""
+        key = ("q", kind)
+        if key not in self.cache:
+            from parity_cli.implementations import mean_square
+
+            self.cache[key] = mean_square(self.x, kind)
+            start = 0
+            for p in self.probes:  # each stratum's view of it
+                p.q.setdefault(kind, self.cache[key][start:start + p.x.shape[0]])
+                start += p.x.shape[0]
+        return self.cache[key]
+
+    def normalised(self, eps: float, kind: str, normalise):
+        """normalise(x, eps, kind) of the batch: the gain-free part of a reference that is
+        y = N(x) * gain (+ bias), computed once for every layer of this probe set."""
+        key = ("normalised", eps, kind, normalise)
+        if key not in self.cache:
+            self.cache[key] = normalise(self.x, eps, kind)
+        return self.cache[key]
+
+    def at(self, dtype):
+        """The batch rounded to `dtype` (exact: the probes are representable in it)."""
+        key = ("at", str(dtype))
+        if key not in self.cache:
+            self.cache[key] = self.x.to(dtype)
+        return self.cache[key]
+
+
+def probe_set(rows: list[Probe]) -> ProbeSet:
+    """A one-off set (the captured rows of one layer): not cached."""
+    import torch
+
+    x = torch.cat([p.x for p in rows]) if len(rows) > 1 else rows[0].x
+    out, start = [], 0
+    for p in rows:
+        out.append(Probe(stratum=p.stratum, x=x[start:start + p.x.shape[0]]))
+        start += p.x.shape[0]
+    return ProbeSet(x=x, probes=out)
+
+
 _CACHE: dict = {}
 _CACHE_SIZE = 8
 
 
-def build_probes(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
-    """One Probe per stratum; each stratum has its own stream, so adding one changes no other.
+def build_probe_set(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> ProbeSet:
+    """One batch per stratum list; each stratum has its own stream, so adding one changes no other.
 
-    Every layer with the same dim, eps and dtype gets the same probes: they are built once and
-    handed out as copies (a candidate may write into its input)."""
+    Every layer with the same dim, eps and dtype gets the same set: built once, read by all."""
     key = (tuple((s.name, s.generator, repr(sorted(s.params.items()))) for s in strata), dim, eps, str(dtype), seed)
     if key not in _CACHE:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _build(strata, dim, eps, dtype, seed)
-    return [Probe(stratum=p.stratum, x=p.x.clone(), q=p.q) for p in _CACHE[key]]
+        _CACHE[key] = probe_set(_build(strata, dim, eps, dtype, seed))
+    return _CACHE[key]
+
+
+def forget_estimates() -> None:
+    """A new run starts without the eps estimates an earlier one remembered (parity_cli.fit):
+    the same check then reports the same figures whatever ran before it in this process."""
+    for ps in _CACHE.values():
+        for store in [p.q for p in ps.probes] + [ps.cache.get("fit", {})]:
+            for key in [k for k in store if isinstance(k, tuple) and k[:1] == ("eps_estimates",)]:
+                del store[key]
+
+
+def build_probes(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
+    """The set's probes (views of its batch: read them, copy before writing)."""
+    return build_probe_set(strata, dim, eps, dtype, seed).probes
 
 
 def _build(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:

@@ -587,7 +587,8 @@ ISOLATION = ("auto", "process", "none")
 
 
 def open_runners(spec: str, args: dict, device: str, isolation: str = "auto",
-                 timeout: float | None = DEFAULT_TIMEOUT, memory: int | None = None, count: int = 1):
+                 timeout: float | None = DEFAULT_TIMEOUT, memory: int | None = None, count: int = 1,
+                 threads: int = 1):
     """(Implementation, [runner] * count) for the candidate. `auto`: the built-ins that are our
     own pure code (oracle, torch, hf) run here on the CPU; everything else, and anything on a
     GPU (the child owns the CUDA context), runs supervised. `process`: everything supervised.
@@ -604,8 +605,8 @@ def open_runners(spec: str, args: dict, device: str, isolation: str = "auto",
     _import_parent_stages()
     # The parent computes the reference while the children compute the candidate: intra-op
     # pools that add up to more threads than cores spin against each other (measured on 2
-    # cores: 1.7x the in-parent time with the default 2 threads per child, 1.2x with 1).
-    threads = max(1, (os.cpu_count() or 2) // (2 * count))
+    # cores: 1.7x the in-parent time with the default 2 threads per child, 1.2x with 1), so
+    # each child gets --threads (default 1), as the parent does.
     sups = [Supervisor(spec, args, timeout, memory, threads=threads) for _ in range(count)]
     try:
         for sup in sups:
