@@ -14,6 +14,7 @@ from parity_cli.checkpoint import open_checkpoint, resolve_eps
 from parity_cli.errors import InputError
 from parity_cli.families import family_by_name, family_for_model_type
 from parity_cli.grouping import g as _g
+from parity_cli import parallel
 from parity_cli.parallel import resolve_jobs
 from parity_cli.replay import fingerprint, options_from_report, recorded_path, recorded_spec  # noqa: F401
 
@@ -312,8 +313,9 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     opts = effective(options or CheckOptions(**kwargs))
     from parity_cli import supervisor
 
-    if supervisor.supervised(opts.candidate, opts.device, opts.isolation):
-        supervisor.warm()
+    if supervisor.supervised(opts.candidate, opts.device, opts.isolation) or (
+            parallel.resolve_jobs(opts.jobs) > 1 and not opts.candidate_checkpoint):
+        supervisor.warm()  # the fork server imports torch while this process does
     import torch
 
     from parity_cli import implementations as impls
@@ -394,8 +396,12 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     timeout = timeout_of(opts)
     if opts.candidate_memory is None and memory is not None:
         memory //= workers  # the default is half of RAM for all the workers together
-    cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers,
-                                      threads=opts.threads)
+    sharded = workers > 1 and parallel.shardable(opts, device)
+    if sharded:  # whole layers in worker processes: our own code end to end (parity_cli.parallel)
+        cand_impl, runners = impls.resolve(opts.candidate, cand_args), []
+    else:
+        cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers,
+                                          threads=opts.threads)
     isolated = any(getattr(r, "isolated", False) for r in runners)
     threads = torch.get_num_threads()
     try:
@@ -403,9 +409,13 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         # thread gains 1.03-1.19x idle, and on a loaded CI box the pool spins against the load
         # (213 s against 14.7 s measured, BENCHMARKS.md). Parallelism comes from --jobs.
         torch.set_num_threads(opts.threads)
-        candidates = [Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps, r)
-                      for r in runners]
-        results = run_layers(found.layers, pairing, reference, candidates, strata, tol, opts, grad_tol, progress)
+        if sharded:
+            plan = parallel.Plan(str(path), opts, cand_dtype_name, tol, grad_tol, tuple(strata), timeout)
+            results = parallel.check_shards(plan, [layer.name for layer in found.layers], workers, progress)
+        else:
+            candidates = [Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps,
+                               r) for r in runners]
+            results = run_layers(found.layers, pairing, reference, candidates, strata, tol, opts, grad_tol, progress)
         note = printed_note(runners)
     finally:
         torch.set_num_threads(threads)

@@ -541,26 +541,31 @@ def _resolve_eps(ctx, panel: Panel, f: Factors) -> Factors | None:
                                             eps_shared=est[4], eps_raw=est[5])
 
 
-SNAPPED = 8  # estimates remembered per probe set
+SHARED_ESTIMATES = 8  # normalisations at an estimated eps a probe set keeps for every layer
 
 
 def _snapped(panel: Panel, key, est):
-    """An estimate that an earlier layer of this probe set already made, when that one lies in
-    this layer's interquartile range (the data cannot tell them apart), else this one; either
-    way the residual check then tests it on this layer. Layers that fail the same way then
-    share one eps, and its normalised probes are computed once instead of once per layer."""
+    """The estimate said with the fewest significant digits that stay inside its interquartile
+    range (the data cannot tell them apart): 1.0001e-6 with quartiles 0.99e-6..1.01e-6 is 1e-6.
+    It depends on this layer alone, so the figures are the same whatever order or worker the
+    layers run in, and layers that fail the same way land on the same value: its normalised
+    probes are then computed once for all of them. The residual check tests it on each layer,
+    and falls back to the median when it does not fit."""
     med, spread, lo, hi = est
+    value = med
+    for digits in range(1, 17):
+        rounded = float(f"{med:.{digits - 1}e}")
+        if lo <= rounded <= hi:
+            value = rounded
+            break
     store = panel.shared_store()
-    if store is None:
-        return med, spread, lo, hi, False, med
-    seen = store.setdefault(("eps_estimates",) + key[1:4], [])
-    for e in seen:
-        if lo <= e <= hi:
-            return e, spread, lo, hi, True, med
-    if len(seen) < SNAPPED:
-        seen.append(med)
-        return med, spread, lo, hi, True, med
-    return med, spread, lo, hi, False, med
+    shared = False
+    if store is not None:
+        seen = store.setdefault(("eps_estimates",) + key[1:4], set())
+        if value in seen or len(seen) < SHARED_ESTIMATES:
+            seen.add(value)
+            shared = True
+    return value, spread, lo, hi, shared, med
 
 
 def _try(ctx, panel: Panel, f: Factors) -> float | None:
@@ -589,7 +594,7 @@ def fit(ctx, max_factors: float = 3.0) -> Fit | None:
         if f is None:
             continue
         closeness = _try(ctx, panel, f)
-        if closeness is None and f.eps_shared and f.eps != f.eps_raw:  # the shared estimate does not fit here
+        if closeness is None and f.eps_label == "estimated" and f.eps != f.eps_raw:  # the short value does not fit
             f = replace(f, eps=f.eps_raw, eps_shared=False)
             closeness = _try(ctx, panel, f)
         if closeness is not None and (best is None or closeness < best.closeness):

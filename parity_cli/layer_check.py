@@ -274,10 +274,6 @@ def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata,
     """Every layer, in order. With several candidate sides (--jobs N: N supervised children),
     layers go to whichever is free; the parent's work for a layer runs in that side's thread."""
 
-    from parity_cli.probes import forget_estimates
-
-    forget_estimates()
-
     def one(layer, candidate):
         if pairing is None:
             return check_layer(layer, reference, candidate, strata, tol, opts, grad_tol=grad_tol)

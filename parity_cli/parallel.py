@@ -5,6 +5,7 @@ Torch-free: the CLI refuses a bad --jobs before torch loads."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from parity_cli.errors import InputError
 
@@ -24,3 +25,98 @@ def resolve_jobs(jobs) -> int:
     if n < 1 or str(n) != str(jobs).strip():
         raise InputError(f"--jobs must be a whole number >= 1 or 'auto', got {jobs!r}")
     return n
+
+
+def shardable(opts, device: str) -> bool:
+    """Whether --jobs can split the layers over whole worker processes: every step of a layer is
+    then our own code (the candidate a built-in that runs in-process on the CPU), and there is no
+    converted copy whose layers the parent pairs. Otherwise the workers are supervised candidate
+    children, driven from the parent's threads (layer_check.run_layers)."""
+    from parity_cli.supervisor import supervised
+
+    return not supervised(opts.candidate, device, opts.isolation) and not opts.candidate_checkpoint
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every worker needs besides its share of layer names; decided once, in the parent."""
+
+    path: str
+    opts: object  # api.CheckOptions (captured rows travel with the share that reads them)
+    cand_dtype: str
+    tol: object
+    grad_tol: object
+    strata: tuple
+    timeout: float | None
+
+
+def check_shards(plan: Plan, names: list[str], workers: int, progress=None) -> list:
+    """Each layer's LayerResult, in `names` order, from `workers` long-lived processes forked
+    from the fork server (torch already imported there). Each worker opens the checkpoint once
+    and reads only the layers it is given; shares are small so that a slow layer (a failing one
+    that is diagnosed) does not leave the other workers idle at the end."""
+    import dataclasses
+
+    from parity_cli.supervisor import _context, _no_main
+
+    chunk = max(1, -(-len(names) // (workers * 8)))
+    shares = [names[k:k + chunk] for k in range(0, len(names), chunk)]
+    captured = plan.opts.captured or {}
+    tasks = [(plan if not captured else dataclasses.replace(
+        plan, opts=dataclasses.replace(plan.opts, captured={n: captured[n] for n in share if n in captured})),
+        share) for share in shares]
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    done: dict = {}
+    finished = 0
+    pool = ProcessPoolExecutor(workers, mp_context=_context())
+    try:
+        with _no_main():  # the workers start as the tasks are submitted
+            pending = {pool.submit(_run_share, task): k for k, task in enumerate(tasks)}
+        while pending:
+            ready, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in ready:
+                k = pending.pop(future)
+                try:
+                    done[k] = future.result()
+                except BrokenProcessPool:
+                    # a worker died (killed, out of memory): said as such, never a hang
+                    raise RuntimeError("a --jobs worker process died; rerun with --jobs 1 to see where") from None
+                finished += len(done[k])
+                if progress is not None:
+                    progress(finished, len(names), f"{finished} layers")
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return [result for k in range(len(tasks)) for result in done[k]]
+
+
+_STATE: dict = {}
+
+
+def _run_share(task):
+    """In a worker: the share's layers, checked exactly as the single-process loop checks them."""
+    plan, share = task
+    import torch
+
+    from parity_cli import api
+    from parity_cli import implementations as impls
+    from parity_cli.layer_check import Side, check_layer
+    from parity_cli.layers import discover_layers
+    from parity_cli.runners import InProcessRunner
+
+    opts = plan.opts
+    torch.set_num_threads(opts.threads)
+    key = (plan.path, opts.family, opts.eps)
+    if key not in _STATE:
+        _STATE.clear()
+        _STATE[key] = api.load(plan.path, opts.family, opts.eps)
+    ckpt, fam, eps = _STATE[key]
+    layers = {layer.name: layer for layer in discover_layers(ckpt, fam, eps, opts.layers, names=set(share)).layers}
+    reference = Side(impls.resolve(opts.reference), opts.reference, getattr(torch, api.dtype_name(opts.reference_dtype)),
+                     opts.reference_device)
+    impl = impls.resolve(opts.candidate, api.candidate_args(opts))
+    candidate = Side(impl, opts.candidate, getattr(torch, plan.cand_dtype), opts.device, opts.candidate_eps,
+                     InProcessRunner(impl, plan.timeout))
+    return [check_layer(layers[name], reference, candidate, list(plan.strata), plan.tol, opts, grad_tol=plan.grad_tol)
+            for name in share]

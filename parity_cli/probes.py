@@ -227,15 +227,6 @@ def build_probe_set(strata: list[StratumSpec], dim: int, eps: float, dtype, seed
     return _CACHE[key]
 
 
-def forget_estimates() -> None:
-    """A new run starts without the eps estimates an earlier one remembered (parity_cli.fit):
-    the same check then reports the same figures whatever ran before it in this process."""
-    for ps in _CACHE.values():
-        for store in [p.q for p in ps.probes] + [ps.cache.get("fit", {})]:
-            for key in [k for k in store if isinstance(k, tuple) and k[:1] == ("eps_estimates",)]:
-                del store[key]
-
-
 def build_probes(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
     """The set's probes (views of its batch: read them, copy before writing)."""
     return build_probe_set(strata, dim, eps, dtype, seed).probes

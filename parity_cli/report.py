@@ -172,8 +172,18 @@ def _layer_dict(layer: LayerResult) -> dict:
 
 
 def json_text(data: dict) -> str:
-    """The one serialisation of a report: strict JSON (non-finite numbers are already strings)."""
-    return json.dumps(data, indent=2, allow_nan=False) + "\n"
+    """The one serialisation of a report: strict JSON (non-finite numbers are already strings).
+
+    Indented, except that each layer is one line: json's C encoder writes those, where an
+    indented dump runs the pure-Python encoder over every value (0.37 s of a 3.5 s check of
+    253 layers, all of it after the work is done); a layer per line also greps and diffs well."""
+    layers = data.get("layers")
+    if not isinstance(layers, list) or not layers:
+        return json.dumps(data, indent=2, allow_nan=False) + "\n"
+    marker = "\n  \"layers\": []"  # the top-level key only: nested keys are indented further
+    text = json.dumps({**data, "layers": []}, indent=2, allow_nan=False)
+    rows = ",\n    ".join(json.dumps(layer, allow_nan=False) for layer in layers)
+    return text.replace(marker, "\n  \"layers\": [\n    " + rows + "\n  ]", 1) + "\n"
 
 
 def write_json(data: dict, path: str | Path) -> None:

@@ -61,7 +61,9 @@ def _context():
         try:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(["torch", "parity_cli.worker", "parity_cli.runners",
-                                        "parity_cli.implementations", "parity_cli.layers"])
+                                        "parity_cli.implementations", "parity_cli.layers", "parity_cli.parallel",
+                                        # a --jobs worker's stages (parity_cli.parallel)
+                                        "parity_cli.api", "parity_cli.layer_check", "parity_cli.fit"])
         except ValueError:
             ctx = multiprocessing.get_context("spawn")
         _ctx = ctx
