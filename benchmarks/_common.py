@@ -153,6 +153,29 @@ def wait_quiet(max_wait: float, threshold: float = 0.2) -> float:
     return busy
 
 
+class busy_neighbour:
+    """One busy-loop process pinned to one CPU (the last this process may use) for the length
+    of a `with` block: the CI runner whose other job keeps a core busy."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.proc = None
+
+    def __enter__(self):
+        if self.enabled:
+            cpu = max(os.sched_getaffinity(0))
+            self.proc = subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"],
+                                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+            time.sleep(0.3)  # running before the measured command starts
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        return False
+
+
 def busy_note() -> str:
     if not BUSY_LOG:
         return ""
@@ -215,7 +238,7 @@ pid = os.posix_spawnp(cmd[0], cmd, env, file_actions=actions)
 _, status, ru = os.wait4(pid, 0)
 wall = time.perf_counter() - t0; io1 = io()
 print(json.dumps({"wall": wall, "rc": os.waitstatus_to_exitcode(status), "maxrss_kb": ru.ru_maxrss,
-                  "user": ru.ru_utime, "sys": ru.ru_stime,
+                  "user": ru.ru_utime, "sys": ru.ru_stime, "minflt": ru.ru_minflt, "majflt": ru.ru_majflt,
                   "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
                   "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0)}))
 """

@@ -65,14 +65,17 @@ def timeit(fn, iters: int, warmup: int = 3) -> float:
 # --- micro -------------------------------------------------------------------------------------
 
 def bench_layer(dim: int, iters: int, eps: float = 1e-5):
+    """One layer's work as check_layer does it: the probe set is one batch, its N(x) computed
+    once for every layer (each layer multiplies by its gain), the comparison one batched pass
+    per quantity into reused buffers. Also the oracle from scratch, for what the cache saves."""
     import torch
     import torch.nn.functional as F
 
     from parity_cli.checkpoint import Eps
-    from parity_cli.comparison import compare, tolerance_for
-    from parity_cli.implementations import BUILTINS
+    from parity_cli.comparison import compare_batch, tolerance_for, workspace
+    from parity_cli.implementations import BUILTINS, oracle_normalize
     from parity_cli.layers import NormLayer
-    from parity_cli.probes import build_probes, select_strata
+    from parity_cli.probes import _build, probe_set, select_strata
 
     bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -81,46 +84,46 @@ def bench_layer(dim: int, iters: int, eps: float = 1e-5):
                       eps=Eps(eps, "bench"), weight=w, family="llama")
     strata = select_strata(None)
     tol = tolerance_for("bfloat16")
-    probes = build_probes(strata, dim, eps, bf16, 0)
+    ps = probe_set(_build(strata, dim, eps, bf16, 0))
+    probes = ps.probes
     w64 = w.to(torch.float64)  # what the reference gets: the weight rounded to the candidate dtype
-    oracle, cand_impl = BUILTINS["oracle"], BUILTINS["torch"]
-    ref_fn = oracle.prepare(layer, w64, None, eps)
+    cand_impl = BUILTINS["torch"]
     cand_fn = cand_impl.prepare(layer, w, None, eps)
-    refs = [ref_fn(p.x) for p in probes]
-    cands = [cand_fn(p.x.to(bf16)).to(torch.float64) for p in probes]
-    batch = torch.cat([p.x for p in probes])
+    n = ps.normalised(eps, "rms_norm", oracle_normalize)
+    ref = n * w64
+    cand = torch.cat([cand_fn(p.x.to(bf16)).to(torch.float64) for p in probes])
+    q = ps.mean_square("rms_norm")
+    work = workspace()
+    out = torch.empty_like(ref)
 
     def bare():
         for p in probes:
             F.rms_norm(p.x, (dim,), w64, eps)
 
     def reference():
-        fn = oracle.prepare(layer, w64, None, eps)
-        for p in probes:
-            fn(p.x)
+        torch.mul(ps.normalised(eps, "rms_norm", oracle_normalize), w64, out=out)
 
     def comparison():
-        for p, r, c in zip(probes, refs, cands):
-            compare(p.stratum, p.x, r, c, eps, "rms_norm", tol, 0.0, None, bf16)
+        compare_batch(ps.segments, ps.x, ref, cand, eps, "rms_norm", tol, 0.0, None, bf16, q, work)
 
     def ref_and_compare():
-        fn = oracle.prepare(layer, w64, None, eps)
-        for p, c in zip(probes, cands):
-            compare(p.stratum, p.x, fn(p.x), c, eps, "rms_norm", tol, 0.0, None, bf16)
+        r = torch.mul(ps.normalised(eps, "rms_norm", oracle_normalize), w64, out=out)
+        compare_batch(ps.segments, ps.x, r, cand, eps, "rms_norm", tol, 0.0, None, bf16, q, work)
 
     def candidate():
-        fn = cand_impl.prepare(layer, w, None, eps)
-        for p in probes:
-            fn(p.x.to(bf16)).to(torch.float64)
+        xc = ps.at(bf16)
+        for _, lo, hi in ps.segments:
+            cand_fn(xc[lo:hi].clone()).to(torch.float64)
 
     fns = {
         "bare": bare,
-        "bare_batched": lambda: F.rms_norm(batch, (dim,), w64, eps),
+        "bare_batched": lambda: F.rms_norm(ps.x, (dim,), w64, eps),
+        "oracle_scratch": lambda: BUILTINS["oracle"].prepare(layer, w64, None, eps)(ps.x),
         "reference": reference,
         "comparison": comparison,
         "ref+compare": ref_and_compare,
         "candidate": candidate,
-        "probes": lambda: build_probes(strata, dim, eps, bf16, 0),
+        "probes": lambda: _build(strata, dim, eps, bf16, 0),
     }
     # Interleaved: every iteration times each function once, so that all of them see the same
     # machine state (allocator, caches, a neighbour's load); medians per function.
@@ -132,10 +135,10 @@ def bench_layer(dim: int, iters: int, eps: float = 1e-5):
                 fn()
                 if it >= 3:
                     times[k].append(time.perf_counter() - t0)
-    out = {k: median(v) for k, v in times.items()}
-    out["ratio_runs"] = sorted(a / b for a, b in zip(times["ref+compare"], times["bare"]))
-    out["rows"] = int(batch.shape[0])
-    return out
+    res = {k: median(v) for k, v in times.items()}
+    res["ratio_runs"] = sorted(a / b for a, b in zip(times["ref+compare"], times["bare"]))
+    res["rows"] = int(ps.x.shape[0])
+    return res
 
 
 def section_micro(args):
@@ -154,7 +157,8 @@ def section_micro(args):
           "7 strata")
     print(f"  {'':<34} {'1 thread':>9} {'2 threads':>10} {'ratio to bare (2 thr)':>22} {'2 vs 1 thr':>11}")
     labels = [("bare", "bare F.rms_norm f64 (7 calls)"), ("bare_batched", "bare F.rms_norm f64 (1 batched call)"),
-              ("reference", "reference (oracle)"), ("comparison", "comparison (compare)"),
+              ("oracle_scratch", "oracle from scratch (one batch)"),
+              ("reference", "reference (N(x) shared x gain)"), ("comparison", "comparison (compare_batch)"),
               ("ref+compare", "reference + comparison"),
               ("candidate", "candidate (torch, bf16)"),
               ("probes", "probe generation (build_probes)")]

@@ -42,7 +42,7 @@ class CheckOptions:
     layers: str | None = None
     max_violation_fraction: float = 0.0
     reference_dtype: str = "float64"
-    reference_device: str = "cpu"
+    reference_device: str = "auto"  # auto: the candidate's GPU when it has fast float64, else the CPU
     exact: bool = False  # bitwise: atol = rtol = 0, no allowance
     candidate_args: list[str] | dict | None = None  # KEY=VALUE for the candidate's constructor/function
     candidate_checkpoint: str | None = None  # a converted copy: the candidate uses its weights and eps
@@ -61,6 +61,24 @@ def dtype_name(name: str) -> str:
     if key not in DTYPES:
         raise InputError(f"--dtype: unknown dtype '{name}'; use float32, bfloat16, float16 or float64")
     return DTYPES[key]
+
+
+# (major, minor) compute capabilities whose float64 runs at 1/2 of float32 (P100, V100, A100,
+# H100/H200, B200); every other part runs it at 1/32-1/64, slower than the CPU for the oracle
+FAST_FLOAT64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+
+
+def reference_device(option: str, candidate_device: str) -> str:
+    """--reference-device: `auto` runs the float64 oracle on the candidate's GPU when that GPU
+    has fast float64 (the probe set then crosses the bus once), otherwise on the CPU."""
+    if option != "auto":
+        return check_device(option)
+    if not candidate_device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(candidate_device))
+    return candidate_device if (props.major, props.minor) in FAST_FLOAT64 else "cpu"
 
 
 def check_device(device: str) -> str:
@@ -340,7 +358,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         raise InputError(f"--timeout must be > 0 seconds (inf: no limit), got {opts.timeout}")
     strata = select_strata(opts.strata)
     device = check_device(opts.device)
-    ref_device = check_device(opts.reference_device)
+    ref_device = reference_device(opts.reference_device, device)
     ref_dtype_name = dtype_name(opts.reference_dtype)
     cand_args = candidate_args(opts)
     memory = parse_memory(opts.candidate_memory)

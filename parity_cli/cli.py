@@ -120,7 +120,8 @@ def cli():
                    "CHECKPOINT's, then probe the candidate with them (an .onnx graph: its own norm subgraphs).")
 @click.option("--reference", default="oracle", show_default=True, help="Implementation to compare against (any IMPL form).")
 @click.option("--reference-dtype", default="float64", show_default=True, help="dtype the reference runs at.")
-@click.option("--reference-device", default="cpu", show_default=True, help="Device the reference runs on.")
+@click.option("--reference-device", default="auto", show_default=True,
+              help="Device the reference runs on (auto: the candidate's GPU if it has fast float64, else cpu).")
 @click.option("--exact", is_flag=True, help="Bitwise parity: --atol 0 --rtol 0, no allowance.")
 @click.option("--grad", is_flag=True, help="Backward parity too: dx and dweight against the reference's autograd.")
 @click.option("--timeout", type=float, default=None,

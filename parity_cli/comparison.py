@@ -273,16 +273,16 @@ class Workspace:
     def __init__(self):
         self.buffers: dict = {}
 
-    def get(self, name: str, shape, dtype=None):
+    def get(self, name: str, shape, dtype=None, device="cpu"):
         import torch
 
         dtype = dtype or torch.float64
-        key = (name, tuple(shape), dtype)
+        key = (name, tuple(shape), dtype, str(device))
         buf = self.buffers.get(key)
         if buf is None:
             if len(self.buffers) > 32:  # many shapes (dims): keep the newest only
                 self.buffers.clear()
-            buf = self.buffers[key] = torch.empty(tuple(shape), dtype=dtype)
+            buf = self.buffers[key] = torch.empty(tuple(shape), dtype=dtype, device=device)
         return buf
 
 
@@ -318,13 +318,13 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
         return [compare(name, x[a:b], ref[a:b], cand[a:b], eps, kind, tol, max_violation_fraction,
                         None if extra is None else extra[a:b], dtype, q[a:b]) for name, a, b in segments]
     work = work or workspace()
-    shape = ref.shape
-    d = torch.sub(cand, ref, out=work.get("d", shape)).abs_()
-    a = torch.abs(ref, out=work.get("a", shape))
-    allowed = torch.mul(a, tol.rtol, out=work.get("allowed", shape)).add_(tol.atol)
+    shape, dev = ref.shape, ref.device  # a GPU reference is compared where it is (api.reference_device)
+    d = torch.sub(cand, ref, out=work.get("d", shape, device=dev)).abs_()
+    a = torch.abs(ref, out=work.get("a", shape, device=dev))
+    allowed = torch.mul(a, tol.rtol, out=work.get("allowed", shape, device=dev)).add_(tol.atol)
     if extra is not None:
         allowed.add_(extra)
-    r = work.get("r", shape)
+    r = work.get("r", shape, device=dev)
     row_d = d.amax(-1)
     row_a = a.amax(-1)
     score, worst_col = torch.div(d, allowed, out=r).max(-1)
@@ -333,7 +333,7 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     counts = [0] * shape[0]
     over = [k for k, v in enumerate(score_l) if v > 1]
     if over:
-        idx = torch.tensor(over)
+        idx = torch.tensor(over, device=dev)
         for k, c in zip(over, (d[idx] > allowed[idx]).sum(-1).tolist()):
             counts[k] = c
     for k, v in enumerate(rel_l):

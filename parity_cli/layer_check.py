@@ -139,8 +139,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     k0 = 0
     gain = layer.gain_offset + w_ref.cpu().to(torch.float64)
     for j, (ps, ref) in enumerate(zip(sets, refs)):
-        x_rows = rows(spread(ps.x)) if heads else ps.x
-        cand = torch.empty_like(ref) if keep_tensors else work.get(f"cand{j}", ref.shape)
+        dev = ref.device  # the comparison runs where the reference is
+        x_rows = rows(spread(ps.on(dev))) if heads else ps.on(dev)
+        cand = torch.empty_like(ref) if keep_tensors else work.get(f"cand{j}", ref.shape, device=dev)
         placed, valid = {}, []
         for k, (name, lo, hi) in enumerate(ps.segments):
             out = run.output(k0 + k)
@@ -157,12 +158,18 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
                 valid.append((k, (name, lo * per_row, hi * per_row)))
         extra = None
         if layer.kind == "layer_norm" and tol.mean_rounding:
-            extra = rows(mean_rounding_allowance(spread(ps.x), gain, eps, tol))
+            extra = rows(mean_rounding_allowance(spread(ps.on(dev)), gain.to(dev), eps, tol))
         q = ps.mean_square(layer.kind)
         if heads:
             q = q.repeat_interleave(per_row)
         compared = compare_batch([seg for _, seg in valid], x_rows, ref, cand, eps, layer.kind, tol,
                                  opts.max_violation_fraction, extra, candidate.dtype, q, work)
+        if dev.type != "cpu" and (keep_tensors or real is not None or any(r.status != "pass" for r in compared)):
+            # diagnosis (and a caller keeping the tensors) reads them on the CPU, with the gain
+            x_rows, ref, cand = x_rows.cpu(), ref.cpu(), cand.cpu()
+            for result, (_, (_, lo, hi)) in zip(compared, valid):
+                result.x, result.ref, result.cand = x_rows[lo:hi], ref[lo:hi], cand[lo:hi]
+                result.bad = None if result.bad is None else result.bad.cpu()
         batch = None
         if len(valid) == len(ps.segments) and not heads:  # diagnosis can work on the batch as a whole
             batch = Batch(x_rows, ref, cand, ps.segments, ps.cache.setdefault("fit", {}))
@@ -218,22 +225,23 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
 
 
 def _reference_batch(ps, j, reference: Side, layer, w_ref, b_ref, eps, spread, rows, work, fresh):
-    """The reference's outputs for a probe set as one float64 CPU batch (rows, dim). The oracle
-    is N(x) * gain (+ bias), with N(x) computed once per probe set; any other reference runs
-    stratum by stratum, and a fault in it is the user's input."""
+    """The reference's outputs for a probe set as one float64 batch (rows, dim). The oracle is
+    N(x) * gain (+ bias) on its device, with N(x) computed once per probe set; any other
+    reference runs stratum by stratum and comes back to the CPU; a fault in it is the user's."""
     import torch
 
     normalise = getattr(reference.impl, "normalise", None)
-    if normalise is not None and reference.dtype == torch.float64 and str(reference.device) == "cpu":
-        n = ps.normalised(eps, layer.kind, normalise)
-        gain = layer.gain_offset + w_ref
+    if normalise is not None and reference.dtype == torch.float64:
+        dev = reference.device  # a GPU with fast float64 (api.reference_device), or the CPU
+        n = ps.normalised(eps, layer.kind, normalise, dev)
+        gain = (layer.gain_offset + w_ref).to(dev)
         if gain.dim() > 1:  # per-head gains: every head of a row sees the row
             n = n.reshape(n.shape[0], *([1] * (gain.dim() - 1)), n.shape[-1])
         shape = (n.shape[0] * (gain.numel() // gain.shape[-1]), n.shape[-1])
-        out = torch.empty(shape, dtype=torch.float64) if fresh else work.get(f"ref{j}", shape)
+        out = torch.empty(shape, dtype=torch.float64, device=dev) if fresh else work.get(f"ref{j}", shape, device=dev)
         y = torch.mul(n, gain, out=out.view(n.shape[0], *gain.shape))
         if b_ref is not None:
-            y.add_(b_ref)
+            y.add_(b_ref.to(dev))
         return out
     try:
         ref_fn = reference.impl.prepare(layer, w_ref.to(reference.device),

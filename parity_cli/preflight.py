@@ -42,7 +42,8 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
         dtype_input(dtype, "--dtype")
     dtype_input(reference_dtype, "--reference-dtype")
     device_input(device, "--device")
-    device_input(reference_device, "--reference-device")
+    if reference_device != "auto":
+        device_input(reference_device, "--reference-device")
     if strata:
         from parity_cli.probes import select_strata
 

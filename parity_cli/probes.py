@@ -183,12 +183,21 @@ class ProbeSet:
                 start += p.x.shape[0]
         return self.cache[key]
 
-    def normalised(self, eps: float, kind: str, normalise):
+    def on(self, device):
+        """The batch on `device`: one transfer per probe set, whatever the number of layers."""
+        if str(device) == "cpu":
+            return self.x
+        key = ("on", str(device))
+        if key not in self.cache:
+            self.cache[key] = self.x.to(device)
+        return self.cache[key]
+
+    def normalised(self, eps: float, kind: str, normalise, device="cpu"):
         """normalise(x, eps, kind) of the batch: the gain-free part of a reference that is
         y = N(x) * gain (+ bias), computed once for every layer of this probe set."""
-        key = ("normalised", eps, kind, normalise)
+        key = ("normalised", eps, kind, normalise, str(device))
         if key not in self.cache:
-            self.cache[key] = normalise(self.x, eps, kind)
+            self.cache[key] = normalise(self.on(device), eps, kind)
         return self.cache[key]
 
     def at(self, dtype):

@@ -87,13 +87,16 @@ def readable(y, expected_numel: int):
         return None, None, failure("returned a tensor that cannot be read: ", exc)
 
 
-def execute(impl, job: CandidateJob, guard=None, in_child: bool = False):
+def execute(impl, job: CandidateJob, guard=None, in_child: bool = False, copy_inputs: bool = True):
     """Runs the job, yielding ("built", error), then ("out", k, tensor, dtype, error) per input,
     then ("grad", k, dx, dweight, error) per input under --grad. `guard()` runs after every
     call into candidate code (the child uses it to stop a process the candidate forked).
 
     In the child a KeyboardInterrupt can only come from the candidate (the child ignores SIGINT),
-    so it is that call's error; here in the parent it is the user's Ctrl-C and goes up."""
+    so it is that call's error; here in the parent it is the user's Ctrl-C and goes up.
+
+    `copy_inputs=False` hands the inputs over as they are: for our own built-ins, which never
+    write into them, and in the child, whose inputs are its own (unless --grad reuses them)."""
     import torch
 
     guard = guard or (lambda: None)
@@ -123,7 +126,7 @@ def execute(impl, job: CandidateJob, guard=None, in_child: bool = False):
             if k:
                 fn = build()
             with torch.no_grad():
-                y = fn(x.to(dev, copy=True))
+                y = fn(x.to(dev, copy=True) if copy_inputs else x.to(dev))
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt) and not in_child:
                 raise
@@ -212,6 +215,8 @@ class InProcessRunner:
     def __init__(self, impl, timeout: float | None = None):
         self.impl = impl
         self.timeout = timeout
+        # our own pure functions read their input and never write it: no copy per call
+        self.copy_inputs = not (impl.source == "built-in" and impl.name in IN_PROCESS_BUILTINS)
 
     def submit(self, job: CandidateJob) -> None:
         self._job = job
@@ -221,7 +226,7 @@ class InProcessRunner:
 
     def run(self, job: CandidateJob) -> CandidateRun:
         if self.timeout is None:
-            return collect(execute(self.impl, job), CandidateRun())
+            return collect(execute(self.impl, job, copy_inputs=self.copy_inputs), CandidateRun())
         import threading
 
         run = CandidateRun()
@@ -229,7 +234,7 @@ class InProcessRunner:
 
         def target():
             try:
-                collect(execute(self.impl, job), run)
+                collect(execute(self.impl, job, copy_inputs=self.copy_inputs), run)
             finally:
                 done.set()
 

@@ -70,6 +70,20 @@ def _context():
     return _ctx
 
 
+def _compact(job: CandidateJob) -> CandidateJob:
+    """The job as it travels: a tensor pickles its whole storage, so a view of the probe set's
+    batch (layer_check hands out one per stratum) would carry the batch once per stratum."""
+    import dataclasses
+
+    def own(t):
+        if t is None or t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+            return t
+        return t.clone()
+
+    return dataclasses.replace(job, inputs=[own(x) for x in job.inputs],
+                               upstream=None if job.upstream is None else [own(u) for u in job.upstream])
+
+
 class _no_main:
     """multiprocessing would re-run the caller's script (`__main__`) in every child before
     serving it: a user script calling api.check without a __main__ guard would start a check
@@ -344,7 +358,7 @@ class Supervisor:
                 return
         self._deadline = None if self.timeout is None else time.monotonic() + self.timeout
         try:
-            self._send(job, self._deadline)
+            self._send(_compact(job), self._deadline)
         except _Stop as why:
             self.kill()
             self._failed = f"candidate process {why}{self._last_line()}"

@@ -142,7 +142,9 @@ def serve(rconn, wconn, out_path: str) -> None:
         job = _receive(rfd)
         if job is None:
             return
-        for event in runners.execute(impl, job, _guard, in_child=True):
+        # the job's inputs arrived through the pipe: this process's own, used once each (unless
+        # --grad runs them again, after whatever the forward call did to them)
+        for event in runners.execute(impl, job, _guard, in_child=True, copy_inputs=job.upstream is not None):
             if event[0] == "built":
                 _send(wfd, {"type": "built", "error": event[1]})
             elif event[0] == "out":

@@ -293,3 +293,33 @@ def test_explain_uses_the_candidate_checkpoint(ckpt, tmp_path):
     steps = {s["changes"]: s for s in ladder["model.norm"]}
     assert steps["nothing"]["status"] == "fail"  # the copy's eps, as in the check
     assert steps["eps"]["status"] == "pass" and "1e-5" in steps["eps"]["step"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_oracle_on_the_gpu_agrees_with_the_cpu_oracle(ckpt):
+    """The float64 oracle and the comparison on the GPU give the CPU's verdict and counts; the
+    figures differ only by float64 reduction order (relative 1e-12 is 1e4 ulp of float64)."""
+    path = ckpt("llama", layers=2, eps=1e-5)
+    runs = {dev: api.check(path, candidate="torch", device="cuda", candidate_eps=1e-6, reference_device=dev)
+            for dev in ("cpu", "cuda")}
+    assert runs["cuda"].header["reference"]["device"].startswith("cuda")
+    for a, b in zip(runs["cpu"].layers, runs["cuda"].layers):
+        assert a.status == b.status == "fail"
+        for sa, sb in zip(a.strata, b.strata):
+            assert (sa.name, sa.status, sa.violations) == (sb.name, sb.status, sb.violations)
+            assert sb.max_abs_err == pytest.approx(sa.max_abs_err, rel=1e-12)
+        assert [d.code for d in a.diagnoses] == [d.code for d in b.diagnoses] == ["eps_mismatch"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reference_device_auto_follows_fast_float64():
+    props = torch.cuda.get_device_properties(0)
+    fast = (props.major, props.minor) in api.FAST_FLOAT64
+    assert api.reference_device("auto", "cuda:0") == ("cuda:0" if fast else "cpu")
+    assert api.reference_device("auto", "cpu") == "cpu"
+
+
+def test_reference_device_auto_is_the_cpu_for_a_cpu_candidate():
+    assert api.reference_device("auto", "cpu") == "cpu"
