@@ -16,8 +16,8 @@ Configurations (--only NAME,...):
   failing_j2   the failing check with --jobs 2
   split        two processes by hand, --layers '*.input_layernorm' and '*.post_attention_layernorm'
                (252 of the 253 layers): the ceiling for --jobs 2
-  before       with --against DIR: DIR's own `parity check` (a checkout of an earlier commit, run
-               with PYTHONPATH=DIR and torch's default threads), the baseline of the same run
+  before       with --against DIR: DIR's own `parity check` (a checkout of an earlier commit, first
+               on sys.path, with torch's default threads), the baseline of the same run
 
 CPU time and page faults are the command's own and those of the children it waited for
 (os.wait4): the --jobs workers are children of the fork server, whose figures reach the
@@ -64,10 +64,10 @@ def commands(model: Path, out: Path) -> dict:
     }
 
 
-def run(cmds, rc, env=None) -> dict:
+def run(cmds, rc) -> dict:
     """All of cmds at once; wall from the first start to the last exit, the rest summed."""
     t0 = time.perf_counter()
-    parts = [collect(p, rc) for p in [spawn(c, env={"OMP_NUM_THREADS": None, **(env or {})}) for c in cmds]]
+    parts = [collect(p, rc) for p in [spawn(c, env={"OMP_NUM_THREADS": None}) for c in cmds]]
     return {"wall": time.perf_counter() - t0, "cpu": sum(p["user"] + p["sys"] for p in parts),
             "sys": sum(p["sys"] for p in parts), "minflt": sum(p["minflt"] for p in parts),
             "maxrss_kb": max(p["maxrss_kb"] for p in parts)}
@@ -88,12 +88,12 @@ def main(argv=None) -> int:
     model = ensure_model(DEFAULT_ROOT / "llama405b", 126, 16384)
     out = Path(tempfile.mkdtemp(prefix="parity-bench-busy-"))
     cmds = commands(model, out)
-    envs = {}
     if args.against:
         before = Path(args.against).resolve()
-        cmds["before"] = ([[sys.executable, "-m", "parity_cli", "check", str(model), "--candidate", "torch", "-q",
+        # -c with the tree first on sys.path: `-m` would put the working directory (this checkout) first
+        launch = f"import sys; sys.path.insert(0, {str(before)!r}); from parity_cli.cli import main; main()"
+        cmds["before"] = ([[sys.executable, "-c", launch, "check", str(model), "--candidate", "torch", "-q",
                             "--json", str(out / "b.json")]], (0,))
-        envs["before"] = {"PYTHONPATH": str(before)}
     elif "before" in wanted:
         wanted.remove("before")
     run(*cmds["default"])  # page cache and fork server files warm before anything is timed
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         for name in wanted:
             for state in ("idle", "busy"):
                 with busy_neighbour(state == "busy"):
-                    res.setdefault((name, state), []).append(run(*cmds[name], env=envs.get(name)))
+                    res.setdefault((name, state), []).append(run(*cmds[name]))
 
     def med(name, state, key):
         return median([r[key] for r in res[(name, state)]])

@@ -82,7 +82,8 @@ def check_shards(plan: Plan, names: list[str], workers: int, progress=None) -> l
                     done[k] = future.result()
                 except BrokenProcessPool:
                     # a worker died (killed, out of memory): said as such, never a hang
-                    raise RuntimeError("a --jobs worker process died; rerun with --jobs 1 to see where") from None
+                    raise InputError("a --jobs worker process died (killed, out of memory, or code that "
+                                     "exits the process); rerun with --jobs 1 to see where") from None
                 finished += len(done[k])
                 if progress is not None:
                     progress(finished, len(names), f"{finished} layers")
