@@ -304,7 +304,7 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     over the whole batch into reused buffers, reduced per row; each stratum's figures are then
     its rows'. Rows with a non-finite value, and a tolerance without atol (where the ratio to
     the allowance is undefined at zero), take compare()'s general path, stratum by stratum:
-    the results are the same either way (tests/test_math.py checks they agree).
+    the results are the same either way (tests/test_compare_batch.py checks they agree).
 
     Why the ratio decides: for finite d and allowed > 0, fl(d / allowed) > 1 exactly when
     d > allowed (a float above `allowed` is at least one ulp above it, and that quotient
@@ -327,9 +327,13 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     r = work.get("r", shape, device=dev)
     row_d = d.amax(-1)
     row_a = a.amax(-1)
-    score, worst_col = torch.div(d, allowed, out=r).max(-1)
+    score = torch.div(d, allowed, out=r)
+    score_l = score.amax(-1).tolist()
+    # each stratum's worst row (the first of the largest), and the first largest element in it
+    worst_row = {(lo, hi): max(range(lo, hi), key=lambda k: (score_l[k], -k)) for _, lo, hi in segments if hi > lo}
+    worst_col = {seg: int(torch.argmax(score[v])) for seg, v in worst_row.items()}
     rel = torch.div(d, a, out=r).nan_to_num_(nan=0.0, posinf=math.inf).amax(-1)  # 0/0 where the reference is 0
-    row_d_l, row_a_l, score_l, worst_l, rel_l = (t.tolist() for t in (row_d, row_a, score, worst_col, rel))
+    row_d_l, row_a_l, rel_l = (t.tolist() for t in (row_d, row_a, rel))
     counts = [0] * shape[0]
     over = [k for k, v in enumerate(score_l) if v > 1]
     if over:
@@ -350,8 +354,7 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
         rows = range(lo, hi)
         violations = sum(counts[k] for k in rows)
         elements = (hi - lo) * shape[1]
-        v = max(rows, key=lambda k: (score_l[k], -k))
-        i = worst_l[v]
+        v, i = worst_row[(lo, hi)], worst_col[(lo, hi)]
         qe, att = q_over_eps_stats(x[lo:hi], eps, kind, q[lo:hi])
         fraction = violations / elements
         bad = None
