@@ -85,3 +85,19 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(ckpt, tmp_path):
                    "--json", tmp_path / "r.json")
     assert r.returncode == 2 and "worker process died" in r.stderr, r.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_workers_resolve_relative_paths_from_the_callers_directory(ckpt, tmp_path, monkeypatch):
+    """A worker starts in the directory of the check that started it (multiprocessing prepares
+    it so), not where the fork server once started."""
+    path = ckpt("llama", layers=2)
+    assert api.check(path, candidate="torch", jobs=2).passed  # the fork server starts here
+    (tmp_path / "ref.py").write_text(textwrap.dedent("""
+        import torch
+
+        def norm(x, weight, eps):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """))
+    monkeypatch.chdir(tmp_path)
+    report = api.check(os.path.relpath(path, tmp_path), candidate="torch", reference="ref.py:norm", jobs=2)
+    assert report.passed and report.header["candidate"]["workers"] == 2
