@@ -68,17 +68,24 @@ def dtype_name(name: str) -> str:
 FAST_FLOAT64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
 
 
-def reference_device(option: str, candidate_device: str) -> str:
+def reference_device(option: str, candidate_device: str, oracle: bool = True) -> str:
     """--reference-device: `auto` runs the float64 oracle on the candidate's GPU when that GPU
-    has fast float64 (the probe set then crosses the bus once), otherwise on the CPU."""
+    has fast float64 (the probe set then crosses the bus once), otherwise on the CPU. Any other
+    reference (`oracle` False: another implementation, or not float64) stays on the CPU unless
+    asked: moving it would change which kernels the reference runs."""
     if option != "auto":
         return check_device(option)
-    if not candidate_device.startswith("cuda"):
+    if not oracle or not candidate_device.startswith("cuda"):
         return "cpu"
     import torch
 
     props = torch.cuda.get_device_properties(torch.device(candidate_device))
     return candidate_device if (props.major, props.minor) in FAST_FLOAT64 else "cpu"
+
+
+def is_oracle(opts) -> bool:
+    """The reference is the float64 oracle (what --reference-device auto may move to a GPU)."""
+    return opts.reference == "oracle" and dtype_name(opts.reference_dtype) == "float64"
 
 
 def check_device(device: str) -> str:
@@ -358,7 +365,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         raise InputError(f"--timeout must be > 0 seconds (inf: no limit), got {opts.timeout}")
     strata = select_strata(opts.strata)
     device = check_device(opts.device)
-    ref_device = reference_device(opts.reference_device, device)
+    ref_device = reference_device(opts.reference_device, device, is_oracle(opts))
     ref_dtype_name = dtype_name(opts.reference_dtype)
     cand_args = candidate_args(opts)
     memory = parse_memory(opts.candidate_memory)

@@ -303,7 +303,8 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     shared: |c - r|, the allowance, its worst ratio and the relative error are each one pass
     over the whole batch into reused buffers, reduced per row; each stratum's figures are then
     its rows'. Rows with a non-finite value, and a tolerance without atol (where the ratio to
-    the allowance is undefined at zero), take compare()'s general path, stratum by stratum:
+    the allowance is undefined at zero, or overflows below a normal atol), take compare()'s
+    general path, stratum by stratum:
     the results are the same either way (tests/test_compare_batch.py checks they agree).
 
     Why the ratio decides: for finite d and allowed > 0, fl(d / allowed) > 1 exactly when
@@ -314,7 +315,9 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     from parity_cli.implementations import mean_square
 
     q = mean_square(x, kind) if q is None else q
-    if not (tol.atol > 0) or ref.shape != cand.shape or ref.dim() != 2:
+    # atol below the smallest normal float64 (or 0) would let d / allowed overflow where
+    # compare() divides by a clamped allowance: that path then decides the worst element
+    if not (tol.atol >= torch.finfo(torch.float64).tiny) or ref.shape != cand.shape or ref.dim() != 2:
         return [compare(name, x[a:b], ref[a:b], cand[a:b], eps, kind, tol, max_violation_fraction,
                         None if extra is None else extra[a:b], dtype, q[a:b]) for name, a, b in segments]
     work = work or workspace()

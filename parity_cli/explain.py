@@ -71,7 +71,7 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     cand_dtype_name = api.dtype_name(opts.dtype) if opts.dtype else (copy_dtype or api.stored_dtype(checked_layers))
     cand_dtype = getattr(torch, cand_dtype_name)
     ref_dtype = getattr(torch, api.dtype_name(opts.reference_dtype))
-    reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, api.reference_device(opts.reference_device, opts.device))
+    reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, api.reference_device(opts.reference_device, opts.device, api.is_oracle(opts)))
     device = api.check_device(opts.device)
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
     cand_impl, runners = open_runners(opts.candidate, api.candidate_args(opts), device, opts.isolation,

@@ -305,9 +305,11 @@ def _failing(ctx, s):
     if key not in ctx.cache:
         bad = _bad(ctx, s)
         cap = SCREEN_SAMPLE * min(2, len(getattr(s, "segments", None) or [s]))
-        # a strided sample of positions keeps about `cap` of the failing elements, spread like them
-        step = max(1, s.violations // cap)
-        flat = torch.nonzero(bad.reshape(-1)[::step]).flatten() * step
+        # a stride over the failing elements themselves: a stride over positions could line up
+        # with the row length and miss every failing channel (odd channels, dim 4096, step 8)
+        flat = torch.nonzero(bad.reshape(-1)).flatten()
+        if flat.numel() > cap:
+            flat = flat[:: flat.numel() // cap + 1]
         rows, cols = flat // bad.shape[-1], flat % bad.shape[-1]
         extra = _rounding(ctx, s)[rows, cols] if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding else 0.0
         ctx.cache[key] = (rows, cols, s.cand[rows, cols], extra)
@@ -541,7 +543,7 @@ def _resolve_eps(ctx, panel: Panel, f: Factors) -> Factors | None:
                                             eps_shared=est[4], eps_raw=est[5])
 
 
-SHARED_ESTIMATES = 8  # normalisations at an estimated eps a probe set keeps for every layer
+SHARED_ESTIMATES = 2  # estimated eps values whose normalisations a probe set keeps for every layer
 
 
 def _snapped(panel: Panel, key, est):
@@ -561,7 +563,7 @@ def _snapped(panel: Panel, key, est):
     store = panel.shared_store()
     shared = False
     if store is not None:
-        seen = store.setdefault(("eps_estimates",) + key[1:4], set())
+        seen = store.setdefault(("eps_estimates",), set())  # one budget per probe set: each is a batch
         if value in seen or len(seen) < SHARED_ESTIMATES:
             seen.add(value)
             shared = True

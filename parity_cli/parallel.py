@@ -115,7 +115,7 @@ def _run_share(task):
     ckpt, fam, eps = _STATE[key]
     layers = {layer.name: layer for layer in discover_layers(ckpt, fam, eps, opts.layers, names=set(share)).layers}
     reference = Side(impls.resolve(opts.reference), opts.reference, getattr(torch, api.dtype_name(opts.reference_dtype)),
-                     api.reference_device(opts.reference_device, opts.device))
+                     api.reference_device(opts.reference_device, opts.device, api.is_oracle(opts)))
     impl = impls.resolve(opts.candidate, api.candidate_args(opts))
     candidate = Side(impl, opts.candidate, getattr(torch, plan.cand_dtype), opts.device, opts.candidate_eps,
                      InProcessRunner(impl, plan.timeout))

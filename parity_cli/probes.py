@@ -8,6 +8,7 @@ values, so input rounding never counts against a candidate."""
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from dataclasses import dataclass, field
 from functools import cache
@@ -185,9 +186,10 @@ class ProbeSet:
 
     def on(self, device):
         """The batch on `device`: one transfer per probe set, whatever the number of layers."""
-        if str(device) == "cpu":
+        device = canonical(device)
+        if device == "cpu":
             return self.x
-        key = ("on", str(device))
+        key = ("on", device)
         if key not in self.cache:
             self.cache[key] = self.x.to(device)
         return self.cache[key]
@@ -195,7 +197,7 @@ class ProbeSet:
     def normalised(self, eps: float, kind: str, normalise, device="cpu"):
         """normalise(x, eps, kind) of the batch: the gain-free part of a reference that is
         y = N(x) * gain (+ bias), computed once for every layer of this probe set."""
-        key = ("normalised", eps, kind, normalise, str(device))
+        key = ("normalised", eps, kind, normalise, canonical(device))
         if key not in self.cache:
             self.cache[key] = normalise(self.on(device), eps, kind)
         return self.cache[key]
@@ -206,6 +208,16 @@ class ProbeSet:
         if key not in self.cache:
             self.cache[key] = self.x.to(dtype)
         return self.cache[key]
+
+
+def canonical(device) -> str:
+    """"cuda" and "cuda:0" (the current device) are one device, and one cache entry."""
+    text = str(device)
+    if text == "cuda":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return text
 
 
 def probe_set(rows: list[Probe]) -> ProbeSet:
@@ -222,6 +234,7 @@ def probe_set(rows: list[Probe]) -> ProbeSet:
 
 _CACHE: dict = {}
 _CACHE_SIZE = 8
+_LOCK = threading.Lock()
 
 
 def build_probe_set(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> ProbeSet:
@@ -229,11 +242,13 @@ def build_probe_set(strata: list[StratumSpec], dim: int, eps: float, dtype, seed
 
     Every layer with the same dim, eps and dtype gets the same set: built once, read by all."""
     key = (tuple((s.name, s.generator, repr(sorted(s.params.items()))) for s in strata), dim, eps, str(dtype), seed)
-    if key not in _CACHE:
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = probe_set(_build(strata, dim, eps, dtype, seed))
-    return _CACHE[key]
+    with _LOCK:  # --jobs threads share the cache: one builds a set, none sees it evicted half-way
+        ps = _CACHE.get(key)
+        if ps is None:
+            if len(_CACHE) >= _CACHE_SIZE:
+                _CACHE.pop(next(iter(_CACHE)))
+            ps = _CACHE[key] = probe_set(_build(strata, dim, eps, dtype, seed))
+    return ps
 
 
 def build_probes(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:

@@ -16,13 +16,16 @@ F64 = torch.float64
 def fields(r):
     return (r.name, r.status, r.vectors, r.elements, r.violations, r.max_abs_err, r.max_rel_err,
             r.nonfinite_reference, r.nonfinite_candidate, r.max_ulp, r.failing_q_over_eps, r.q_over_eps,
-            r.attenuation, (r.worst.vector, r.worst.index, r.worst.reference, r.worst.candidate, r.worst.allowed),
+            r.attenuation, (r.worst.vector, r.worst.index, r.worst.input, r.worst.reference, r.worst.candidate,
+                            r.worst.allowed),
             r.row_error, r.row_q_over_eps)
 
 
-def both(segments, x, ref, cand, tol, **kw):
-    batched = compare_batch(segments, x, ref, cand, 1e-6, "rms_norm", tol, **kw)
-    single = [compare(name, x[a:b], ref[a:b], cand[a:b], 1e-6, "rms_norm", tol, **kw) for name, a, b in segments]
+def both(segments, x, ref, cand, tol, extra=None, q=None, **kw):
+    batched = compare_batch(segments, x, ref, cand, 1e-6, "rms_norm", tol, extra=extra, q=q, **kw)
+    single = [compare(name, x[a:b], ref[a:b], cand[a:b], 1e-6, "rms_norm", tol,
+                      extra=None if extra is None else extra[a:b], q=None if q is None else q[a:b], **kw)
+              for name, a, b in segments]
     return batched, single
 
 
@@ -96,12 +99,26 @@ def test_random_batches_agree_with_the_per_stratum_comparison():
         tol = Tolerance(atol=10.0 ** rng.randint(-6, -2), rtol=rng.choice([0.0, 1e-3, 1.6e-2]), source="test")
         kw = {"dtype": rng.choice([torch.bfloat16, torch.float16, torch.float32]),
               "max_violation_fraction": rng.choice([0.0, 0.01])}
+        if trial % 3 == 1:  # a LayerNorm-like per-element allowance on top of atol + rtol|r|
+            kw["extra"] = torch.rand(n, dim, generator=gen, dtype=F64) * 10.0 ** rng.randint(-5, -2)
+        if trial % 2:  # the rows' q handed in, as check_layer does from the probe set
+            kw["q"] = (x * x).mean(-1)
         batched, single = both(segments, x, ref, cand, tol, **kw)
         for b, s in zip(batched, single):
             assert repr(fields(b)) == repr(fields(s)), (trial, b.name)  # repr: NaN equals NaN
             assert (b.bad is None) == (s.bad is None)
             if b.bad is not None:
                 assert torch.equal(b.bad, s.bad)
+
+
+def test_an_atol_below_the_smallest_normal_takes_the_general_path():
+    """atol = 1e-310 (subnormal): d / allowed overflows to inf for both elements, which would
+    make the first the worst; the errors are 0.1 and 0.2, so the worst is the second."""
+    x = torch.ones(1, 2, dtype=F64)
+    ref = torch.tensor([[1.0, 0.5]], dtype=F64)
+    cand = torch.tensor([[1.1, 0.7]], dtype=F64)
+    (b,), (s,) = both([("t", 0, 1)], x, ref, cand, Tolerance(atol=1e-310, rtol=0.0, source="test"))
+    assert b.worst.index == s.worst.index == 1 and b.violations == 2
 
 
 def test_ulps_against_frexp():

@@ -139,3 +139,19 @@ def test_explain_from_a_report_keeps_its_options(ckpt, tmp_path):
     assert r.returncode == 0, r.stdout
     _, opts = options_from_report(load_json(out), str(out))
     assert (opts.atol, opts.max_violation_fraction, opts.timeout, opts.candidate_eps) == (1.0, 0.5, 5.0, 1e-4)
+
+
+def test_a_fault_on_every_other_channel_of_a_wide_layer_is_named():
+    """Half the channels of a 4096-wide layer fail. The screen samples the failing elements
+    themselves: a stride over positions (8 here) lined up with the row and found none of them,
+    and the layer was `unexplained`. Expected: 2048 = 4096 / 2 channels, from the fault."""
+    import tempfile
+
+    from parity_cli.synthetic import write_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(tmp + "/c", "llama", layers=1, hidden=4096, heads=32, eps=1e-5)
+        report = api.check(path, candidate=plugin("odd_channels_zeroed"), layers="model.norm")
+    (layer,) = report.layers
+    assert [d.code for d in layer.diagnoses] == ["channel_gain_mismatch"]
+    assert layer.diagnoses[0].evidence["affected_channels"] == 2048

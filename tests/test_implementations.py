@@ -321,5 +321,10 @@ def test_reference_device_auto_follows_fast_float64():
     assert api.reference_device("auto", "cpu") == "cpu"
 
 
-def test_reference_device_auto_is_the_cpu_for_a_cpu_candidate():
+def test_reference_device_auto_is_the_cpu_for_a_cpu_candidate_or_another_reference():
+    """Only the float64 oracle follows a GPU candidate: another reference would run other kernels."""
     assert api.reference_device("auto", "cpu") == "cpu"
+    assert api.reference_device("auto", "cuda", oracle=False) == "cpu"
+    opts = api.CheckOptions(reference="hf")
+    assert not api.is_oracle(opts) and api.is_oracle(api.CheckOptions())
+    assert not api.is_oracle(api.CheckOptions(reference_dtype="float32"))

@@ -224,3 +224,10 @@ def mutates_input(x, weight, eps):
     y = rms_norm(x, weight, eps)
     x.mul_(0)
     return y
+
+
+def odd_channels_zeroed(x, weight, eps):
+    """Every odd channel's gain is 0 (a mis-strided weight copy): half of the channels fail."""
+    w = weight.clone()
+    w[1::2] = 0
+    return (_normalise(x, eps) * w.float()).to(x.dtype)
