@@ -145,7 +145,7 @@ class Panel:
         for s, n in zip(self.strata, self.normalised(f)):
             if n.shape[0] > MATCH_ROWS or n.shape[-1] > MATCH_COLS:
                 s = _sampled(self.ctx, s)
-                v = n[s.rows[:, None], s.cols] * g[s.cols]
+                v = _grid(n, s.rows, s.cols) * g[s.cols]
                 out.append((s, v if self.bias is None else v + self.bias[s.cols]))
             else:
                 v = n * g
@@ -202,7 +202,7 @@ def match(ctx, strata, variant_outputs, extra_rel: float = 0.0) -> float | None:
     for s, v in zip(strata, variant_outputs):
         if v.shape[0] > MATCH_ROWS or v.shape[-1] > MATCH_COLS:
             s = _sampled(ctx, s)  # the screen saw the failing elements; here a strided sample will do
-            v = v[s.rows[:, None], s.cols]
+            v = _grid(v, s.rows, s.cols)
         parts.append((s, v))
     return _match(ctx, parts, extra_rel)
 
@@ -260,6 +260,14 @@ class _Rows:
         return self.source.x[self.rows]
 
 
+def _grid(t, rows, cols):
+    """t[rows][:, cols]; when the sample keeps every row (strata of at most MATCH_ROWS rows),
+    one gather of columns instead of a gather of (row, column) pairs."""
+    if rows.numel() == t.shape[0]:  # rows are sorted and distinct: all of them, in order
+        return t.index_select(1, cols)
+    return t[rows[:, None], cols]
+
+
 @functools.lru_cache(maxsize=256)
 def _strided_rows(lo: int, hi: int, count: int):
     """About `count` rows of [lo, hi), strided, the first and the last kept."""
@@ -287,9 +295,8 @@ def _sampled(ctx, s, count: int = 0):
             keep[cols] = True
             keep[failed_cols] = True
             cols = torch.nonzero(keep).flatten()
-        bad = _bad(ctx, s)[rows[:, None], cols]
-        grid = (rows[:, None], cols)
-        ctx.cache[key] = _Rows(s, s.ref[grid], s.cand[grid], rows, id(s), cols, bad, s.violations)
+        ctx.cache[key] = _Rows(s, _grid(s.ref, rows, cols), _grid(s.cand, rows, cols), rows, id(s), cols,
+                               _grid(_bad(ctx, s), rows, cols), s.violations)
     return ctx.cache[key]
 
 
