@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import load_json, run_parity
+from conftest import run_parity
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -48,27 +48,22 @@ def test_one_thread_by_default_recorded_and_restored(ckpt):
         api.check(path, candidate="torch", threads=0)
 
 
-def test_jobs_auto_records_its_workers(ckpt, tmp_path):
-    out = tmp_path / "r.json"
-    r = run_parity("check", ckpt("llama", layers=2), "--jobs", "auto", "--json", out, "-q")
-    assert r.returncode == 0, r.stderr
+def test_jobs_auto_records_its_workers(ckpt):
+    report = api.check(ckpt("llama", layers=2), candidate="torch", jobs="auto")
     workers = min(len(os.sched_getaffinity(0)), 5)  # 2 layers x 2 norms + the final norm
-    data = load_json(out)
-    assert data["environment"]["jobs"] == data["candidate"]["workers"] == workers
+    assert report.passed
+    assert report.header["environment"]["jobs"] == report.header["candidate"]["workers"] == workers
 
 
 def test_a_reference_fault_in_a_worker_is_exit_2(ckpt, tmp_path):
-    """The reference runs in the workers: its fault is still the user's input, one line."""
+    """The reference runs in the workers: its fault is still the user's input (InputError)."""
     bad = tmp_path / "ref.py"
     bad.write_text(textwrap.dedent("""
         def norm(x, weight, eps):
             raise ValueError("no reference today")
     """))
-    r = run_parity("check", ckpt("llama", layers=2), "--reference", f"{bad}:norm", "--jobs", "2",
-                   "--json", tmp_path / "r.json")
-    assert r.returncode == 2, r.stderr
-    assert "no reference today" in r.stderr and "Traceback" not in r.stderr
-    assert not (tmp_path / "r.json").exists()
+    with pytest.raises(InputError, match="no reference today"):  # the CLI's exit 2, one line
+        api.check(ckpt("llama", layers=2), candidate="torch", reference=f"{bad}:norm", jobs=2)
 
 
 def test_a_worker_that_dies_is_an_error_not_a_hang(ckpt, tmp_path):
@@ -81,10 +76,8 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(ckpt, tmp_path):
         def norm(x, weight, eps):
             os._exit(3)
     """))
-    r = run_parity("check", ckpt("llama", layers=2), "--reference", f"{bad}:norm", "--jobs", "2",
-                   "--json", tmp_path / "r.json")
-    assert r.returncode == 2 and "worker process died" in r.stderr, r.stderr
-    assert not (tmp_path / "r.json").exists()
+    with pytest.raises(InputError, match="worker process died"):  # the CLI's exit 2, one line
+        api.check(ckpt("llama", layers=2), candidate="torch", reference=f"{bad}:norm", jobs=2)
 
 
 def test_workers_resolve_relative_paths_from_the_callers_directory(ckpt, tmp_path, monkeypatch):
