@@ -143,7 +143,7 @@ class Panel:
         g = self.gain(f)
         out = []
         for s, n in zip(self.strata, self.normalised(f)):
-            if n.shape[0] > MATCH_ROWS or n.shape[-1] > MATCH_COLS:
+            if _large(n):
                 s = _sampled(self.ctx, s)
                 v = _grid(n, s.rows, s.cols) * g[s.cols]
                 out.append((s, v if self.bias is None else v + self.bias[s.cols]))
@@ -151,14 +151,6 @@ class Panel:
                 v = n * g
                 out.append((s, v if self.bias is None else v + self.bias))
         return out
-
-    def outputs(self, f: Factors):
-        g = self.gain(f)
-        ys = []
-        for n in self.normalised(f):
-            y = n * g
-            ys.append(y if self.bias is None else y + self.bias)
-        return ys
 
 
 @dataclass
@@ -200,7 +192,7 @@ def match(ctx, strata, variant_outputs, extra_rel: float = 0.0) -> float | None:
     float32 accumulation over the row)."""
     parts = []
     for s, v in zip(strata, variant_outputs):
-        if v.shape[0] > MATCH_ROWS or v.shape[-1] > MATCH_COLS:
+        if _large(v):
             s = _sampled(ctx, s)  # the screen saw the failing elements; here a strided sample will do
             v = _grid(v, s.rows, s.cols)
         parts.append((s, v))
@@ -250,7 +242,6 @@ class _Rows:
     ref: object
     cand: object
     rows: object
-    key: int
     cols: object = None
     bad: object = None  # the comparison's mask, sampled
     violations: int = 0
@@ -258,6 +249,11 @@ class _Rows:
     @property
     def x(self):
         return self.source.x[self.rows]
+
+
+def _large(t) -> bool:
+    """Whether the residual check reads a strided sample of this stratum rather than all of it."""
+    return t.shape[0] > MATCH_ROWS or t.shape[-1] > MATCH_COLS
 
 
 def _grid(t, rows, cols):
@@ -295,7 +291,7 @@ def _sampled(ctx, s, count: int = 0):
             keep[cols] = True
             keep[failed_cols] = True
             cols = torch.nonzero(keep).flatten()
-        ctx.cache[key] = _Rows(s, _grid(s.ref, rows, cols), _grid(s.cand, rows, cols), rows, id(s), cols,
+        ctx.cache[key] = _Rows(s, _grid(s.ref, rows, cols), _grid(s.cand, rows, cols), rows, cols,
                                _grid(_bad(ctx, s), rows, cols), s.violations)
     return ctx.cache[key]
 

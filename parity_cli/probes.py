@@ -11,7 +11,7 @@ import math
 import threading
 import zlib
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 
 from parity_cli.errors import InputError
 from parity_cli.resources import configs_dir, load_toml
@@ -30,15 +30,9 @@ class StratumSpec:
 class Probe:
     stratum: str
     x: object  # torch.float64 tensor (vectors, dim), values exactly representable in the candidate dtype
-    q: dict = field(default_factory=dict, repr=False)  # kind -> per-row q (mean square / variance), shared
-
-    def mean_square(self, kind: str):
-        """q of every row, computed once per probe set (every layer of a dim shares it)."""
-        if kind not in self.q:
-            from parity_cli.implementations import mean_square
-
-            self.q[kind] = mean_square(self.x, kind)
-        return self.q[kind]
+    # kind -> per-row q (mean square / variance), then what diagnosis computes from x alone:
+    # shared by every layer of the probe set (ProbeSet.mean_square fills q)
+    q: dict = field(default_factory=dict, repr=False)
 
 
 @cache
@@ -163,8 +157,9 @@ class ProbeSet:
     probes: list  # one Probe per stratum, its x a view of the batch rows
     cache: dict = field(default_factory=dict, repr=False)  # per probe set: q, normalised rows, dtype copies
 
-    @property
+    @cached_property
     def segments(self) -> list[tuple[str, int, int]]:
+        """(stratum, first row, end row) of each probe in the batch."""
         out, start = [], 0
         for p in self.probes:
             out.append((p.stratum, start, start + p.x.shape[0]))
@@ -172,16 +167,14 @@ class ProbeSet:
         return out
 
     def mean_square(self, kind: str):
-        """q of every row of the batch (float64, rows)."""
+        """q of every row of the batch (float64, rows); each probe's q is its view of it."""
         key = ("q", kind)
         if key not in self.cache:
             from parity_cli.implementations import mean_square
 
             self.cache[key] = mean_square(self.x, kind)
-            start = 0
-            for p in self.probes:  # each stratum's view of it
-                p.q.setdefault(kind, self.cache[key][start:start + p.x.shape[0]])
-                start += p.x.shape[0]
+            for p, (_, lo, hi) in zip(self.probes, self.segments):
+                p.q.setdefault(kind, self.cache[key][lo:hi])
         return self.cache[key]
 
     def on(self, device):

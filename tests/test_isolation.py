@@ -358,3 +358,29 @@ def test_a_gradient_header_with_an_unreadable_dweight_is_a_protocol_violation():
     head["dw"] = {"dtype": "float32", "shape": [2]}
     with pytest.raises(_Stop, match="protocol violation"):
         sup._grads(head, b"\0" * 8)  # 4 bytes short of dx + dweight
+
+
+def test_an_in_process_candidate_that_zeroes_its_input_changes_no_later_layer(tmp_path):
+    """Our own built-ins read the shared probe batch without a copy; anything else run in this
+    process (--isolation none) gets its own copy. A float64 plugin that zeroes its input after
+    computing, at float64 (where the candidate's batch is the probe set itself), leaves every
+    later layer's probes, and so its verdict, as they were."""
+    import torch
+
+    from parity_cli.probes import build_probe_set, load_strata
+    from parity_cli.synthetic import write_checkpoint
+
+    scribbler = tmp_path / "scribble.py"
+    scribbler.write_text(
+        "import torch\n\n"
+        "def norm(x, weight, eps):\n"
+        "    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight\n"
+        "    x.zero_()\n"
+        "    return y\n")
+    path = write_checkpoint(tmp_path / "c", "llama", layers=2, eps=1e-5, dtype="float32")
+    report = api.check(path, candidate=f"{scribbler}:norm", isolation="none", dtype="float64")
+    assert report.passed and len(report.layers) == 5
+    strata = [s for s in load_strata().values() if s.default]
+    ps = build_probe_set(strata, 64, 1e-5, torch.float64, 0)
+    normal = dict(zip([p.stratum for p in ps.probes], ps.probes))["normal"].x
+    assert float(normal.abs().max()) > 1.0  # N(0, 1) rows, not zeros
