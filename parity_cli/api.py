@@ -331,6 +331,25 @@ def converted(opts: CheckOptions, reference_layers) -> tuple:
     return layers, described, dtype
 
 
+# what `parity capture` writes in a capture's metadata, and so what a report repeats of it
+CAPTURE_KEYS = ("fingerprint", "checkpoint", "model_class", "tokens", "rows_per_layer", "sampling", "seed", "device",
+                "not_seen")
+
+
+def with_captured(opts: CheckOptions, layers, everything):
+    """(opts with the --activations rows of `layers`, the capture's metadata), or (opts, None)
+    without --activations; `everything()` gives the whole model's layers (the fingerprint's).
+    check() and the explain ladder both probe with the same rows."""
+    if not opts.activations or opts.captured is not None:
+        return opts, None
+    import dataclasses
+
+    from parity_cli import capture
+
+    rows, meta = capture.load(opts.activations, layers, everything())
+    return dataclasses.replace(opts, captured=rows), meta
+
+
 def check(path: str | Path, options: CheckOptions | None = None, progress=None, **kwargs):
     """Runs the whole check and returns a Report; raises InputError for bad input.
 
@@ -375,16 +394,9 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     found = discover_layers(ckpt, fam, eps, opts.layers)
     if not found.layers:
         raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
-    captured_meta = None
-    if opts.activations:
-        import dataclasses
-
-        from parity_cli import capture
-
-        # the fingerprint covers the whole model, whatever --layers picked
-        everything = discover_layers(ckpt, fam, eps).layers if opts.layers else found.layers
-        rows, captured_meta = capture.load(opts.activations, found.layers, everything)
-        opts = dataclasses.replace(opts, captured=rows)
+    # the fingerprint covers the whole model, whatever --layers picked
+    opts, captured_meta = with_captured(opts, found.layers, lambda: discover_layers(ckpt, fam, eps).layers
+                                        if opts.layers else found.layers)
     pairing, conversion, copy_dtype = None, None, None
     if opts.candidate_checkpoint:
         from parity_cli.pairing import pair
@@ -490,8 +502,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             "grad": opts.grad,
             "layers": opts.layers,
             "activations": None if captured_meta is None else {
-                "path": recorded_path(opts.activations), **captured_meta,
-                "layers": sorted(opts.captured)},
+                **{k: captured_meta[k] for k in CAPTURE_KEYS if k in captured_meta},  # only what we wrote
+                "path": recorded_path(opts.activations), "layers": sorted(opts.captured)},
         },
     }
     return Report(header=header, layers=results, warnings=warnings,

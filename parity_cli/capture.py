@@ -35,9 +35,12 @@ class _Sample:
     seen: int = 0
 
     def add(self, rows, q) -> None:
-        for row, qv in zip(rows, q.tolist()):
+        """Rows of one forward call. Each row is its own copy: a kept view would hold the call's
+        whole activation (and, for a float32 model on the CPU, alias the model's own tensor)."""
+        for k, qv in enumerate(q.tolist()):
             self.seen += 1
             n = self.seen
+            row = rows[k].clone()
             if self.k_small:
                 if len(self.small) < self.k_small:
                     heapq.heappush(self.small, (-qv, n, row))
@@ -145,7 +148,8 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
             if rows.shape[-1] != layer.dim:
                 return
             seen.add(name)
-            samples[name].add(list(rows), mean_square(rows, layer.kind))
+            rows = rows[torch.isfinite(rows).all(-1)]  # a row with NaN/inf has no q: not a probe
+            samples[name].add(rows, mean_square(rows, layer.kind))
 
         hooks.append(module.register_forward_pre_hook(hook))
     try:
@@ -156,6 +160,9 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         for h in hooks:
             h.remove()
     missing = sorted(set(names) - seen)
+    if not seen:
+        raise InputError(f"{model_dir}: no module of {cls.__name__} is a norm layer parity checks "
+                         f"(looked for {', '.join(sorted(names)[:3])}, ...); nothing captured")
     tensors = {name: samples[name].rows().contiguous() for name in names if name in seen}
     meta = {
         "fingerprint": fingerprint(layers)["sha256"],
@@ -204,16 +211,22 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
             for name in fh.keys():
                 if name not in by_name:
                     continue
-                t = fh.get_tensor(name)
                 layer = by_name[name]
-                if t.dim() != 2 or t.shape[-1] != layer.dim or not 0 < t.shape[0] <= MAX_ROWS_PER_LAYER \
-                        or not t.is_floating_point():
-                    raise InputError(f"{path}: {name} holds {list(t.shape)} {t.dtype}, not rows of {layer.dim}")
-                rows[name] = t.to(torch.float64)
+                declared = fh.get_slice(name)  # the header's shape and dtype, checked before a byte is read
+                shape, dtype = list(declared.get_shape()), str(declared.get_dtype())
+                if len(shape) != 2 or shape[-1] != layer.dim or not 0 < shape[0] <= MAX_ROWS_PER_LAYER \
+                        or dtype not in ("F16", "BF16", "F32", "F64"):
+                    raise InputError(f"{path}: {name} holds {shape} {dtype}, not rows of {layer.dim}")
+                t = fh.get_tensor(name).to(torch.float64)
+                if not bool(torch.isfinite(t).all()):  # no probe: a NaN row has no q, nothing to compare
+                    raise InputError(f"{path}: {name} holds non-finite values; refused")
+                rows[name] = t
     except InputError:
         raise
     except Exception as exc:
         raise InputError(f"{path}: not a readable safetensors capture ({' '.join(str(exc).split())[:160]})") from None
+    if not rows:
+        raise InputError(f"{path}: holds rows for none of the checked layers; refused")
     return rows, meta
 
 

@@ -113,8 +113,16 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
 
     sets = [build_probe_set(strata, layer.dim, eps, candidate.dtype, opts.seed)]
     real = (getattr(opts, "captured", None) or {}).get(layer.name)
+    overflowed = 0
     if real is not None:  # --activations: real rows, rounded to the candidate dtype like every probe
-        sets.append(probe_set([Probe(stratum="captured", x=real.to(candidate.dtype).to(torch.float64))]))
+        rounded = real.to(candidate.dtype)
+        finite = torch.isfinite(rounded).all(-1)  # a row past the dtype's range has no q there
+        overflowed = int((~finite).sum())
+        real = rounded[finite].to(torch.float64) if overflowed else rounded.to(torch.float64)
+        if real.shape[0]:
+            sets.append(probe_set([Probe(stratum="captured", x=real)]))
+        else:
+            real = None
     probes = [p for ps in sets for p in ps.probes]
     xs = [spread(probe.x) for probe in probes]
     upstream = [upstream_for(opts.seed, probe.stratum, layer.dim, x) for probe, x in zip(probes, xs)] \
@@ -184,6 +192,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
             grads.extend(grad_strata(probe, x, upstream[k], rows, layer, reference, w_ref, b_ref, eps, grad_tol,
                                      run.grad(k), layer_error or run.output(k).error))
     warnings = list(layer.warnings)
+    if overflowed:
+        warnings.append(f"{overflowed} captured row(s) overflow {str(candidate.dtype).removeprefix('torch.')} "
+                        "and were left out of the captured stratum")
     weight_findings = []
     if stats["nonfinite"]:
         # Both sides then output NaN and "agree": the checkpoint itself is broken, and that fails.

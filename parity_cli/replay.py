@@ -70,7 +70,9 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
             max_violation_fraction=float(data["tolerance"].get("max_violation_fraction", 0.0)),
             timeout=cand.get("timeout") if cand.get("timeout") is not None or "isolation" not in cand else float("inf"),
             isolation=cand.get("isolation", "auto"),
-            strata=list(probes["strata"]), seed=int(probes["seed"]), layers=probes.get("layers"),
+            # `captured` is the --activations file's stratum, recorded with its path below
+            strata=[n for n in probes["strata"] if n != "captured"], seed=int(probes["seed"]),
+            layers=probes.get("layers"), activations=(probes.get("activations") or {}).get("path"),
             reference_dtype=ref.get("dtype", "float64"), reference_device=ref.get("device", "cpu"),
             exact=bool(data["tolerance"].get("exact", False)), candidate_args=cand.get("args") or None,
             candidate_checkpoint=candidate_checkpoint or (cand.get("checkpoint") or {}).get("path"),
@@ -84,6 +86,9 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
     if not candidate and sep and target and is_file_target(target) and not Path(target).is_file():
         raise InputError(f"{where}: the report's candidate {opts.candidate} is not here; point at this machine's "
                          "copy with --candidate FILE.py:ATTR")
+    if opts.activations and not Path(opts.activations).is_file():
+        raise InputError(f"{where}: the report's activations {opts.activations} are not here; rerun the check "
+                         "without --activations, or from where the capture is")
     for flag, value, given in (("--checkpoint", path, checkpoint),
                                ("--candidate-checkpoint", opts.candidate_checkpoint, candidate_checkpoint)):
         if value and not given and not Path(value).exists():

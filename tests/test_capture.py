@@ -250,3 +250,64 @@ def test_rows_of_the_wrong_width_are_refused(llama, tmp_path):
     save_file({"model.norm": torch.zeros(3, 65)}, str(bad), metadata=meta)  # the model's width is 64
     r = run_parity("check", llama, "--activations", bad)
     assert r.returncode == 2 and "model.norm holds [3, 65]" in r.stderr and "rows of 64" in r.stderr
+
+
+def _capture_file(llama, tmp_path, name, rows: dict, **meta_extra):
+    """A capture file of this model (its fingerprint) holding `rows`, written by the test."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from parity_cli import api
+    from parity_cli.layers import discover_layers
+    from parity_cli.replay import fingerprint
+
+    ckpt, fam, eps = api.load(llama)
+    meta = {"fingerprint": fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"], **meta_extra}
+    path = tmp_path / name
+    save_file(rows, str(path), metadata={"parity": json.dumps(meta)})
+    return path
+
+
+def test_hostile_rows_are_refused_or_left_out(llama, tmp_path):
+    """NaN rows have no q: refused in one line. Rows past float16's range (6.55e4) become inf
+    when rounded for a float16 candidate: left out with a warning. A capture holding no checked
+    layer is refused rather than a silent pass; the file's metadata cannot rename its path."""
+    import torch
+
+    from parity_cli import api
+    from parity_cli.errors import InputError
+
+    nan = torch.randn(3, 64)
+    nan[1, 5] = float("nan")
+    with pytest.raises(InputError, match="non-finite"):
+        api.check(llama, candidate="torch", activations=_capture_file(llama, tmp_path, "nan.st", {"model.norm": nan}))
+    unrelated = _capture_file(llama, tmp_path, "other.st", {"lm_head.x": torch.randn(3, 64)})
+    with pytest.raises(InputError, match="none of the checked layers"):
+        api.check(llama, candidate="torch", activations=unrelated)
+    big = torch.randn(4, 64)
+    big[:2] *= 1e6  # two rows of 1e6 scale: past float16's 65504
+    lying = _capture_file(llama, tmp_path, "big.st", {"model.norm": big}, path="/etc/evil", junk="x" * 1000)
+    report = api.check(llama, candidate="torch", dtype="float16", activations=lying, layers="model.norm")
+    (layer,) = report.layers
+    assert any("2 captured row(s) overflow float16" in w for w in layer.warnings)
+    assert next(s for s in layer.strata if s.name == "captured").vectors == 2
+    acts = report.header["probes"]["activations"]
+    assert acts["path"].endswith("big.st") and "junk" not in acts
+
+
+def test_explain_probes_with_the_real_rows_and_replays_them(llama, tmp_path):
+    """The ladder runs the captured stratum too (check --explain and parity explain REPORT.json),
+    and a report made with --activations replays with them."""
+    out = tmp_path / "acts.safetensors"
+    assert run_parity("capture", llama, "--prompt", TEXT, "--rows-per-layer", "12", "-o", out).returncode == 0
+    from parity_cli import api
+
+    ladder = api.explain(llama, candidate="torch", candidate_eps=1e-5, activations=str(out),
+                         layer_names=["model.norm"])
+    assert "captured" in ladder["model.norm"][0]["failing"]
+    rep = tmp_path / "r.json"
+    assert run_parity("check", llama, "--candidate-eps", "1e-5", "--activations", out, "--json", rep,
+                      "--layers", "model.norm").returncode == 1
+    r = run_parity("explain", rep, "--json", tmp_path / "ladder.json")
+    assert r.returncode == 0, r.stderr
