@@ -40,6 +40,7 @@ FUSED = {  # op -> (kind, input index of the gain, of the bias, default epsilon)
 _PASS = ("Cast", "Identity")
 SKIP_EXTRA = {"SkipSimplifiedLayerNormalization": (1, 3), "SkipLayerNormalization": (1, 4)}  # skip, folded bias
 MAX_GAIN_BYTES = 64 << 20  # all norm gains read from one file together (a 405B model has 17 MB)
+MAX_NORMS = 10_000  # norms in one graph: every one costs a subgraph (a 405B model has 253)
 _FLOAT_TYPES = (1, 10, 11, 16)
 _DTYPES = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
 
@@ -80,6 +81,9 @@ class _Graph:
         self.init = {t.name: t for t in g.initializer}
         self.producer = {}
         self.consumers: dict[str, list] = {}
+        self.order = {id(n): k for k, n in enumerate(g.node)}  # graph order, for every subgraph
+        self._arrays: dict = {}
+        self._read = 0
         for node in g.node:
             for out in node.output:
                 self.producer[out] = node
@@ -102,13 +106,18 @@ class _Graph:
         found = [n for n in self.consumers.get(name, []) if n.op_type in ops]
         return found[0] if len(found) == 1 else None
 
+    def back(self, name: str) -> tuple[str, list]:
+        """Back through Cast/Identity to where a value comes from: (that value, the nodes passed,
+        nearest first). At most 8 steps: a cycle of casts in a hostile graph ends here."""
+        passed = []
+        while name in self.producer and self.producer[name].op_type in _PASS and len(passed) < 8:
+            passed.append(self.producer[name])
+            name = passed[-1].input[0]
+        return name, passed
+
     def through(self, name: str) -> str:
         """Back through Cast/Identity to where a value comes from."""
-        seen = 0
-        while name in self.producer and self.producer[name].op_type in _PASS and seen < 8:
-            name = self.producer[name].input[0]
-            seen += 1
-        return name
+        return self.back(name)[0]
 
     def constant(self, name: str):
         """A scalar constant (initializer or Constant node), through casts, else None."""
@@ -125,12 +134,12 @@ class _Graph:
     def array(self, t, limit: int = MAX_NORM_ELEMENTS):
         """An initializer as numpy, external data read by its declared offset and length; each
         initializer read once, all of them together at most MAX_GAIN_BYTES."""
-        cache = self.__dict__.setdefault("_arrays", {})
+        cache = self._arrays
         key = t.name if t.name and self.init.get(t.name) is t else None  # a Constant node's value has no name
         if key is not None and key in cache:
             return cache[key]
         arr = self._array(t, limit)
-        self.__dict__["_read"] = self.__dict__.get("_read", 0) + arr.nbytes
+        self._read += arr.nbytes
         if self._read > MAX_GAIN_BYTES:
             raise InputError(f"{self.path}: more than {MAX_GAIN_BYTES} bytes of norm gains; refused")
         if key is not None:
@@ -163,6 +172,9 @@ class _Graph:
         if not location or os.path.isabs(location) or base not in target.parents:
             raise InputError(f"{self.path}: initializer {t.name!r} points outside the model's directory "
                              f"({location!r}); refused")
+        if t.data_type not in _FLOAT_TYPES:
+            raise InputError(f"{self.path}: initializer {t.name!r} has element type {t.data_type}, not a float; "
+                             "refused")
         np_dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
         need = count * np.dtype(np_dtype).itemsize
         try:
@@ -266,6 +278,8 @@ def find_norms(model, path: Path) -> list[OnnxNorm]:
             norm = None
         if norm is not None:
             found.append(norm)
+            if len(found) > MAX_NORMS:
+                raise InputError(f"{path}: more than {MAX_NORMS} norms in one graph (a 405B model has 253); refused")
     return found
 
 
@@ -283,10 +297,8 @@ def _fused(graph: _Graph, node):
     if bi is not None and len(node.input) > bi and node.input[bi]:
         b, _ = graph.gain(node.input[bi])
         bias = None if b is None else _tensor(graph, b)
-    x, nodes = node.input[0], [node]
-    while x in graph.producer and graph.producer[x].op_type in _PASS:  # casts into the op belong to it
-        nodes.insert(0, graph.producer[x])
-        x = graph.producer[x].input[0]
+    x, casts = graph.back(node.input[0])  # casts into the op belong to it
+    nodes = casts[::-1] + [node]
     if node.op_type in SKIP_EXTRA:
         # the residual (skip) and a dense layer's bias ORT folded in are the model's, not the norm's:
         # the subgraph normalises the probe alone
@@ -350,9 +362,7 @@ def _decomposed(graph: _Graph, mean_node):
         other = next((i for i in normed.input if i != h and graph.through(i) == base and i != base), None)
         if other is None:
             return None
-        while other != base and other in graph.producer and graph.producer[other].op_type in _PASS:
-            nodes.append(graph.producer[other])
-            other = graph.producer[other].input[0]
+        nodes += graph.back(other)[1]
     nodes.append(normed)
     # centred h (x - mean(x)): a LayerNorm
     kind, x = "rms_norm", h
@@ -393,9 +403,8 @@ def _decomposed(graph: _Graph, mean_node):
             nodes.append(nxt)
             y = nxt.output[0]
     # x: the tensor before the Casts into h; the casts belong to the norm
-    while x in graph.producer and graph.producer[x].op_type in _PASS:
-        nodes.insert(0, graph.producer[x])
-        x = graph.producer[x].input[0]
+    x, casts = graph.back(x)
+    nodes = casts[::-1] + nodes
     return _norm(graph, kind, w, offset, bias, eps, f"onnx:{add.name or 'Add'} constant", "decomposed", x, y, nodes)
 
 
@@ -403,9 +412,12 @@ def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes, zeros=fr
     weight = _tensor(graph, w)
     if weight.dim() == 0:
         return None
+    if not (math.isfinite(eps) and eps >= 0):  # the log of it is printed, and no norm has one
+        raise InputError(f"{graph.path}: a norm's eps is {eps} ({source}); refused")
     elem = _elem_type(graph, x, w)
     dtype = _DTYPES.get(elem, "float32")
-    shared = len({n.name for n in graph.consumers.get(w.name, [])}) > 1  # one initializer, several norms
+    # one initializer, several norms (unnamed nodes are several too: counted by identity)
+    shared = len({id(n) for n in graph.consumers.get(w.name, [])}) > 1
     norm = OnnxNorm(name=_norm_name(graph, w.name, nodes, shared), kind=kind, dim=int(weight.shape[-1]), eps=eps,
                     eps_source=source, form=form, weight=weight, bias=bias, offset=offset, dtype=dtype)
     norm.program = _subgraph(graph, x, y, nodes, elem, zeros, original)
@@ -454,8 +466,7 @@ def _subgraph(graph: _Graph, x: str, y: str, nodes, elem: int, zeros=frozenset()
         if len(keep) > 64:
             raise InputError(f"{graph.path}: a norm subgraph of more than 64 nodes; the pattern is not a norm")
     keep.reverse()
-    order = {id(n): k for k, n in enumerate(graph.model.graph.node)}
-    order.update({id(new): order.get(old, 0) for old, new in swap.items()})
+    order = {**graph.order, **{id(new): graph.order.get(old, 0) for old, new in swap.items()}}
     keep.sort(key=lambda n: order.get(id(n), 0))
     produced = {o for n in keep for o in n.output}
     inputs_needed = {i for n in keep for i in n.input if i and i not in produced}
@@ -534,6 +545,17 @@ def is_onnx(path) -> bool:
     return str(path).lower().endswith(".onnx")
 
 
+def _same(a: OnnxNorm, b: OnnxNorm) -> bool:
+    """Two finds of one norm: the same form, eps, offset, gain and bias."""
+    import torch
+
+    def equal(x, y):
+        return (x is None) == (y is None) and (x is None or (x.shape == y.shape and bool(torch.equal(x, y))))
+
+    return (a.kind, a.form, a.eps, a.offset) == (b.kind, b.form, b.eps, b.offset) and equal(a.weight, b.weight) \
+        and equal(a.bias, b.bias)
+
+
 def candidate_layers(path, reference: list) -> tuple[list, dict]:
     """The exported graph's norms as NormLayers under the reference's names (their family's
     conventions, the graph's eps, gain, offset and subgraph), and what the report says of the
@@ -549,11 +571,17 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
     norms = find_norms(model, path)
     by_name = {layer.name: layer for layer in reference}
     _match_by_gain(norms, reference)
-    layers, seen = [], set()
+    layers, seen = [], {}
     for norm in norms:
-        if norm.name in seen:
+        first = seen.get(norm.name)
+        if first is not None and _same(first, norm):
             continue  # the same norm reached twice (a shared module): once
-        seen.add(norm.name)
+        if first is not None:  # another norm under that name: its own layer, which pairing reports
+            k = 2
+            while f"{norm.name}#{k}" in seen:
+                k += 1
+            norm = dataclasses.replace(norm, name=f"{norm.name}#{k}")
+        seen[norm.name] = norm
         ref = by_name.get(norm.name)
         eps = Eps(norm.eps, norm.eps_source)
         if ref is not None:

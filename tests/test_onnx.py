@@ -375,3 +375,76 @@ def test_external_data_in_a_fifo_is_refused(tmp_path):
         entry.key, entry.value = key, value
     r = run_parity("inspect", _graph_with_gain(tmp_path, gain))
     assert r.returncode == 2 and "not a regular file" in r.stderr
+
+
+def _save(tmp_path, name, nodes, inits, opset=17):
+    import onnx
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64])], initializer=inits)
+    path = tmp_path / name
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def test_hostile_graph_shapes_end_in_one_line(tmp_path):
+    """A cycle of Identity nodes ends the walk back through casts (it hung); an eps below 0 or
+    NaN, and an external initializer that is no float, are one line (they were internal errors)."""
+    from onnx import TensorProto, helper
+
+    from parity_cli.errors import InputError
+
+    def w():
+        return helper.make_tensor("model.norm.weight", TensorProto.FLOAT, [64], [1.0] * 64)
+
+    cycle = _save(tmp_path, "cycle.onnx", [helper.make_node("Identity", ["b"], ["a"]),
+                                           helper.make_node("Identity", ["a"], ["b"]),
+                                           helper.make_node("LayerNormalization", ["a", "model.norm.weight"], ["y"],
+                                                            epsilon=1e-5)], [w()])
+    assert api.inspect(cycle)["layers"]  # returns: the walk stops after 8 casts
+    for value in (-1.0, float("nan")):
+        bad = _save(tmp_path, "eps.onnx", [helper.make_node("LayerNormalization", ["x", "model.norm.weight"], ["y"],
+                                                            epsilon=value)], [w()])
+        with pytest.raises(InputError, match="eps is"):
+            api.inspect(bad)
+    (tmp_path / "e.bin").write_bytes(b"\0" * 64)
+    eps = helper.make_tensor("eps", TensorProto.STRING, [], [b"x"])
+    eps.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "e.bin"), ("offset", "0"), ("length", "8")):
+        entry = eps.external_data.add()
+        entry.key, entry.value = key, value
+    decomposed = _save(tmp_path, "ext.onnx", [
+        helper.make_node("Constant", [], ["two"], value=helper.make_tensor("t", TensorProto.FLOAT, [], [2.0])),
+        helper.make_node("Pow", ["x", "two"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["q"], axes=[-1]),
+        helper.make_node("Add", ["q", "eps"], ["qe"]), helper.make_node("Sqrt", ["qe"], ["r"]),
+        helper.make_node("Div", ["x", "r"], ["n"]), helper.make_node("Mul", ["n", "model.norm.weight"], ["y"])],
+        [w(), eps])
+    with pytest.raises(InputError, match="not a float"):
+        api.inspect(decomposed)
+
+
+def test_two_norms_under_one_name_are_both_checked(ckpt, tmp_path):
+    """A fourth norm reading model.norm's gain with eps 0.5 was dropped as 'the same norm
+    reached twice' and the copy passed. Only a true duplicate (same form, eps and gain) is one."""
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+    from safetensors.torch import load_file
+
+    src = ckpt("llama", layers=1, eps=1e-6)
+    weights = load_file(str(src / "model.safetensors"))
+    names = sorted(n for n in weights if "norm" in n)
+    inits = [numpy_helper.from_array(weights[n].to(torch.float32).numpy(), n) for n in names]
+    # model.norm reads its gain through a Cast, and the hostile norm reads the same Cast: the
+    # initializer has one consumer, so nothing marks the gain as shared
+    nodes, prev = [helper.make_node("Cast", ["model.norm.weight"], ["wc"], to=TensorProto.FLOAT)], "x"
+    for k, n in enumerate(names):
+        gain = "wc" if n == "model.norm.weight" else n
+        nodes.append(helper.make_node("RMSNormalization", [prev, gain], [f"h{k}"], epsilon=1e-6))
+        prev = f"h{k}"
+    faithful = _save(tmp_path, "ok.onnx", nodes + [helper.make_node("Identity", [prev], ["y"])], inits, opset=23)
+    assert api.check(src, candidate_checkpoint=str(faithful)).passed
+    nodes.append(helper.make_node("RMSNormalization", [prev, "wc"], ["h9"], epsilon=0.5))
+    hostile = _save(tmp_path, "extra.onnx", nodes + [helper.make_node("Identity", ["h9"], ["y"])], inits, opset=23)
+    report = api.check(src, candidate_checkpoint=str(hostile))
+    assert not report.passed and report.findings  # the extra norm is a finding, not silently gone
