@@ -38,31 +38,25 @@ def _console(stderr: bool = False):
     return console(stderr=stderr)
 
 
-def _check_output_target(path: str | None) -> None:
-    """Fail before the run, not after it, when a report cannot be written."""
+def _check_output_target(path: str | None, inputs: list) -> Path | None:
+    """Fail before the run, not after it, when a report cannot be written or would land on one
+    of `inputs` (as _check_outputs reads them)."""
     if path == "-":
         raise InputError("--json -: only 'parity check' writes its report to stdout; name a file")
-    if path:
-        _output_path(path, "--json")
+    return _check_outputs({"--json": path}, inputs).get("--json")
 
 
 def _output_path(raw: str, flag: str) -> Path:
-    """An output as an absolute path, checked before the run: its directory exists and is
-    writable, and it is not a device, FIFO or directory (nor a link to one: '/dev/stdout' would
-    be replaced by a regular file; '--json -' is stdout)."""
+    """An output as an absolute path, checked before the run: it leads (through any links) to a
+    regular file or a new one, not into /proc, a device, FIFO, terminal or directory ('/dev/stdout'
+    is /proc/self/fd/1; '--json -' is stdout), and the directory it lands in exists and is
+    writable. The name given is kept: the link, if it is one, is written through at the end."""
     import os
 
-    import stat
+    from parity_cli.report import output_target
 
     path = Path(raw).expanduser().absolute()  # now: a candidate may chdir later
-    try:
-        mode = os.stat(path).st_mode  # follows links: /dev/stdout is a pipe or a terminal
-    except OSError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        hint = "; use --json - for stdout" if flag == "--json" else ""
-        raise InputError(f"{raw}: {flag} must name a regular file, not a device, FIFO or directory{hint}")
-    parent = path.parent  # the staged file and the rename happen next to the name given
+    parent = output_target(path, flag).parent  # the staged file and the rename happen beside the target
     if not parent.is_dir():
         raise InputError(f"{raw}: {flag}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -70,16 +64,74 @@ def _output_path(raw: str, flag: str) -> Path:
     return path
 
 
-def _check_outputs(named: dict, inputs: list) -> dict:
-    """Every output distinct, none an input of the run (a report written over config.json)."""
-    taken: dict = {}
-    protected = set()
-    for item in inputs:
+MAX_SCANNED = 10_000  # files looked at in a checkpoint directory for what an .onnx graph references
+
+
+def _inputs(items: list) -> set:
+    """Every file a run reads, resolved: each input file, every file of a checkpoint directory,
+    the source of a FILE.py:ATTR plugin (`impl:` prefixed items), and the external data an .onnx
+    graph names (any file beside or below it whose name the graph holds)."""
+    from parity_cli.implementations import is_file_target
+
+    found = set()
+    for item in items:
+        if item is None:
+            continue
+        item = str(item)
+        if item.startswith("impl:"):
+            target, sep, _ = item[5:].rpartition(":")
+            if not (sep and target and is_file_target(target)):
+                continue
+            item = target
         p = Path(item).expanduser()
-        if p.is_dir():
-            protected |= {f.resolve() for f in p.iterdir() if f.is_file()}
-        elif p.exists():
-            protected.add(p.resolve())
+        try:
+            if p.is_dir():
+                for n, f in enumerate(p.rglob("*")):
+                    if n >= MAX_SCANNED:
+                        break
+                    if f.is_file():
+                        found.add(f.resolve())
+            elif p.is_file():
+                found.add(p.resolve())
+                if p.suffix.lower() == ".onnx":
+                    found |= _onnx_external(p)
+        except (OSError, ValueError):
+            continue  # not readable here: the run itself says so
+    return found
+
+
+def _onnx_external(path: Path) -> set:
+    """Files an .onnx graph may read as external data: they lie inside its directory, and the
+    graph holds their location as a string. Found without parsing it: a file whose name does not
+    occur in the graph's bytes is none of them."""
+    import mmap
+    import os
+
+    base = path.parent.resolve()
+    out = set()
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            n = 0
+            for root, _dirs, files in os.walk(base):
+                for name in files:
+                    n += 1
+                    if n > MAX_SCANNED:
+                        return out
+                    if mm.find(os.fsencode(name)) >= 0:
+                        out.add(Path(root, name).resolve())
+    except (OSError, ValueError):  # an empty file cannot be mapped; no external data then
+        pass
+    return out
+
+
+def _check_outputs(named: dict, inputs: list) -> dict:
+    """Every output distinct, none an input of the run (a report written over config.json, the
+    plugin's source, the baseline, an .onnx graph's external data): compared by where each lands
+    once its links are followed."""
+    from parity_cli.report import output_target
+
+    taken: dict = {}
+    protected = None
     out = {}
     for flag, raw in named.items():
         if not raw:
@@ -90,7 +142,9 @@ def _check_outputs(named: dict, inputs: list) -> dict:
             out[flag] = "-"
             continue
         path = _output_path(raw, flag)
-        key = path.resolve()
+        key = output_target(path, flag)
+        if protected is None:
+            protected = _inputs(inputs)
         if key in protected:
             raise InputError(f"{raw}: {flag} would overwrite an input of this run; refused")
         if key in taken:
@@ -172,8 +226,6 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
           plot_path, activations, quiet, verbose):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
-    import os
-
     from parity_cli import preflight
 
     # everything that can be refused without torch is refused before it loads (1.5-4 s)
@@ -187,7 +239,8 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
                                         jobs=jobs))
     outputs = _check_outputs({"--json": json_path, "--junit": junit_path, "--markdown": markdown_path,
                               "--plot": plot_path},
-                             [p for p in (checkpoint, candidate_checkpoint, baseline_path, activations) if p])
+                             [p for p in (checkpoint, candidate_checkpoint, baseline_path, activations) if p]
+                             + [f"impl:{spec}" for spec in (candidate, reference) if spec])
     json_path, junit_path, markdown_path, plot_path = (
         None if outputs.get(f) is None else str(outputs[f]) for f in ("--json", "--junit", "--markdown", "--plot"))
     if plot_path:
@@ -196,9 +249,9 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         check_target(plot_path)
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
-    from parity_cli.gate import gate, load_report
+    from parity_cli.gate import gate, load_baseline
 
-    baseline = load_report(baseline_path, "baseline") if baseline_path else None
+    baseline = load_baseline(baseline_path) if baseline_path else None
     options = CheckOptions(
         candidate=candidate, reference=reference, dtype=dtype, device=device, family=family, eps=eps,
         candidate_eps=candidate_eps, atol=atol, rtol=rtol,
@@ -221,18 +274,24 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
                 layer["conclusion"] = data["explain"]["layers"][layer["name"]]
     data["gate"] = gate(data, fail_on, baseline, baseline_path)
     to_stdout = json_path == "-"
-    _write_outputs(data, None if to_stdout else json_path, junit_path, markdown_path)
-    if plot_path:
-        from parity_cli.plot import write_plot
-
-        write_plot(report, plot_path)
+    _write_outputs(data, None if to_stdout else json_path, junit_path, markdown_path, plot=(report, plot_path))
     from parity_cli import terminal
 
     console = _console(stderr=to_stdout)  # with the JSON on stdout, the human output goes to stderr
+    mismatch = (data["gate"].get("baseline") or {}).get("mismatch")
+    if mismatch:  # first: every accepted finding below rests on it
+        said = f"the baseline {baseline_path} is from another run: " + "; ".join(mismatch)
+        console.print(f"[yellow]warning:[/] {escape(said)}", soft_wrap=True)
     if quiet:
         console.print(terminal.quiet_line(data), soft_wrap=True, markup=False)
     else:
         terminal.render(data, console, verbose=verbose)
+        worse = [f for f in data["gate"]["new_findings"] if "worse" in f]
+        if worse:  # "new" above: these the baseline had, at a smaller size
+            f = worse[0]
+            said = (f"worse than the baseline: {len(worse)} finding(s) it accepted at a smaller size; "
+                    f"{f['layer']} {f['stratum']} {f['code']}: {f['worse']}")
+            console.print(f"[yellow]{escape(said)}[/]", soft_wrap=True)
     if to_stdout:
         from parity_cli.report import json_text
 
@@ -273,11 +332,18 @@ class _progress:
         return False
 
 
-def _write_outputs(data: dict, json_path, junit_path, markdown_path) -> None:
+def _write_outputs(data: dict, json_path, junit_path, markdown_path, plot=(None, None)) -> None:
+    """The whole set, plot included, or none of it (Ctrl-C or a full disk during the plot left
+    the JSON and JUnit without it)."""
     from parity_cli.formats import to_junit, to_markdown
     from parity_cli.report import json_text, write_files
 
     outputs = {}
+    report, plot_path = plot
+    if plot_path:
+        from parity_cli.plot import render_plot
+
+        outputs[plot_path] = render_plot(report, plot_path)
     if json_path:
         outputs[json_path] = json_text(data)
     if junit_path:
@@ -323,7 +389,7 @@ def inspect(checkpoint, family, eps, json_path):
     """Family, eps and its source, and every norm layer's weight, without running anything."""
     from parity_cli import preflight
 
-    _check_output_target(json_path)
+    json_path = _check_output_target(json_path, [checkpoint])
     preflight.inspect_inputs(checkpoint, family)
     from parity_cli.api import inspect as run_inspect
     from parity_cli.report import write_json
@@ -423,9 +489,11 @@ def explain_cmd(report_path, checkpoint, candidate, candidate_checkpoint, layer_
     from parity_cli.gate import load_report
     from parity_cli.report import json_text, write_files
 
-    _check_output_target(json_path)
+    _check_output_target(json_path, [report_path])
     data = load_report(report_path)
     path, options = options_from_report(data, report_path, checkpoint, candidate, candidate_checkpoint)
+    json_path = _check_output_target(json_path, [report_path, path, options.candidate_checkpoint, options.activations,
+                                                 f"impl:{options.candidate}", f"impl:{options.reference}"])
     preflight.check_inputs(path, candidate=options.candidate, reference=options.reference,
                            candidate_checkpoint=options.candidate_checkpoint, dtype=options.dtype,
                            reference_dtype=options.reference_dtype, device=options.device,

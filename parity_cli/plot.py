@@ -24,7 +24,17 @@ def check_target(path: str) -> None:
 
 
 def write_plot(report, path: str) -> None:
-    """Every probe row of every layer: x = q/eps (log), y = max|cand - ref| / max|ref| in the row
+    """The plot alone, written as the report set is (all or nothing, through a link)."""
+    from parity_cli.report import write_files
+
+    write_files({path: render_plot(report, path)}, "plot")
+
+
+def render_plot(report, path: str) -> bytes:
+    """The image file's bytes, in the format `path`'s suffix names, so that the check's whole
+    set of outputs (json, junit, markdown, plot) is written at once or not at all.
+
+    Every probe row of every layer: x = q/eps (log), y = max|cand - ref| / max|ref| in the row
     (log), coloured by stratum; the relative tolerance as a band; the attenuation
     A = sqrt(q/(q+eps)) and the error of an eps-free norm, 1 - A, as curves."""
     import matplotlib
@@ -77,32 +87,11 @@ def write_plot(report, path: str) -> None:
                  + (f", {skipped} zero rows not shown" if skipped else "") + ")", fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5)
     fig.tight_layout()
+    import io
+
+    buffer = io.BytesIO()
     try:
-        _save_atomically(fig, Path(path))
-    except OSError as exc:
-        raise InputError(f"{path}: cannot write plot: {exc.strerror or exc}") from None
+        fig.savefig(buffer, format=Path(path).suffix.lower().lstrip("."))
     finally:
         plt.close(fig)
-
-
-def _save_atomically(fig, target: Path) -> None:
-    """As the report writer does: a temp file in the target's directory, chmod'ed from
-    mkstemp's 0600 to what a new file would get (0666 & ~umask), then os.replace. Whatever
-    fails, no temp file stays behind and the target is untouched."""
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format=target.suffix.lower().lstrip("."))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    return buffer.getvalue()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,22 +195,71 @@ def write_bytes(path, data: bytes) -> None:
     write_files({path: data})
 
 
-def write_files(outputs: dict) -> None:
-    """All or nothing: every output goes to a temporary file first, then all are renamed, so an
-    interrupted or failed run leaves no partial report and no half of the set."""
-    staged = []
-    try:
-        for path, text in outputs.items():
-            staged.append((_stage(text, Path(path)), Path(path)))
-        with _signals_held():
-            for tmp, path in staged:
-                os.replace(tmp, path)
-    except OSError as exc:
-        from parity_cli.errors import InputError
+MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
 
-        raise InputError(f"{exc.filename or ''}: cannot write report: {exc.strerror or exc}") from None
+
+def output_target(path: str | Path, flag: str = "output") -> Path:
+    """The file an output name leads to, its links followed one at a time: a link is written
+    through, onto the file it names, and never replaced itself. Refused, one line naming the
+    path: a name that leads into /proc (/dev/stdout is /proc/self/fd/1: renaming onto it replaced
+    the machine's link, and the redirected log got nothing), a device, FIFO, socket, terminal or
+    directory, a loop of links, a name past NAME_MAX."""
+    from parity_cli.errors import InputError
+
+    p = Path(os.path.abspath(os.fspath(path)))
+    for _ in range(MAX_LINKS):
+        try:
+            p = Path(os.path.realpath(p.parent)) / p.name
+            if _in_proc(p):
+                raise InputError(f"{path}: {flag} leads to {p}, a process's file descriptor or state, not a file; "
+                                 "refused" + (" (use --json - for stdout)" if flag == "--json" else ""))
+            st = os.lstat(p)
+        except FileNotFoundError:
+            break  # a new file: its directory is checked by the caller
+        except OSError as exc:
+            raise InputError(f"{path}: {flag}: {exc.strerror or exc}") from None
+        except ValueError:  # an embedded NUL
+            raise InputError(f"{path}: {flag}: not a usable file name") from None
+        if not stat.S_ISLNK(st.st_mode):
+            if not stat.S_ISREG(st.st_mode):
+                raise InputError(f"{path}: {flag} must name a regular file, not a device, FIFO, socket, terminal or "
+                                 "directory" + (" (use --json - for stdout)" if flag == "--json" else ""))
+            break
+        try:
+            p = Path(os.path.normpath(p.parent / os.readlink(p)))
+        except OSError as exc:
+            raise InputError(f"{path}: {flag}: {exc.strerror or exc}") from None
+    else:
+        raise InputError(f"{path}: {flag}: too many levels of symbolic links")
+    return p
+
+
+def _in_proc(p: Path) -> bool:
+    return p.parts[:2] == ("/", "proc")
+
+
+def write_files(outputs: dict, what: str = "report") -> None:
+    """All or nothing: every output goes to a temporary file next to the file it lands on (through
+    a link: the link's target), then all are renamed, so an interrupted or failed run leaves no
+    partial report and no half of the set. A failure names the output, not the temporary file:
+    ENOSPC from write() carries no file name at all."""
+    from parity_cli.errors import InputError
+
+    staged = []
+    current = None
+    try:
+        targets = [(output_target(path), path, text) for path, text in outputs.items()]
+        for target, path, text in targets:
+            current = path
+            staged.append((_stage(text, target), target, path))
+        with _signals_held():
+            for tmp, target, path in staged:
+                current = path
+                os.replace(tmp, target)
+    except OSError as exc:
+        raise InputError(f"{current}: cannot write {what}: {exc.strerror or exc}") from None
     finally:
-        for tmp, _ in staged:
+        for tmp, _, _ in staged:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
@@ -246,13 +296,20 @@ class _signals_held:
 
 
 def _stage(text: str, path: Path) -> str:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    """The content in a temporary file beside `path`: a short name (the output's own may be near
+    NAME_MAX), the mode the file has if it exists (a rename would otherwise change it), else what
+    a new file gets (0666 & ~umask, not mkstemp's 0600)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:64]}.", suffix=".tmp", dir=path.parent)
     try:
         with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as fh:
             fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 is not what a report file should have
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except OSError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         return tmp
     except BaseException:
         try:
