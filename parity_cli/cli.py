@@ -12,15 +12,17 @@ import click
 
 from parity_cli import __version__
 from parity_cli.errors import InputError
+from parity_cli.text import printable
 
 EXIT_PASS, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 def escape(text) -> str:
-    """Paths, names and messages are data, never rich markup ('[/]' in a path is not a tag)."""
+    """Paths, names and messages are data, never rich markup ('[/]' in a path is not a tag) nor
+    terminal control (an ESC sequence is shown as '\\x1b')."""
     from rich.markup import escape as markup_escape
 
-    return markup_escape(str(text))
+    return markup_escape(printable(text))
 
 
 class Terminated(BaseException):
@@ -322,7 +324,7 @@ class _progress:
         def update(done, total, name):
             if self.task is None:
                 self.task = self.bar.add_task("layers", total=total)
-            self.bar.update(self.task, completed=done, description=name)
+            self.bar.update(self.task, completed=done, description=escape(name))  # a name is no markup
 
         return update
 
@@ -608,13 +610,13 @@ def main(argv: list[str] | None = None) -> None:
         pass
     try:
         code = cli.main(args=argv, prog_name="parity", standalone_mode=False)
-    except InputError as exc:  # one line, even for a path with a newline in it
-        click.echo(f"parity: error: {exc}".replace("\r", "\\r").replace("\n", "\\n"), err=True)
+    except InputError as exc:  # one line, even for a path with a newline or an ESC in it
+        click.echo(f"parity: error: {printable(exc)}", err=True)
         code = EXIT_INPUT
     except click.exceptions.Exit as exc:
         code = exc.exit_code
     except click.ClickException as exc:
-        click.echo(f"parity: error: {' '.join(exc.format_message().split())}", err=True)
+        click.echo(f"parity: error: {printable(' '.join(exc.format_message().split()))}", err=True)
         code = EXIT_INPUT
     except (KeyboardInterrupt, click.exceptions.Abort):
         code = _signal_exit("interrupted", EXIT_INTERRUPT, hard=argv is None)
@@ -625,7 +627,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if os.environ.get("PARITY_DEBUG"):
             raise
-        first = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        first = printable((f"{type(exc).__name__}: {exc}".splitlines() or [""])[0])[:300]
         click.echo(f"parity: internal error: {first} (rerun with PARITY_DEBUG=1 for the traceback)", err=True)
         code = EXIT_INPUT
     sys.exit(code if isinstance(code, int) else 0)

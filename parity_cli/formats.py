@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+from parity_cli.text import printable, printable_tree
+
 
 def layer_summary(layer: dict) -> dict:
     """Failing strata, worst errors, q/eps range of the failing probes, diagnosis codes."""
@@ -66,10 +68,13 @@ def junit_classname(report: dict) -> str:
 
 def to_junit(report: dict) -> str:
     """One testcase per layer (test history per layer), classname parity.<family>.<model_type>;
-    a failure's message is its group's finding, the same words for every layer of the group."""
+    a failure's message is its group's finding, the same words for every layer of the group.
+    Strings from the report are data: XML 1.0 has no form for most control characters (an OSC's
+    BEL made the file unparseable), so each is written as its escape."""
     from parity_cli import grouping
     from parity_cli.terminal import group_sentence, quiet_line
 
+    report = printable_tree(report)
     ckpt = report["checkpoint"]
     classname = junit_classname(report)
     summary = report["summary"]
@@ -121,12 +126,12 @@ def to_junit(report: dict) -> str:
 def _code(text) -> str:
     """A code span inside a table cell: pipes escaped (GFM reads them as the cell's end), no
     backtick to close it early; anything else in a code span is inert."""
-    return "`" + str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
+    return "`" + printable(text).replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
 
 
 def _cell(text) -> str:
     """Table-cell safe, and inert as Markdown/HTML: a message may hold '<', '*' or '</details>'."""
-    text = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = printable(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     for ch in "\\*_`[]|":
         text = text.replace(ch, "\\" + ch)
     return text.replace("\n", " ")
@@ -134,10 +139,12 @@ def _cell(text) -> str:
 
 def to_markdown(report: dict) -> str:
     """Verdict, context, one table row per group of layers that fail the same way (each
-    diagnosis' full message once), then the per-layer rows folded away in <details>."""
+    diagnosis' full message once), then the per-layer rows folded away in <details>. Strings
+    from the report reach the file with their control characters escaped."""
     from parity_cli import grouping
     from parity_cli.terminal import captured_line, fmt, verdict
 
+    report = printable_tree(report)
     cand, ref, tol = report["candidate"], report["reference"], report["tolerance"]
     passed, what = verdict(report)
     lines = [

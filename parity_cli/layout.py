@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from parity_cli.text import printable
+
 DEFAULT_WIDTH = 160  # only when nothing is known: a CI log should not cut a layer name at 80
 MIN_WIDTH = 40
 
@@ -43,11 +45,12 @@ class Column:
 
 def table(columns: list[Column], rows: list[list], width: int, indent: int = 1) -> list:
     """rich Text lines. A cell is a string or (string, style). The first column is the row's
-    name; in the folded layout it heads the row, the others follow as `label value` pairs."""
+    name; in the folded layout it heads the row, the others follow as `label value` pairs. A
+    cell is plain text, never markup; its control characters are shown escaped."""
     from rich.text import Text
 
     def cell(c):
-        return c if isinstance(c, tuple) else (str(c), "")
+        return (printable(c[0]), c[1]) if isinstance(c, tuple) else (printable(c), "")
 
     cells = [[cell(c) for c in row] for row in rows]
     widths = [max([len(col.header)] + [len(r[i][0]) for r in cells]) for i, col in enumerate(columns)]
@@ -105,7 +108,7 @@ def _folded_name(name: str, style: str, width: int, indent: int) -> list:
     """A layer name longer than the line is folded at '.', never cut."""
     from rich.text import Text
 
-    room = max(10, width - indent)
+    room = max(10, width - indent - 1)  # a continuation line starts one further in
     lines, current = [], ""
     for part in name.split(".")[:-1]:
         piece = part + "."
@@ -152,18 +155,21 @@ def _flow(pieces: list, width: int, indent: int, sep: str = "  ") -> list:
 
 
 def wrap(text, width: int, indent: int = 0, hanging: int = 4) -> list:
-    """A paragraph (str with rich markup, or Text) wrapped at spaces, continuation lines indented."""
+    """A paragraph (str with rich markup, or Text) wrapped at spaces, continuation lines indented.
+    Data inside the markup is the caller's to escape (terminal._e); a control character left in
+    is shown escaped here all the same."""
     from rich.text import Text
 
     if isinstance(text, str):
-        text = Text.from_markup(text)
-    words = []
+        text = Text.from_markup(printable(text))
+    words = []  # (piece, whether it continues the word before: a fold, never joined by a space)
     for word in text.split(" ", allow_blank=True):
-        words.extend(_fold_word(word, max(10, width - indent - hanging)))
+        pieces = _fold_word(word, max(10, width - indent - hanging))
+        words.extend((piece, k > 0) for k, piece in enumerate(pieces))
     out, line = [], Text(" " * indent)
     start = len(line)
-    for word in words:
-        if len(line) > start and len(line) + 1 + len(word) > width:
+    for word, folded in words:
+        if len(line) > start and (folded or len(line) + 1 + len(word) > width):
             out.append(line)
             line = Text(" " * (indent + hanging))
             start = len(line)
@@ -176,10 +182,14 @@ def wrap(text, width: int, indent: int = 0, hanging: int = 4) -> list:
 
 def _fold_word(word, room: int) -> list:
     """A word wider than the line (a long name pattern, a path) broken after ',', '.' or '/',
-    where names break naturally, else at the width; a number is never that wide."""
+    where names break naturally, else at the width; a number is never that wide. A loop and one
+    divide: a name of 300 KB was 3,000 nested calls (RecursionError) and as many copies."""
     if len(word) <= room:
         return [word]
     plain = word.plain
-    cut = max((i + 1 for i, ch in enumerate(plain[:room]) if ch in ",./"), default=0) or room
-    head, tail = word.divide([cut])
-    return [head] + _fold_word(tail, room)
+    cuts, start = [], 0
+    while len(plain) - start > room:
+        cut = max(plain.rfind(ch, start, start + room) for ch in ",./") + 1
+        start = cut if cut > start else start + room
+        cuts.append(start)
+    return list(word.divide(cuts))

@@ -9,15 +9,17 @@ import math
 from parity_cli import grouping
 from parity_cli.layout import Column, table, wrap
 from parity_cli.report import least, unjfloat, worst
+from parity_cli.text import printable, printable_tree
 
 TABLE_MAX_LAYERS = 16  # above this the per-layer table is --verbose only: the groups say it shorter
 GROUPS_SHOWN = 8
 
 
 def _e(text) -> str:
+    """Data inside markup: inert as markup ('[/]', '[link=...]') and as terminal control."""
     from rich.markup import escape
 
-    return escape(str(text))
+    return escape(printable(text))
 
 
 def fmt(value) -> str:
@@ -93,6 +95,7 @@ def quiet_line(d: dict) -> str:
     (the largest, without a baseline), or the first warning under --fail-on warn."""
     from parity_cli.gate import all_warnings
 
+    d = printable_tree(d)
     passed, what = verdict(d)
     line = ("PASS" if passed else "FAIL") + f": {what}"
     if passed:
@@ -111,23 +114,25 @@ def quiet_line(d: dict) -> str:
 
 def render(d: dict, console, verbose: bool = False) -> None:
     """Verdict, context, grouped findings, then the per-layer table (small models or --verbose),
-    the heat grid, warnings, and the verdict again as the last line (what a CI log shows)."""
+    the heat grid, warnings, and the verdict again as the last line (what a CI log shows).
+    Every string in the report is data from a file: its control characters are shown escaped."""
+    d = printable_tree(d)
     width = console.width
     cand, ref, tol = d["candidate"], d["reference"], d["tolerance"]
     out = wrap(verdict_markup(d), width)
     out += wrap(f"[bold]{_e(d['checkpoint']['path'])}[/]: family [bold]{_e(d['checkpoint']['family'])}[/], "
                 f"eps {fmt(d['eps']['value'])} ({_e(d['eps']['source'])})", width)
-    out += wrap(f"candidate [bold]{_e(cand['impl'])}[/] {cand['dtype']} on {cand['device']}, eps {fmt(cand['eps'])}; "
-                f"reference {_e(ref['impl'])} {ref['dtype']}, eps {fmt(ref['eps'])}", width)
+    out += wrap(f"candidate [bold]{_e(cand['impl'])}[/] {_e(cand['dtype'])} on {_e(cand['device'])}, "
+                f"eps {fmt(cand['eps'])}; reference {_e(ref['impl'])} {_e(ref['dtype'])}, eps {fmt(ref['eps'])}", width)
     rule = ("bitwise: cand == ref" if tol.get("exact") else
             f"pass: |cand - ref| <= atol + rtol*|ref|, atol {fmt(tol['atol'])}, rtol {fmt(tol['rtol'])}")
-    out += wrap(f"{rule}; strata {', '.join(d['probes']['strata'])}" + (" +grad" if d["probes"].get("grad") else ""),
+    out += wrap(f"{rule}; strata {_e(', '.join(d['probes']['strata']))}" + (" +grad" if d["probes"].get("grad") else ""),
                 width)
     conv = cand.get("checkpoint")
     if conv:
-        out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({conv['format']}, family {conv['family']}), "
-                    f"eps {grouping.g(conv['eps']['value'])} ({_e(conv['eps']['source'])}): {conv['findings']} difference(s)",
-                    width)
+        out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({_e(conv['format'])}, family {_e(conv['family'])}), "
+                    f"eps {grouping.g(conv['eps']['value'])} ({_e(conv['eps']['source'])}): {_e(conv['findings'])} "
+                    "difference(s)", width)
     _print(console, out)
     _render_groups(d, console, verbose)
     if verbose or len(d["layers"]) <= TABLE_MAX_LAYERS:
@@ -173,10 +178,10 @@ def _render_groups(d: dict, console, verbose: bool) -> None:
         if fig["max_ulp"] and d["tolerance"].get("exact"):
             parts.append(f"up to {fmt(fig['max_ulp'])} ulp")
         if parts:
-            out += wrap(" · ".join(parts), width, indent=4, hanging=2)
+            out += wrap(_e(" · ".join(parts)), width, indent=4, hanging=2)
         real = captured_line(g.layers)
         if real:
-            out += wrap(real, width, indent=4, hanging=2)
+            out += wrap(_e(real), width, indent=4, hanging=2)
         _print(console, out)
     if len(found) > len(shown):
         _print(console, wrap(f"... and {len(found) - len(shown)} more group(s): --verbose or the JSON report", width))
@@ -274,7 +279,7 @@ def _render_baseline(d: dict, console) -> None:
         if f["layer"] not in by_code[f["code"]]:
             by_code[f["code"]].append(f["layer"])
     for code, names in by_code.items():
-        _print(console, wrap(f"gone since the baseline: {code} in {grouping.layer_count(len(names))} "
+        _print(console, wrap(f"gone since the baseline: {_e(code)} in {grouping.layer_count(len(names))} "
                              f"({_e(grouping.name_pattern(names, names + grouping.universe(d)))})", console.width,
                              hanging=4))
 
@@ -336,7 +341,8 @@ def render_heat(d: dict, console, width: int | None = None) -> None:
         for g in layer.get("grad", []):
             if g["name"] not in rows:
                 rows.append(g["name"])
-    label_w = max(len(r) for r in rows) + 1
+    labels = {r: printable(r) for r in rows}
+    label_w = max(len(r) for r in labels.values()) + 1
     width = width or console.width or 100
     per_line = max(10, width - label_w - 2)
     _print(console, wrap(HEAT_LEGEND, width, hanging=2))
@@ -348,7 +354,7 @@ def render_heat(d: dict, console, width: int | None = None) -> None:
                 ruler += str(start + k) if (start + k) % 10 == 0 and k + len(str(start + k)) <= len(chunk) else " "
         console.print(Text(" " * label_w + ruler, style="dim"), soft_wrap=True)
         for row in rows:
-            line = Text(row.rjust(label_w - 1) + " ")
+            line = Text(labels[row].rjust(label_w - 1) + " ")
             for layer in chunk:
                 found = next((s for s in layer["strata"] + layer.get("grad", []) if s["name"] == row), None)
                 char, colour = heat_cell(found)
@@ -360,6 +366,7 @@ def render_heat(d: dict, console, width: int | None = None) -> None:
 
 def render_explain(data: dict, console) -> None:
     """One ladder per group of layers that failed the same way, each with its conclusion."""
+    data = printable_tree(data)
     width = console.width
     columns = [Column("step"), Column("changes", "changes"), Column("status", with_name=True),
                Column("max abs err", "abs err", right=True), Column("max rel err", "rel err", right=True),
@@ -389,6 +396,7 @@ def _span(lo, hi) -> str:
 
 
 def render_inspect(info: dict, console, verbose: bool = False) -> None:
+    info = printable_tree(info)  # tensor names and config values are data from files
     width = console.width
     ck = info["checkpoint"]
     _print(console, wrap(f"[bold]{_e(ck['path'])}[/]: family [bold]{_e(ck['family'])}[/] (model_type "

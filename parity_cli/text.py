@@ -1,0 +1,41 @@
+"""Text from files is data, never terminal control: a tensor name, a config's model_type or a
+saved report's layer name may hold ESC sequences (colours, OSC 8 hyperlinks, a cleared screen),
+bidi overrides that reorder what a reader sees, or characters XML 1.0 forbids. Every such
+character is shown as a visible escape (ESC -> '\\x1b') before the text is printed or written."""
+
+from __future__ import annotations
+
+import re
+
+# C0 (\n, \r and \t included: every field is one line), DEL and C1; the bidi embeddings,
+# overrides and isolates, the marks and the line/paragraph separators; lone surrogates (a JSON
+# '\ud800' has no UTF-8 form: writing it raised); U+FFFE/U+FFFF, which XML 1.0 forbids.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+                          "\ud800-\udfff\ufffe\uffff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _visible(match: re.Match) -> str:
+    ch = match.group()
+    code = ord(ch)
+    return _NAMED.get(ch) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def printable(text) -> str:
+    """`text` as one line of inert characters: each control, bidi or unencodable character
+    becomes its escape ('\\x1b', '\\u202e', '\\n'). Applying it twice changes nothing more."""
+    text = str(text)
+    return _UNPRINTABLE.sub(_visible, text) if _UNPRINTABLE.search(text) else text
+
+
+def printable_tree(value):
+    """Every string in a report dict (keys too) through printable(): what the renderers read."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(k) if isinstance(k, str) else k: printable_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [printable_tree(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(printable_tree(v) for v in value)
+    return value
