@@ -1,6 +1,7 @@
 """The diagnosis confusion matrix of issue 13: every case of tests/diagnosis_panel.py (single
-planted faults and pairs, llama/gemma/LayerNorm, float32/bfloat16/float16) through `parity`,
-and per case the planted factors that were named, missed, and the wrong codes.
+planted faults and pairs, llama/gemma/LayerNorm, float32/bfloat16/float16, and issue 23's
+hairline cases) through `parity`, and per case the planted factors that were named, missed,
+the wrong codes, and the variants a `marginal` diagnosis lists.
 
     python benchmarks/diagnosis_matrix.py                  # this tree
     python benchmarks/diagnosis_matrix.py --tree OLD_DIR   # another checkout's parity_cli, same panel
@@ -22,17 +23,23 @@ def main(argv=None) -> int:
     if args.tree:
         sys.path.insert(0, str(Path(args.tree).resolve()))
     sys.path.insert(0, str(HERE.parent / "tests"))
-    import parity_cli
+    import diagnosis_panel
     from diagnosis_panel import PANEL, case_id, codes_for, run_case, score
+
+    import parity_cli
 
     print(f"parity_cli from {Path(parity_cli.__file__).parent}")
     root = tempfile.mkdtemp(prefix="parity-matrix-")
-    totals = {"cases": 0, "exact": 0, "missed": 0, "wrong": 0, "vague": 0, "false_alarm": 0}
-    print("| case | planted | named | missed | wrong codes (confident) | vague |")
-    print("|---|---|---|---|---|---|")
+    totals = {"cases": 0, "exact": 0, "missed": 0, "wrong": 0, "vague": 0, "false_alarm": 0, "marginal": 0}
+    print("| case | planted | expected | named | missed | wrong codes (confident) | vague | marginal lists |")
+    print("|---|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
     for case in PANEL:
-        got, expected = run_case(case, root)
+        listed = []
+        try:
+            got, expected = run_case(case, root, listed)
+        except TypeError:  # an older panel
+            got, expected = run_case(case, root)
         found, missed, wrong, vague, alarm = score(got, expected)
         totals["cases"] += 1
         totals["missed"] += len(missed)
@@ -40,11 +47,19 @@ def main(argv=None) -> int:
         totals["vague"] += bool(vague)
         totals["false_alarm"] += alarm
         totals["exact"] += not missed and not wrong and not alarm
+        totals["marginal"] += "marginal" in found
         planted = ", ".join(sorted(codes_for(case[3], case[0], case[2]))) or "(correct)"
-        print(f"| {case_id(case)} | {planted} | {', '.join(sorted(found)) or '-'} | {', '.join(sorted(missed)) or '-'} "
-              f"| {', '.join(sorted(wrong)) or ('false alarm' if alarm else '-')} | {', '.join(sorted(vague)) or '-'} |")
+        if getattr(diagnosis_panel, "HAIRLINE_KEYS", None) and case[3].partition("=")[0] in diagnosis_panel.HAIRLINE_KEYS:
+            planted = case[3]  # the fault itself: its expected code is the next column
+        shown = ", ".join(sorted(expected)) or "-"
+        lists = "; ".join(dict.fromkeys(listed)) or "-"
+        print(f"| {case_id(case)} | {planted} | {shown} | {', '.join(sorted(found)) or '-'} "
+              f"| {', '.join(sorted(missed)) or '-'} "
+              f"| {', '.join(sorted(wrong)) or ('false alarm' if alarm else '-')} | {', '.join(sorted(vague)) or '-'} "
+              f"| {lists} |")
     print(f"\n{totals['cases']} cases: {totals['exact']} named exactly; {totals['missed']} planted factor(s) missed; "
           f"{totals['wrong']} wrong confident code(s); {totals['vague']} case(s) left vague; "
+          f"{totals['marginal']} marginal (at the hairline, no cause picked); "
           f"{totals['false_alarm']} false alarm(s) on correct "
           f"implementations ({time.perf_counter() - t0:.0f}s)")
     return 0

@@ -55,11 +55,13 @@ def _affine(ctx: Context, y, gain=None):
     return y if ctx.bias is None else y + ctx.bias
 
 
-def _rms_eps_outside(x, eps):
+def _eps_outside(x, eps, kind="rms_norm"):
+    """x / (sqrt(q) + eps); for a LayerNorm (x - mean) / (std + eps)."""
     import torch
 
-    q = mean_square(x).unsqueeze(-1)
-    return x / (torch.sqrt(q) + eps)
+    h = x - x.mean(-1, keepdim=True) if kind == "layer_norm" else x
+    q = mean_square(x, kind).unsqueeze(-1)
+    return h / (torch.sqrt(q) + eps)
 
 
 def _no_upcast(ctx: Context, x):
@@ -104,8 +106,9 @@ RULED_OUT = ("eps value (estimated), eps = 0, eps outside the root, mean subtrac
              "their combinations of up to three")
 
 
-def _failing_rows(ctx: Context):
-    """(q/eps, max |x|) of every row with an element outside tolerance."""
+def _failing_rows(ctx: Context, spread: list | None = None):
+    """(q/eps, max |x|) of every row with an element outside tolerance (and into `spread`, each
+    row's std / max |x|)."""
     import torch
 
     q_eps, peak = [], []
@@ -120,18 +123,63 @@ def _failing_rows(ctx: Context):
         q = mean_square(s.x[bad], ctx.layer.kind)
         q_eps += (q / ctx.eps if ctx.eps > 0 else torch.full_like(q, math.inf)).tolist()
         peak += s.x[bad].abs().amax(-1).tolist()
+        if spread is not None:
+            spread += (s.x[bad].std(-1, unbiased=False) / s.x[bad].abs().amax(-1).clamp_min(1e-300)).tolist()
     return q_eps, peak
+
+
+def _zero_division(ctx: Context) -> list[str]:
+    """The strata (zero first) whose rows give non-finite output where the reference is finite,
+    when every such row is one where eps carries the denominator (q/eps <= 100) and the all-zero
+    rows are among them: 0/0 where eps should have been. Else []."""
+    import torch
+
+    names = []
+    for s in ctx.strata:
+        if s.cand is None or s.x is None or s.nonfinite_candidate <= s.nonfinite_reference:
+            continue
+        new = (~torch.isfinite(s.cand) & torch.isfinite(s.ref)).any(-1)
+        if not bool(new.any()):
+            continue
+        q = mean_square(s.x[new], ctx.layer.kind)
+        if ctx.eps > 0 and bool((q > 100 * ctx.eps).any()):
+            return []  # non-finite where eps is negligible: an overflow, not a 0/0
+        names.append(s.name)
+    return ["zero"] + [n for n in names if n != "zero"] if "zero" in names else []
+
+
+def _failing_finite(ctx: Context) -> set[str]:
+    """Failing strata with an element outside tolerance where the candidate is finite."""
+    import torch
+
+    out = set()
+    for s in ctx.strata:
+        if s.status != "fail" or s.cand is None:
+            continue
+        allowed = ctx.tol.atol + ctx.tol.rtol * s.ref.abs()
+        if bool((torch.isfinite(s.cand) & ((s.cand - s.ref).abs() > allowed)).any()):
+            out.add(s.name)
+    return out
 
 
 def _symptom(ctx: Context, failing: set[str]) -> Diagnosis:
     """The rule of thumb of the sources, on the rows that failed (not the strata they belong to:
     a constant row at c = 100 has q/eps 1e10 and is no small input)."""
-    q_eps, peak = _failing_rows(ctx)
+    spread: list = []
+    q_eps, peak = _failing_rows(ctx, spread)
     ev = {"strata": sorted(failing), "ruled_out": RULED_OUT}
     if q_eps:
         ev["failing_q_over_eps"] = {"min": min(q_eps), "max": max(q_eps)}
         ev["failing_max_abs_x"] = max(peak)
         ev["failing_rows"] = len(q_eps)
+    if ctx.layer.kind == "layer_norm" and spread and max(spread) <= ctx.layer.dim * 2.0 ** -24:
+        # the spread is below what rounding the mean in float32 leaves: x - mean is that rounding
+        # there, whatever eps is (an exactly constant row gives the bias for every eps)
+        ev["failing_max_spread"] = max(spread)
+        return Diagnosis("symptom_mean_rounding",
+                         f"errors only on rows whose spread is within float32 rounding of their mean (constant rows, "
+                         f"{', '.join(sorted(failing))}): x - mean is the mean's rounding there, amplified by "
+                         "1 / sqrt(var + eps); suspect how the mean is computed (its precision or order), not eps", ev)
     if q_eps and max(q_eps) <= 1e4:
         return Diagnosis("symptom_small_inputs",
                          f"errors only on rows with q/eps <= {max(q_eps):.3g} ({', '.join(sorted(failing))}): suspect "
@@ -161,8 +209,8 @@ def _panel(ctx: Context):
             label = "estimated" if est and e == est[0] and e not in EPS_PANEL else f"{e:g}"
             out.append((f"eps={label}" if label != "estimated" else f"eps~{e:.3g}",
                         _eps_variant_fn(e)))
+    out.append(("eps outside sqrt", lambda c, x: _affine(c, _eps_outside(x, c.eps, c.layer.kind))))
     if ctx.layer.kind == "rms_norm":
-        out.append(("eps outside sqrt", lambda c, x: _affine(c, _rms_eps_outside(x, c.eps))))
         out.append(("mean subtracted", lambda c, x: _affine(c, oracle_normalize(x, c.eps, "layer_norm"))))
     else:
         out.append(("mean not subtracted", lambda c, x: _affine(c, oracle_normalize(x, c.eps, "rms_norm"))))
@@ -256,6 +304,8 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         return []
     ctx = Context(layer=layer, gain=gain, bias=bias, tol=tol, dtype=dtype, strata=strata)
     best = fitting.fit(ctx)
+    if best is not None and best.factors is None:  # the hairline: marginal, the variants listed
+        return [Diagnosis(code, message, dict(evidence)) for code, message, evidence in best.findings]
     if best is not None and best.findings:
         out = [Diagnosis(code, message, dict(evidence)) for code, message, evidence in best.findings]
         expected = fitting.Factors(centred=layer.kind == "layer_norm", eps=ctx.eps)
@@ -266,11 +316,16 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
                 d.evidence["together_with"] = [c for c in codes if c != d.code]
         return out
     out: list[Diagnosis] = []
-    zero = next((s for s in strata if s.name == "zero" and s.status == "fail"), None)
-    only_zero = all(s.nonfinite_candidate <= s.nonfinite_reference for s in strata if s.name != "zero")
-    if zero is not None and zero.nonfinite_candidate > zero.nonfinite_reference and only_zero:
-        out.append(Diagnosis("eps_missing", "an all-zero row gives non-finite output: eps is missing or zero, "
-                             "so the norm computes 0/0", {"strata": ["zero"]}))
+    nan_strata = _zero_division(ctx)
+    if nan_strata:
+        lost = fitting.eps_lost(ctx.eps, dtype)
+        out.append(Diagnosis("eps_missing", "an all-zero row gives non-finite output: " + (lost or "eps is missing "
+                             "or zero") + ", so the norm computes 0/0" + (f" (also on {', '.join(nan_strata[1:])} rows, "
+                             "where q/eps <= 100)" if len(nan_strata) > 1 else ""),
+                             {"strata": nan_strata, "configured_eps": ctx.eps, "lost_to_dtype": bool(lost)}))
+        rest = _failing_finite(ctx)
+        if rest:  # other rows fail with finite values: what they show, as well
+            out.append(_symptom(ctx, rest))
     if not out:
         cast = cast_order_diagnosis(ctx)
         if cast:

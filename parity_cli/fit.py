@@ -11,8 +11,11 @@ factors changed:
 The gain is fitted on the normal rows (where eps is invisible), eps on the tiny and constant
 rows (where it is visible) given that gain, and the combinations are tried from the fewest
 changed factors up. A factor is stated only when its whole combination reproduces the
-candidate within tolerance on (nearly) every element and on the elements that failed: the
-residual check. Otherwise nothing is claimed."""
+candidate within tolerance on (nearly) every element and on the elements that failed, and
+removes most of the candidate's own deviation from the reference there: the residual check.
+Landing within twice the tolerance is not enough: at the hairline (a candidate that misses by
+less than that) the reference itself would pass it. There the failure is called marginal and
+the variants that fit about as well are listed, none picked. Otherwise nothing is claimed."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field, replace
 
 MATCH_SLACK = 2.0  # the variant is float64 (or the dtype's own math); the candidate rounds once more
 MATCH_SHARE = 0.99
+MOST = 0.5  # a variant explains a fault only if it leaves at most this share of the deviation
+HAIRLINE_FACTORS = 2.0  # at the hairline, combinations of up to this many factors are listed
 U32 = 2.0 ** -24
 SCREEN_SAMPLE = 4096  # failing elements per stratum the screen looks at
 MATCH_ROWS = 16  # rows per stratum the full residual check looks at (strided, first and last kept)
@@ -48,8 +53,8 @@ class Factors:
 
 @dataclass
 class Fit:
-    factors: Factors
-    closeness: float
+    factors: Factors | None  # None: a marginal failure, no one combination picked
+    closeness: float  # the share of the deviation the combination leaves (residual())
     findings: list = field(default_factory=list)  # (code, message, evidence) per changed factor
     reproduced: dict = field(default_factory=dict)  # shares of elements the combination reproduces
 
@@ -185,29 +190,65 @@ def _merged(strata):
 
 # --- the residual check --------------------------------------------------------------------------------
 
-def match(ctx, strata, variant_outputs, extra_rel: float = 0.0) -> float | None:
+def match(ctx, strata, variant_outputs, extra_rel: float = 0.0, extra_mean: float = 0.0) -> float | None:
     """None unless the candidate is within MATCH_SLACK x tolerance of the variant on nearly all
-    elements and nearly all failing ones; else the mean error/allowance on the failing elements
-    (lower is closer). `extra_rel` widens the allowance by a relative term (the bound of a
-    float32 accumulation over the row)."""
+    elements and nearly all failing ones, and the variant removes most of the deviation there
+    (residual()); else that residual share (lower is closer). `extra_rel` widens the allowance
+    by a relative term (the bound of a float32 accumulation over the row), `extra_mean` by that
+    share of a LayerNorm row's conditioning (the bound of a float32 mean)."""
     parts = []
     for s, v in zip(strata, variant_outputs):
         if _large(v):
             s = _sampled(ctx, s)  # the screen saw the failing elements; here a strided sample will do
             v = _grid(v, s.rows, s.cols)
         parts.append((s, v))
-    return _match(ctx, parts, extra_rel)
+    return _match(ctx, parts, extra_rel, extra_mean)
 
 
-def _match(ctx, parts, extra_rel: float) -> float | None:
+def _distance(a, b):
+    """|a - b|, 0 where they agree (inf == inf, NaN on both sides), inf where only one is finite."""
+    import torch
+
+    d = (a - b).abs_()
+    if not bool(torch.isfinite(d).all()):
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        d = torch.where(same, torch.zeros_like(d), d).nan_to_num_(nan=math.inf)
+    return d
+
+
+def residual(cand, ref, v, bound=None):
+    """Per failing element, how much of the candidate's own deviation from the reference the
+    variant leaves: |cand - v| / |cand - ref| (less the variant's own rounding bound, which a
+    precision variant cannot reproduce element by element, only bound), capped at 2. 0: the
+    variant is the candidate; 1: it is no closer than the reference."""
+    import torch
+
+    r = _distance(cand, v)
+    if bound is not None:
+        r = (r - bound).clamp_(min=0.0)
+    d = _distance(cand, ref)
+    inf = torch.isinf(d)
+    rho = r / d.clamp_min(1e-300)
+    if bool(inf.any()):  # a non-finite deviation is removed only by a variant that has it too
+        rho = torch.where(inf, torch.where(torch.isinf(r), torch.ones_like(r), torch.zeros_like(r)), rho)
+    return rho.nan_to_num_(nan=1.0).clamp_(max=2.0)
+
+
+def _match(ctx, parts, extra_rel: float, extra_mean: float = 0.0, f: Factors | None = None) -> float | None:
     """match() on (stratum or its sample, the variant there) pairs."""
     import torch
 
     total = hit = bad_total = bad_hit = 0
-    closeness = 0.0
+    removed = 0.0
+    layer_norm = ctx.layer.kind == "layer_norm"
+    if f is None and extra_mean:
+        f = Factors(centred=layer_norm, eps=ctx.eps)
     for s, v in parts:
-        allowed = v.abs().mul_(ctx.tol.rtol + extra_rel).add_(ctx.tol.atol)
-        if ctx.layer.kind == "layer_norm" and ctx.tol.mean_rounding:  # as the pass/fail comparison grants
+        bound = _bound(ctx, s, f, v, extra_rel, extra_mean)
+        allowed = v.abs().mul_(ctx.tol.rtol).add_(ctx.tol.atol)
+        if bound is not None:
+            allowed.add_(bound)
+        if layer_norm and ctx.tol.mean_rounding:  # as the pass/fail comparison grants
             allowed.add_(_rounding(ctx, s))
         err = (s.cand - v).abs_().div_(allowed)
         if not bool(torch.isfinite(err).all()):
@@ -223,14 +264,17 @@ def _match(ctx, parts, extra_rel: float) -> float | None:
         hit += int(ok.sum())
         bad_total += n_bad
         if n_bad:
-            hits = ok & ref_bad
-            bad_hit += int(hits.sum())
-            closeness += float(err[hits].sum())
+            bad_hit += int((ok & ref_bad).sum())
+            removed += float(residual(s.cand[ref_bad], s.ref[ref_bad], v[ref_bad],
+                                      None if bound is None else bound[ref_bad]).sum())
     if bad_total == 0 or hit < MATCH_SHARE * total or bad_hit < MATCH_SHARE * bad_total:
         return None
+    left = removed / bad_total
+    if left > MOST:  # within the slack, but no closer to the candidate than the reference is
+        return None
     ctx.cache["reproduced"] = {"failing_elements": bad_hit / bad_total, "elements": hit / total,
-                               "within": f"{MATCH_SLACK:g} x tolerance"}
-    return closeness / max(bad_hit, 1)
+                               "within": f"{MATCH_SLACK:g} x tolerance", "deviation_left": left}
+    return left
 
 
 @dataclass
@@ -335,13 +379,15 @@ def _bad(ctx, s):
     return ~(((s.cand - s.ref).abs() <= allowed) | (s.cand == s.ref) | (torch.isnan(s.cand) & torch.isnan(s.ref)))
 
 
-def screen(ctx, panel: Panel, f: Factors, extra_rel: float) -> bool:
-    """The cheap half of the residual check: does the variant reproduce the failing elements?
-    Most combinations fail here, without a pass over every element."""
+def screen(ctx, panel: Panel, f: Factors, extra_rel: float, extra_mean: float = 0.0) -> float | None:
+    """The cheap half of the residual check: does the variant reproduce the failing elements,
+    and remove most of their deviation from the reference? The share it leaves (residual()),
+    or None. Most combinations fail here, without a pass over every element."""
     import torch
 
     g = panel.gain(f)
     bad_total = bad_hit = 0
+    left = 0.0
     for s, n in zip(panel.strata, panel.normalised(f)):
         rows, cols, cand, extra = _failing(ctx, s)
         if rows.numel() == 0:
@@ -349,13 +395,29 @@ def screen(ctx, panel: Panel, f: Factors, extra_rel: float) -> bool:
         v = n.reshape(-1).index_select(0, rows * n.shape[-1] + cols).mul_(g.index_select(0, cols))
         if panel.bias is not None:
             v.add_(panel.bias.index_select(0, cols))
-        allowed = v.abs().mul_(ctx.tol.rtol + extra_rel).add_(ctx.tol.atol).add_(extra).mul_(MATCH_SLACK)
+        bound = _bound(ctx, s, f, v, extra_rel, extra_mean, rows, cols)
+        allowed = v.abs().mul_(ctx.tol.rtol).add_(ctx.tol.atol).add_(extra)
+        if bound is not None:
+            allowed.add_(bound)
+        allowed.mul_(MATCH_SLACK)
         ok = (cand - v).abs_() <= allowed
         if not (bool(torch.isfinite(v).all()) and _all_finite(ctx, cand)):
             ok |= (cand == v) | (torch.isnan(cand) & torch.isnan(v))  # inf == inf, NaN on both sides
         bad_total += ok.numel()
         bad_hit += int(ok.sum())
-    return bad_total > 0 and bad_hit >= MATCH_SHARE * bad_total
+        left += float(residual(cand, _failing_ref(ctx, s), v, bound).sum())
+    if bad_total == 0 or bad_hit < MATCH_SHARE * bad_total or left > MOST * bad_total:
+        return None
+    return left / bad_total
+
+
+def _failing_ref(ctx, s):
+    """The reference at the elements _failing() picked."""
+    key = ("failing_ref", id(s))
+    if key not in ctx.cache:
+        rows, cols, _, _ = _failing(ctx, s)
+        ctx.cache[key] = s.ref[rows, cols]
+    return ctx.cache[key]
 
 
 def _all_finite(ctx, t) -> bool:
@@ -369,14 +431,53 @@ def _all_finite(ctx, t) -> bool:
 
 
 def _rounding(ctx, s):
-    from parity_cli.comparison import mean_rounding_allowance
-
     key = ("rounding", id(s))
     if key not in ctx.cache:
-        allowance = mean_rounding_allowance(s.x, ctx.gain, ctx.eps, ctx.tol)
+        ctx.cache[key] = _conditioning(ctx, s) * ctx.tol.mean_rounding
+    return ctx.cache[key]
+
+
+def _conditioning(ctx, s, eps: float | None = None, outside: bool = False):
+    """Per element of a LayerNorm, |g| max|x| / sqrt(var + eps) (outside the root: / (std + eps)):
+    what a relative rounding of the row's mean becomes in the output (configs/tolerances.toml,
+    mean_rounding). `eps` defaults to the layer's."""
+    import torch
+
+    eps = ctx.eps if eps is None else eps
+    key = ("conditioning", id(s), eps, outside)
+    if key not in ctx.cache:
+        x = s.x.to(torch.float64)
+        var = x.var(-1, unbiased=False, keepdim=True)
+        denom = var.sqrt() + eps if outside else (var + eps).sqrt()
+        allowance = ctx.gain.to(torch.float64).abs() * x.abs().amax(-1, keepdim=True) / denom.clamp_min(1e-300)
         cols = getattr(s, "cols", None)
         ctx.cache[key] = allowance if cols is None else allowance[:, cols]
     return ctx.cache[key]
+
+
+def _bound(ctx, s, f: Factors | None, v, extra_rel: float, extra_mean: float, rows=None, cols=None):
+    """What the variant is allowed beyond the tolerance, per element (at rows, cols of s when
+    given), or None: its own rounding (extra_rel of |v|, extra_mean of a LayerNorm row's
+    conditioning), and for a LayerNorm variant whose eps or placement conditions x - mean worse
+    than the expected math, the mean-rounding allowance of its own formula beyond the reference's."""
+    bound = v.abs().mul_(extra_rel) if extra_rel else None
+    if ctx.layer.kind != "layer_norm" or f is None:
+        return bound
+
+    def at(t):
+        return t if rows is None else t[rows, cols]
+
+    eps = f.eps if f.eps > 0 else ctx.eps
+    own = None
+    if extra_mean:
+        own = at(_conditioning(ctx, s, eps, f.outside)) * extra_mean
+    if ctx.tol.mean_rounding and (f.outside or eps != ctx.eps):
+        more = (at(_conditioning(ctx, s, eps, f.outside)) - at(_conditioning(ctx, s))).clamp_(min=0.0)
+        more = more * ctx.tol.mean_rounding
+        own = more if own is None else own + more
+    if own is None:
+        return bound
+    return own if bound is None else bound.add_(own)
 
 
 # --- fitting the gain and eps ------------------------------------------------------------------------
@@ -499,7 +600,7 @@ def _combinations(kind: str, eps: float, itemsize: int):
         gains = [("expected", 0.0), ("offset", -1.0), ("offset", 1.0), ("scale", None), ("channel", 0.0)]
         for gain, value in gains:
             gf = replace(base, gain=gain, gain_value=value)
-            for outside in ((False, True) if kind == "rms_norm" else (False,)):
+            for outside in (False, True):  # (x - mean) / (std + eps) too: OpenVINO's MVN outside_sqrt
                 for value, label in ((eps, "configured"), (0.0, "zero"), (None, "estimated")):
                     if label == "zero" and (eps == 0 or outside):
                         continue
@@ -527,7 +628,7 @@ def _resolve_gain(ctx, panel: Panel, f: Factors) -> Factors | None:
         return None
     if f.gain == "scale":
         s = fitted[1]
-        return replace(f, gain_value=s) if math.isfinite(s) and abs(s - 1) > 1e-9 else None
+        return replace(f, gain_value=s) if math.isfinite(s) and abs(s - 1) > _rounding_of_one(ctx.dtype) else None
     return f if ("channel_gain", f.centred, f.variance) in ctx.cache else None
 
 
@@ -574,25 +675,53 @@ def _snapped(panel: Panel, key, est):
 
 
 def _try(ctx, panel: Panel, f: Factors) -> float | None:
-    """The residual check of one combination: the screen on the failing elements, then match."""
+    """The residual check of one combination: the screen on the failing elements, then match.
+    float32 math is allowed its rounding bound over the row: dim x 2^-24 of the output, and of
+    a LayerNorm row's conditioning (its mean rounds too: sum / n of a constant row is not x)."""
     extra = ctx.layer.dim * U32 if f.precision == "float32" else 0.0
-    if not screen(ctx, panel, f, extra):
+    left = screen(ctx, panel, f, extra, extra)
+    if left is None or _match(ctx, panel.sampled(f), extra, extra, f) is None:
         return None
-    return _match(ctx, panel.sampled(f), extra)
+    return left
 
 
-def fit(ctx, max_factors: float = 3.0) -> Fit | None:
-    """The simplest combination of factors that reproduces the candidate, or None."""
-    panel = Panel(ctx)
-    if not panel.strata:
-        return None
-    expected, combos = candidates(ctx, panel)
-    level, best = None, None
+def _rounding_of_one(dtype) -> float:
+    """How far from 1 a uniform gain scale can be by float rounding alone: an ulp of the
+    candidate dtype at 1, and never less than float32's (float32 math handed back at float64)."""
+    import torch
+
+    return max(float(torch.finfo(dtype).eps), 2.0 ** -23)
+
+
+def margin(ctx, panel: Panel) -> float:
+    """How many times the allowance the candidate misses by: the largest |cand - ref| / allowed
+    over the failing elements (each stratum's worst, or the screen's sample when it has none)."""
+    worst = 0.0
+    for s in panel.originals:
+        if not s.violations:
+            continue
+        w = getattr(s, "worst", None)
+        if w is not None and w.allowed > 0:
+            d = abs(w.candidate - w.reference)
+            worst = max(worst, d / w.allowed if math.isfinite(d) else math.inf)
+            continue
+        rows, cols, cand, extra = _failing(ctx, s)
+        ref = s.ref[rows, cols]
+        allowed = ref.abs() * ctx.tol.rtol + ctx.tol.atol + extra
+        ratio = _distance(cand, ref) / allowed.clamp_min(1e-300)
+        worst = max(worst, float(ratio.max()) if ratio.numel() else 0.0)
+    return worst
+
+
+def _search(ctx, panel: Panel, expected: Factors, combos, max_factors: float, every: bool):
+    """(combination, residual share, reproduced) for the simplest combinations that pass the
+    residual check, the closest first; with `every`, all of them up to max_factors."""
+    level, found = None, []
     for f in combos:
         cost = _complexity(f, expected)
         if cost == 0:
             continue  # the reference itself explains nothing: the layer failed against it
-        if cost > max_factors or (level is not None and cost > level):
+        if cost > max_factors or (not every and level is not None and cost > level):
             break
         f = _resolve_gain(ctx, panel, f)
         f = None if f is None else _resolve_eps(ctx, panel, f)
@@ -602,14 +731,56 @@ def fit(ctx, max_factors: float = 3.0) -> Fit | None:
         if closeness is None and f.eps_label == "estimated" and f.eps != f.eps_raw:  # the short value does not fit
             f = replace(f, eps=f.eps_raw, eps_shared=False)
             closeness = _try(ctx, panel, f)
-        if closeness is not None and (best is None or closeness < best.closeness):
-            level, best = cost, Fit(f, closeness)
-            best.reproduced = dict(ctx.cache["reproduced"])
+        if closeness is not None:
+            level = cost if level is None else level
+            found.append((f, closeness, dict(ctx.cache["reproduced"])))
+    found.sort(key=lambda t: t[1])  # stable: among equals, the simplest
+    return found
+
+
+def fit(ctx, max_factors: float = 3.0) -> Fit | None:
+    """The simplest combination of factors that reproduces the candidate (of those, the one
+    that leaves the least of the deviation), a marginal Fit at the hairline, or None."""
+    panel = Panel(ctx)
+    if not panel.strata:
+        return None
+    expected, combos = candidates(ctx, panel)
+    missed_by = margin(ctx, panel)
+    if missed_by <= MATCH_SLACK:  # the reference itself is within the slack: the hairline
+        return _marginal(ctx, panel, expected, combos, missed_by)
+    found = _search(ctx, panel, expected, combos, max_factors, every=False)
+    best = None
+    if found:
+        f, closeness, reproduced = found[0]
+        best = Fit(f, closeness, reproduced=reproduced)
     if best is not None:
         best.findings = describe(ctx, best.factors, expected)
         for _, _, evidence in best.findings:  # how well the whole combination reproduces the candidate
             evidence["reproduced"] = best.reproduced
     return best
+
+
+def _marginal(ctx, panel: Panel, expected: Factors, combos, missed_by: float) -> Fit:
+    """A candidate that misses by less than the matching slack: every variant close to the
+    reference lands within it, so none is picked. The variants (of up to HAIRLINE_FACTORS
+    factors) that remove most of the deviation and fit about as well as the best are listed."""
+    found = [(f, left) for f, left, _ in _search(ctx, panel, expected, combos, HAIRLINE_FACTORS, every=True)
+             if describe(ctx, f, expected)]  # a fitted gain that differs in no channel says nothing
+    fits = []
+    for f, left in found:
+        if left > max(2 * found[0][1], found[0][1] + 0.1):
+            break  # clearly worse than the best (found is sorted)
+        name = variant_name(f, expected, ctx)
+        if name not in (n for n, _ in fits):
+            fits.append((name, left))
+    fits = fits[:6]
+    names = ", ".join(n for n, _ in fits)
+    message = (f"the candidate misses by at most {missed_by:.3g} x the allowance: a marginal failure, too close to "
+               "the tolerance to name a cause; " + (f"variants that fit about as well: {names}" if fits else
+                                                     "no known variant removes most of the deviation"))
+    evidence = {"times_allowance": missed_by, "variants": [{"variant": n, "deviation_left": left} for n, left in fits],
+                "matching_variants": [n for n, _ in fits]}
+    return Fit(None, fits[0][1] if fits else 1.0, findings=[("marginal", message, evidence)])
 
 
 # --- words ------------------------------------------------------------------------------------------
@@ -627,12 +798,14 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
                     {"estimated_eps": f.eps, "spread": f.eps_spread, "interval": list(f.eps_interval),
                      "configured_eps": ctx.eps,
                      "eps_source": ctx.layer.eps.source}))
-    if f.eps_label == "zero":
-        out.append(("eps_missing", "the candidate matches eps = 0: eps is dropped, so an all-zero row computes 0/0",
-                    {"configured_eps": ctx.eps}))
+    lost = eps_lost(ctx.eps, ctx.dtype)
+    if f.eps_label == "zero" or (f.precision == "no_upcast" and f.eps_label == "configured" and lost):
+        out.append(("eps_missing", "the candidate matches eps = 0: " + (lost or "eps is dropped") +
+                    ", so an all-zero row computes 0/0", {"configured_eps": ctx.eps, "lost_to_dtype": bool(lost)}))
     if f.outside:
-        out.append(("eps_outside_sqrt", "the candidate computes x / (sqrt(q) + eps) instead of x / sqrt(q + eps): "
-                    "eps is outside the root", {}))
+        what = ("(x - mean) / (std + eps) instead of (x - mean) / sqrt(var + eps)" if f.centred
+                else "x / (sqrt(q) + eps) instead of x / sqrt(q + eps)")
+        out.append(("eps_outside_sqrt", f"the candidate computes {what}: eps is outside the root", {}))
     if f.centred != expected.centred:
         if kind == "rms_norm":
             out.append(("mean_subtracted", "the candidate subtracts the mean (LayerNorm semantics) where the family "
@@ -650,6 +823,10 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
     if f.precision == "float32":
         name = str(ctx.dtype).removeprefix("torch.")
         what = ("computes in float32 where float64 was asked for" if name == "float64"
+                else "accumulates the mean and variance in float32 with a longer rounding chain (e.g. mean as "
+                "sum / n): on rows whose spread is small next to their mean (constant rows) x - mean is that "
+                "rounding, which eps cannot absorb" + ("; eps itself is right" if f.eps_label == "configured" else "")
+                if kind == "layer_norm"
                 else "accumulates the mean square in float32 with a longer rounding chain (e.g. a sequential sum)")
         out.append(("float32_accumulation", f"the candidate {what}: its error grows with the row length "
                     f"({ctx.layer.dim}) up to dim x 2^-24 relative", {"dim": ctx.layer.dim}))
@@ -659,8 +836,8 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
         ev = {"offset_error": f.gain_value, "expected_offset": ctx.layer.gain_offset}
         out.append(("weight_offset_mismatch", _offset_message(ctx, ev), ev))
     if f.gain == "scale":
-        out.append(("channel_gain_mismatch", f"every channel's gain is {f.gain_value:.4g} x the expected: a uniformly "
-                    "scaled weight", {"uniform_scale": f.gain_value, "affected_channels": ctx.layer.dim,
+        out.append(("channel_gain_mismatch", f"every channel's gain is {_scale(f.gain_value)} x the expected: "
+                    + "a uniformly scaled weight", {"uniform_scale": f.gain_value, "affected_channels": ctx.layer.dim,
                                       "channels": _channels(ctx, ctx.gain * f.gain_value)}))
     if f.gain == "channel":
         g = ctx.cache[("channel_gain", f.centred, f.variance)]  # this combination's fit, not the last one tried
@@ -673,6 +850,24 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
                                                             "channels": _channels(ctx, g, bad)}))
     del torch
     return out
+
+
+def eps_lost(eps: float, dtype) -> str:
+    """Words when eps held in the candidate dtype is 0 (1e-12 in float16), else ''."""
+    import torch
+
+    if eps <= 0 or not dtype.is_floating_point or float(torch.tensor(eps, dtype=dtype)) != 0:
+        return ""
+    return f"eps {eps:g} is 0 in {str(dtype).removeprefix('torch.')} (lost to the dtype)"
+
+
+def _scale(value: float) -> str:
+    """A scale with the digits that tell it from 1 (1.0000003, not 1)."""
+    for digits in range(4, 17):
+        text = f"{value:.{digits}g}"
+        if float(text) != 1:
+            return text
+    return repr(value)
 
 
 def _channels(ctx, implied, mask=None):
@@ -700,7 +895,7 @@ def variant_name(f: Factors, expected: Factors, ctx) -> str:
     if f.gain == "offset":
         parts.append(f"gain {ctx.layer.gain_offset + f.gain_value:g} + w")
     if f.gain == "scale":
-        parts.append(f"gain x {f.gain_value:.4g}")
+        parts.append(f"gain x {_scale(f.gain_value)}")
     if f.gain == "channel":
         parts.append("fitted per-channel gain")
     return " + ".join(parts)

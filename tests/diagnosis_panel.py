@@ -5,6 +5,8 @@ tests/test_diagnosis_matrix.py and benchmarks/diagnosis_matrix.py (which prints 
 from pathlib import Path
 
 PLUGIN = str(Path(__file__).resolve().parent / "plugins" / "faults.py") + ":planted"
+HAIRLINE_PLUGIN = str(Path(__file__).resolve().parent / "plugins" / "hairline.py") + ":planted"
+HAIRLINE_KEYS = {"gain_llama", "fp32_math", "eps_f16", "eps_lost", "mean_sum"}  # tests/plugins/hairline.py
 
 # family -> (model_type, gain offset, kind)
 FAMILIES = {"llama": ("llama", 0.0, "rms_norm"), "gemma": ("gemma3", 1.0, "rms_norm"),
@@ -25,13 +27,33 @@ def codes_for(faults: str, family: str, eps: float) -> set:
                      "scale": "channel_gain_mismatch", "no_upcast": "reduced_precision_reduction",
                      "mean": "mean_subtracted" if kind == "rms_norm" else "mean_not_subtracted",
                      "variance": "variance_not_mean_square", "fp32_seq": "float32_accumulation",
-                     "channels2": "channel_gain_mismatch"}[key])
+                     "channels2": "channel_gain_mismatch",
+                     # issue 23: at the hairline no cause is picked; eps held as float16 is lost (1e-12 -> 0);
+                     # tinygrad's float32 mean (sum / n) on constant rows is float32 rounding, not eps
+                     "gain_llama": "marginal", "fp32_math": "marginal", "eps_f16": "marginal",
+                     "eps_lost": "eps_missing", "mean_sum": "float32_accumulation"}[key])
     return out
+
+
+def expected_codes(case) -> set:
+    """What the case must be explained by: the planted factors' codes, or `marginal` where the
+    planted fault misses by less than the matching slack (MARGINAL)."""
+    family, _, eps, faults, _ = case
+    return {"marginal"} if case in MARGINAL else codes_for(faults, family, eps)
 
 
 # Known misses: a factor the fit does not name because the other one already reproduces the
 # candidate within the matching slack (never a wrong code; the matrix counts them as "missed").
 KNOWN_MISSES = {("llama", "float32", 1e-6, "eps=1e-05,fp32_seq", 2048): {"float32_accumulation"}}
+
+# Planted faults that miss by less than MATCH_SLACK x the allowance (the hairline, issue 23): the
+# reference itself lands within the slack, so the diagnosis is `marginal`, with the variants that
+# fit about as well listed (LISTED: one of them must be the planted one).
+MARGINAL = {("llama", "float32", 1e-6, "fp32_seq", 640), ("llama", "float64", 1e-6, "fp32_seq", 64)}
+LISTED = {("llama", "float32", 1e-6, "fp32_seq", 640): "float32 math",
+          ("llama", "float64", 1e-6, "fp32_seq", 64): "float32 math",
+          ("llama", "bfloat16", 1e-6, "gain_llama=1.01", 64): "gain x 1.0",
+          ("layer_norm", "float64", 1e-12, "fp32_math", 64): "float32 math"}
 
 # (family, dtype, checkpoint eps, planted faults, hidden size)
 PANEL = [
@@ -73,6 +95,18 @@ PANEL = [
     # two channels off: named whatever the width (a 4096-wide row is sampled by channel)
     ("llama", "float32", 1e-6, "channels2", 4096),
     ("llama", "float32", 1e-6, "eps=1e-05,channels2", 64),
+    # issue 23: LayerNorm with eps outside the root, (x - mean) / (std + eps) (OpenVINO's MVN outside_sqrt)
+    ("layer_norm", "float32", 1e-12, "eps_outside", 64),
+    ("layer_norm", "bfloat16", 1e-5, "eps_outside", 64),
+    # the hairline (tests/plugins/hairline.py): every gain 1 % large at bfloat16 (Llama order),
+    # float32 math handed back at float64 (LayerNorm and RMSNorm), eps 1e-5 held as float16 (1.00136e-5)
+    ("llama", "bfloat16", 1e-6, "gain_llama=1.01", 64),
+    ("layer_norm", "float64", 1e-12, "fp32_math", 64),
+    ("llama", "float64", 1e-6, "fp32_math", 64),
+    ("llama", "float16", 1e-5, "eps_f16", 64),
+    # eps 1e-12 held as float16 is 0 (NaN on zero rows); tinygrad's float32 mean on constant rows
+    ("layer_norm", "float16", 1e-12, "eps_lost", 64),
+    ("layer_norm", "float32", 1e-12, "mean_sum", 64),
 ]
 
 
@@ -81,24 +115,26 @@ def case_id(case) -> str:
     return f"{family}-{dtype}-{faults or 'correct'}" + (f"-h{hidden}" if hidden != 64 else "")
 
 
-VAGUE = {"unexplained", "symptom_small_inputs", "symptom_large_inputs"}  # a suspicion, not a claimed cause
+VAGUE = {"unexplained", "symptom_small_inputs", "symptom_large_inputs", "symptom_mean_rounding"}  # a suspicion
 
 
 def score(got, expected):
     """(found, missed, wrong, vague, false alarm) over the failing layers: a wrong code is a
-    confident cause that was not planted; a vague one only says where the errors are."""
+    confident cause that was not planted; a vague one only says where the errors are (and
+    `marginal` where it was not expected: a hedge, not a cause)."""
     found, wrong, vague = set(), set(), set()
     for status, codes in got:
         if status != "pass":
             found |= codes & expected
-            wrong |= codes - expected - VAGUE
-            vague |= codes & VAGUE
+            wrong |= codes - expected - VAGUE - {"marginal"}
+            vague |= (codes & VAGUE) | ((codes & {"marginal"}) - expected)
     false_alarm = not expected and any(status != "pass" for status, _ in got)
     return found, expected - found, wrong, vague, false_alarm
 
 
-def run_case(case, root):
-    """(layers' (status, codes), expected codes) for one panel case."""
+def run_case(case, root, listed=None):
+    """(layers' (status, codes), expected codes) for one panel case (and into `listed`, the
+    variants a marginal diagnosis lists)."""
     from parity_cli import api
     from parity_cli.synthetic import write_checkpoint
 
@@ -109,6 +145,10 @@ def run_case(case, root):
         write_checkpoint(path, model_type, layers=1, hidden=hidden, heads=hidden // 16, eps=eps, dtype=dtype, seed=7)
     args = {"faults": faults, "offset": offset, "kind": kind}
     extra = {"isolation": "none"} if "isolation" in api.CheckOptions.__dataclass_fields__ else {}  # older trees
-    report = api.check(path, candidate=PLUGIN, candidate_args=args, **extra)
+    plugin = HAIRLINE_PLUGIN if faults.partition("=")[0] in HAIRLINE_KEYS else PLUGIN
+    report = api.check(path, candidate=plugin, candidate_args=args, **extra)
     got = [(l.status, {d.code for d in l.diagnoses}) for l in report.layers]
-    return got, codes_for(faults, family, eps)
+    if listed is not None:
+        listed += [v for l in report.layers for d in l.diagnoses if d.code == "marginal"
+                   for v in d.evidence.get("matching_variants", [])]
+    return got, expected_codes(case)

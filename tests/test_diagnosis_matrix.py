@@ -1,11 +1,12 @@
 """Issue 13: the confusion matrix. Every planted fault, alone and in pairs, over the llama, gemma
 and LayerNorm families and float32/bfloat16/float16: every planted factor is named, no other
-code appears (0 wrong confident codes), and the correct implementations raise no alarm."""
+code appears (0 wrong confident codes), and the correct implementations raise no alarm. Issue
+23: faults at the hairline are `marginal`, with the planted variant among those listed."""
 
 import importlib.util
 
+import diagnosis_panel
 import pytest
-
 from diagnosis_panel import KNOWN_MISSES, PANEL, PLUGIN, case_id, run_case, score
 
 
@@ -16,7 +17,8 @@ def root(tmp_path_factory):
 
 @pytest.mark.parametrize("case", PANEL, ids=[case_id(c) for c in PANEL])
 def test_every_planted_factor_is_named_and_nothing_else(root, case):
-    got, expected = run_case(case, root)
+    listed = []
+    got, expected = run_case(case, root, listed)
     found, missed, wrong, vague, false_alarm = score(got, expected)
     assert not false_alarm, got
     assert not wrong, (sorted(wrong), got)  # a wrong confident code is the worst outcome
@@ -28,6 +30,8 @@ def test_every_planted_factor_is_named_and_nothing_else(root, case):
     for status, codes in got:
         if status == "fail":
             assert codes and codes <= expected, got
+    if case in diagnosis_panel.LISTED:  # the planted variant is among those that fit about as well
+        assert any(v.startswith(diagnosis_panel.LISTED[case]) for v in listed), listed
 
 
 def test_the_channel_count_is_that_of_the_combination_stated(root):
