@@ -104,7 +104,7 @@ def layer_norm_folded_f16(x, weight, eps, bias=None):
 
 # --- one entry for the diagnosis panel (tests/diagnosis_panel.py) ------------------------------------
 
-def _rms_norm_float32(x, weight, eps, bias=None):
+def rms_norm_float32(x, weight, eps, bias=None):
     """float32 math handed back at the input dtype, Gemma order (one rounding)."""
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
@@ -112,7 +112,7 @@ def _rms_norm_float32(x, weight, eps, bias=None):
 
 FAULTS = {  # key -> (RMSNorm candidate, LayerNorm candidate)
     "gain_llama": (gain_scaled, None),
-    "fp32_math": (_rms_norm_float32, layer_norm_float32),
+    "fp32_math": (rms_norm_float32, layer_norm_float32),
     "eps_f16": (rms_norm_eps_stored_f16, None),
     "eps_lost": (None, layer_norm_eps_in_dtype),
     "mean_sum": (None, layer_norm_mean_as_sum),
