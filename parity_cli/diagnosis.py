@@ -177,9 +177,10 @@ def _symptom(ctx: Context, failing: set[str]) -> Diagnosis:
         # there, whatever eps is (an exactly constant row gives the bias for every eps)
         ev["failing_max_spread"] = max(spread)
         return Diagnosis("symptom_mean_rounding",
-                         f"errors only on rows whose spread is within float32 rounding of their mean (constant rows, "
-                         f"{', '.join(sorted(failing))}): x - mean is the mean's rounding there, amplified by "
-                         "1 / sqrt(var + eps); suspect how the mean is computed (its precision or order), not eps", ev)
+                         f"errors only on rows whose spread is within float32 rounding of their mean ("
+                         f"{', '.join(sorted(failing))}): x - mean and the variance are rounding noise there, amplified "
+                         "by 1 / sqrt(var + eps); suspect how the mean and variance are computed (precision, order, "
+                         "E[x^2] - E[x]^2), not the eps value: an exactly constant row gives the bias for any eps", ev)
     if q_eps and max(q_eps) <= 1e4:
         return Diagnosis("symptom_small_inputs",
                          f"errors only on rows with q/eps <= {max(q_eps):.3g} ({', '.join(sorted(failing))}): suspect "

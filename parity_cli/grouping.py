@@ -64,7 +64,7 @@ SHORT = {
     "symptom_small_inputs": lambda d: "errors only at small q/eps; no known fault reproduces it",
     "symptom_large_inputs": lambda d: "errors only at large |x|; no known fault reproduces it",
     "unexplained": lambda d: "no known fault reproduces the candidate",
-    "symptom_mean_rounding": lambda d: "errors only on constant rows: the mean's rounding, not eps",
+    "symptom_mean_rounding": lambda d: "errors only on constant rows: mean/variance rounding, not eps",
     "marginal": lambda d: "misses by less than 2x the allowance; no one cause picked",
     "bitwise_difference": lambda d: "not bitwise equal",
     "grad_mismatch": lambda d: "backward differs: " + ", ".join(sorted(d.get("parts", {}))),

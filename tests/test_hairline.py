@@ -130,6 +130,17 @@ def test_float32_mean_rounding_on_constant_rows_is_not_blamed_on_eps(ckpt):
         assert not any("suspect q/eps" in d.message for d in layer.diagnoses)
 
 
+def test_errors_only_on_constant_rows_are_not_blamed_on_eps_when_nothing_fits(ckpt):
+    """var = E[x^2] - E[x]^2 in float32 at BERT's width: NaN or noise on constant rows only. No
+    known variant reproduces it; the symptom points at the mean and variance, not at eps (a
+    constant row's exact output is the bias whatever eps is). It said "suspect the eps value"."""
+    report = check(ckpt, "bert", "float32", 1e-12, "layer_norm_naive_variance", hidden=768)
+    for layer in failing(report):
+        assert {s.name for s in layer.strata if s.status == "fail"} == {"constant"}
+        assert [d.code for d in layer.diagnoses] == ["symptom_mean_rounding"]
+        assert "not the eps value" in layer.diagnoses[0].message
+
+
 # --- units -------------------------------------------------------------------------------------------
 
 def test_residual_is_the_share_of_the_deviation_the_variant_leaves():

@@ -127,3 +127,14 @@ def planted(x, weight, eps, bias=None, faults="", offset=0.0, kind="rms_norm"):
     weight = weight + offset if offset else weight
     args = {"scale": float(value)} if value else {}
     return fn(x, weight, eps, bias, **args)
+
+
+def layer_norm_naive_variance(x, weight, eps, bias=None):
+    """var = E[x^2] - E[x]^2 in float32 (hand-written fused kernels): on a constant row that
+    difference is rounding noise of c^2, which can be negative (NaN) or swamp eps 1e-12; rows with
+    any spread are fine."""
+    h = x.float()
+    mean = h.mean(-1, keepdim=True)
+    var = h.pow(2).mean(-1, keepdim=True) - mean * mean
+    y = (h - mean) * torch.rsqrt(var + eps) * weight.float()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
