@@ -236,7 +236,7 @@ def _inspect_onnx(path) -> dict:
     from collections import Counter
 
     from parity_cli.layer_check import weight_stats
-    from parity_cli.onnx_checkpoint import find_norms, load_model
+    from parity_cli.onnx_checkpoint import find_norms, load_model, reduced_words
 
     path = Path(path)
     model = load_model(path)
@@ -250,7 +250,8 @@ def _inspect_onnx(path) -> dict:
         layers.append({"name": n.name, "kind": n.kind, "dim": n.dim, "shape": list(n.weight.shape), "order": n.form,
                        "bias": n.bias is not None, "eps": {"value": n.eps, "source": n.eps_source},
                        "weight": stats, "gain": gain, "gain_offset": n.offset, "form": n.form, "dtype": n.dtype,
-                       "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps), "warnings": []})
+                       "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps),
+                       "warnings": [reduced_words(n.reduced)] if n.reduced else []})
     eps = Counter(n.eps for n in norms).most_common(1)[0][0]
     forms = Counter(n.form for n in norms)
     return {

@@ -40,6 +40,8 @@ FUSED = {  # op -> (kind, input index of the gain, of the bias, default epsilon)
 _PASS = ("Cast", "Identity")
 SKIP_EXTRA = {"SkipSimplifiedLayerNormalization": (1, 3), "SkipLayerNormalization": (1, 4)}  # skip, folded bias
 MAX_GAIN_BYTES = 64 << 20  # all norm gains read from one file together (a 405B model has 17 MB)
+FLOAT32_MAX = 3.4028234663852886e38  # an eps beyond it has no float32 value (GGUF's, ONNX's attribute)
+MAX_ENTRIES = 300_000  # nodes and values of one graph, all subgraphs included: parsed, 200k took 540 MB
 MAX_NORMS = 10_000  # norms in one graph: every one costs a subgraph (a 405B model has 253)
 _FLOAT_TYPES = (1, 10, 11, 16)
 _DTYPES = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
@@ -58,6 +60,9 @@ class OnnxNorm:
     offset: float = 0.0  # a constant the graph adds to the stored gain
     dtype: str = "float32"  # the norm's input type in the graph
     program: bytes = b""  # the subgraph x -> y, serialised
+    names: tuple = ()  # every name the graph gives it (gain, scope, node path), most telling first
+    paired_by: str = "name"  # how it was matched to a checkpoint layer: "name", or "value" (its gain)
+    reduced: str | None = None  # the narrower dtype a Cast pair inside the pattern reduces the mean square in
 
 
 def load_model(path: Path):
@@ -67,11 +72,90 @@ def load_model(path: Path):
     from parity_cli.jsonfile import regular_file
 
     regular_file(path, "the ONNX model", MAX_ONNX_BYTES, f"more than an ONNX protobuf can hold ({MAX_ONNX_BYTES}); refused")
+    count_entries(path)
     try:
         return onnx.load(str(path), load_external_data=False)
     except Exception as exc:
         raise InputError(f"{path}: not a readable ONNX model ({type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:160]})") from None
+
+
+def _varint(buf, i: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= end or shift > 63:
+            raise ValueError("truncated varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return value, i
+
+
+def _fields(buf, start: int, end: int):
+    """(field number, start, end) of each length-delimited field of one protobuf message; other
+    wire types are stepped over. Malformed bytes end the walk (onnx's own parse then says so)."""
+    i = start
+    try:
+        while i < end:
+            key, i = _varint(buf, i, end)
+            wire = key & 7
+            if wire == 0:
+                _, i = _varint(buf, i, end)
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            elif wire == 2:
+                n, i = _varint(buf, i, end)
+                if i + n > end:
+                    return
+                yield key >> 3, i, i + n
+                i += n
+            else:
+                return
+    except ValueError:
+        return
+
+
+# message -> {field: message it holds} for the fields that hold graph entries: ModelProto's graph (7)
+# and functions (25); a GraphProto's every entry counts; a node's attributes (5) hold subgraphs (6, 11)
+_GRAPH_HOLDERS = {"model": {7: "graph", 25: "function"}, "function": {7: "node"}, "node": {5: "attribute"},
+                  "attribute": {6: "graph", 11: "graph"}}
+
+
+def count_entries(path: Path) -> int:
+    """The graph's entries (nodes, initializers, values, and those of its subgraphs and functions),
+    counted from the wire format before protobuf parses the file: parsed, each costs far more than
+    its bytes (4 million Identity nodes, 120 MB on disk, passed 6 GiB), so past MAX_ENTRIES it is
+    refused here. Stops counting at the bound."""
+    import mmap
+
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if not size:
+            return 0
+        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    count = 0
+    try:
+        stack = [("model", 0, size, 0)]
+        while stack:
+            kind, start, end, depth = stack.pop()
+            if depth > 32:  # protobuf's own recursion limit is about 100; no real graph nests this deep
+                continue
+            for field, a, b in _fields(buf, start, end):
+                inner = "node" if kind == "graph" and field == 1 else _GRAPH_HOLDERS.get(kind, {}).get(field)
+                if kind == "graph" or inner == "node":
+                    count += 1
+                    if count > MAX_ENTRIES:
+                        raise InputError(f"{path}: more than {MAX_ENTRIES} nodes and values in the graph (a 405B "
+                                         "model's export has about 18,000); refused before parsing it")
+                if inner is not None:
+                    stack.append((inner, a, b, depth + 1))
+    finally:
+        buf.close()
+    return count
 
 
 class _Graph:
@@ -115,6 +199,19 @@ class _Graph:
             name = passed[-1].input[0]
         return name, passed
 
+    def forward(self, name: str) -> tuple[str, list]:
+        """On through Cast/Identity nodes that alone consume `name` (a float16 Cast pair a
+        mixed-precision converter puts around a ReduceMean): (the value reached, the nodes passed).
+        At most 8 steps, as back()."""
+        passed = []
+        while len(passed) < 8:
+            users = self.consumers.get(name, [])
+            if len(users) != 1 or users[0].op_type not in _PASS:
+                break
+            passed.append(users[0])
+            name = users[0].output[0]
+        return name, passed
+
     def through(self, name: str) -> str:
         """Back through Cast/Identity to where a value comes from."""
         return self.back(name)[0]
@@ -126,10 +223,12 @@ class _Graph:
         if t is None and name in self.producer and self.producer[name].op_type == "Constant":
             node = self.producer[name]
             t = next((a.t for a in node.attribute if a.name == "value"), None)
-        if t is None:
-            return None
+        if t is None or (math.prod(t.dims) if t.dims else 1) != 1:
+            return None  # not a scalar: Add(1.0, w) asks whether w is the constant, and it is not
         arr = self.array(t, limit=16)
-        return float(arr.reshape(-1)[0]) if arr is not None and arr.size == 1 else None
+        if arr.dtype.kind not in "fiub":  # a complex eps would lose its imaginary part in float()
+            raise InputError(f"{self.path}: the constant {t.name or name!r} is {arr.dtype}, not a real number; refused")
+        return float(arr.reshape(-1)[0])
 
     def array(self, t, limit: int = MAX_NORM_ELEMENTS):
         """An initializer as numpy, external data read by its declared offset and length; each
@@ -168,7 +267,11 @@ class _Graph:
         info = {e.key: e.value for e in t.external_data}
         location = info.get("location", "")
         base = self.path.parent.resolve()
-        target = (base / location).resolve()
+        try:
+            target = (base / location).resolve()
+        except (ValueError, OSError, RuntimeError) as exc:  # a NUL byte, a symlink loop
+            raise InputError(f"{self.path}: external data {location!r} of {t.name!r} cannot be opened "
+                             f"({' '.join(str(exc).split())[:80]}); refused") from None
         if not location or os.path.isabs(location) or base not in target.parents:
             raise InputError(f"{self.path}: initializer {t.name!r} points outside the model's directory "
                              f"({location!r}); refused")
@@ -231,23 +334,27 @@ def _tensor(graph: _Graph, t):
     return torch.from_numpy(np.array(arr, copy=True))
 
 
-def _norm_name(graph: _Graph, gain_name: str, nodes, shared: bool = False) -> str:
-    """The checkpoint layer a norm belongs to: its gain's initializer name (unless several norms
-    read it: an exporter merged identical gains), else the name scopes or the node path."""
+def _norm_names(graph: _Graph, gain_name: str, nodes, shared: bool = False) -> list[str]:
+    """What the graph says of the checkpoint layer a norm belongs to, most telling first: its
+    gain's initializer name (unless several norms read it: an exporter merged identical gains),
+    the name scopes, the node path; else the gain's name itself."""
+    names = []
     for suffix in (".weight", ".scale", ".gamma"):
         if gain_name.endswith(suffix) and not gain_name.startswith("onnx::") and not shared:
-            return gain_name[: -len(suffix)]
+            names.append(gain_name[: -len(suffix)])
     for node in reversed(nodes):  # the dynamo exporter: the module path in the node's metadata
         scope = _scope(node)
         if scope:
-            return scope
+            names.append(scope)
+            break
     for node in nodes:  # the TorchScript exporter: /model/layers.0/input_layernorm/Mul_1
         parts = [p for p in node.name.split("/") if p][:-1]
         # a ModuleList's scope repeats its name: /model/layers/layers.0/ is model.layers.0
         parts = [p for k, p in enumerate(parts) if not (k + 1 < len(parts) and parts[k + 1].startswith(p + "."))]
         if parts:
-            return ".".join(parts)
-    return gain_name
+            names.append(".".join(parts))
+            break
+    return list(dict.fromkeys(names + [gain_name]))
 
 
 def _scope(node) -> str | None:
@@ -291,6 +398,9 @@ def _fused(graph: _Graph, node):
     if w is None:
         return None
     attr = next((a for a in node.attribute if a.name == "epsilon"), None)
+    if attr is not None and attr.type != 1:  # AttributeProto.FLOAT; a string 'abc' reads as f = 0.0
+        where = f"{node.op_type} node {node.name!r}" if node.name else f"a {node.op_type} node"
+        raise InputError(f"{graph.path}: {where} has an epsilon attribute that is not a float; refused")
     eps = float(attr.f) if attr is not None else default
     source = f"onnx:{node.name or node.op_type}.epsilon" if attr is not None else f"onnx:{node.op_type} default"
     bias = None
@@ -317,7 +427,8 @@ def _fused(graph: _Graph, node):
 
 def _decomposed(graph: _Graph, mean_node):
     """ReduceMean(h^2) -> Add(eps) -> Sqrt/Div or Pow(-0.5)/Mul -> normed -> Mul(gain) [+ bias]."""
-    sq = graph.producer.get(mean_node.input[0])
+    square, pre = graph.back(mean_node.input[0])  # casts inside the pattern belong to it
+    sq = graph.producer.get(square)
     if sq is None:
         return None
     if sq.op_type == "Pow" and graph.constant(sq.input[1]) == 2.0:
@@ -326,14 +437,17 @@ def _decomposed(graph: _Graph, mean_node):
         h = sq.input[0]
     else:
         return None
-    add = graph.only(mean_node.output[0], "Add")
+    q, post = graph.forward(mean_node.output[0])
+    add = graph.only(q, "Add")
     if add is None:
         return None
-    other = add.input[1] if add.input[0] == mean_node.output[0] else add.input[0]
+    other = add.input[1] if add.input[0] == q else add.input[0]
     eps = graph.constant(other)
     if eps is None:
         return None
-    nodes = [sq, mean_node, add]
+    nodes = [sq, *pre[::-1], mean_node, *post, add]
+    narrow = [next((a.i for a in c.attribute if a.name == "to"), 0) for c in pre if c.op_type == "Cast"]
+    reduced = next((_DTYPES[t] for t in narrow if t in (10, 16)), None)
     root = graph.only(add.output[0], ("Sqrt", "Pow"))
     if root is None:
         return None
@@ -405,21 +519,33 @@ def _decomposed(graph: _Graph, mean_node):
     # x: the tensor before the Casts into h; the casts belong to the norm
     x, casts = graph.back(x)
     nodes = casts[::-1] + nodes
-    return _norm(graph, kind, w, offset, bias, eps, f"onnx:{add.name or 'Add'} constant", "decomposed", x, y, nodes)
+    norm = _norm(graph, kind, w, offset, bias, eps, f"onnx:{add.name or 'Add'} constant", "decomposed", x, y, nodes)
+    if norm is not None and reduced and reduced != norm.dtype:
+        norm.reduced = reduced
+    return norm
+
+
+def reduced_words(reduced: str) -> str:
+    """What a Cast pair around a norm's ReduceMean does, and why the CPU run may not show it."""
+    return (f"the graph casts the mean square to {reduced} around its ReduceMean (a mixed-precision converter's "
+            f"Cast pair): x^2 {'overflows above |x| = 256 and ' if reduced == 'float16' else ''}is rounded to "
+            f"{reduced} before the mean; ONNX Runtime's CPU provider has no {reduced} ReduceMean and drops the "
+            "pair, a provider with one (CUDA) reduces in " + reduced)
 
 
 def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes, zeros=frozenset(), original=None):
     weight = _tensor(graph, w)
     if weight.dim() == 0:
         return None
-    if not (math.isfinite(eps) and eps >= 0):  # the log of it is printed, and no norm has one
+    if not (math.isfinite(eps) and 0 <= eps <= FLOAT32_MAX):  # the log of it is printed, and no norm has one
         raise InputError(f"{graph.path}: a norm's eps is {eps} ({source}); refused")
     elem = _elem_type(graph, x, w)
     dtype = _DTYPES.get(elem, "float32")
     # one initializer, several norms (unnamed nodes are several too: counted by identity)
     shared = len({id(n) for n in graph.consumers.get(w.name, [])}) > 1
-    norm = OnnxNorm(name=_norm_name(graph, w.name, nodes, shared), kind=kind, dim=int(weight.shape[-1]), eps=eps,
-                    eps_source=source, form=form, weight=weight, bias=bias, offset=offset, dtype=dtype)
+    names = _norm_names(graph, w.name, nodes, shared)
+    norm = OnnxNorm(name=names[0], kind=kind, dim=int(weight.shape[-1]), eps=eps, eps_source=source, form=form,
+                    weight=weight, bias=bias, offset=offset, dtype=dtype, names=tuple(names))
     norm.program = _subgraph(graph, x, y, nodes, elem, zeros, original)
     return norm
 
@@ -517,28 +643,86 @@ def _constant_tree(graph: _Graph, name: str, depth: int = 0) -> bool:
     return result
 
 
+def _prefix(names: list[str]) -> int:
+    """How many leading dotted parts every name shares (`m.model.` of a wrapped export), stopping
+    before a part with a digit (a layer index is never a prefix, even when --layers picks one
+    block) and before a name's last part."""
+    split = [n.split(".") for n in names]
+    if not split:
+        return 0
+    k = 0
+    while (all(len(p) > k + 1 for p in split) and len({p[k] for p in split}) == 1
+           and not any(c.isdigit() for c in split[0][k])):
+        k += 1
+    return k
+
+
+def _match_by_name(norms: list[OnnxNorm], reference: list) -> None:
+    """Each norm whose names are no checkpoint layer's takes the layer whose name is the longest
+    dotted suffix of one of them, once each side's common prefix is set aside: an export inside a
+    wrapper names `m.model.layers.0.input_layernorm`, one of `model.model` names `layers.0...`.
+    A match must cover the whole of one side's unprefixed name and be the only longest one."""
+    ref_names = [l.name for l in reference]
+    known = set(ref_names)
+    ref_split = [n.split(".") for n in ref_names]
+    rp = _prefix(ref_names)
+    np_ = _prefix([name for n in norms for name in n.names if "." in name])
+    for norm in norms:
+        if norm.name in known:
+            continue
+        for name in norm.names:
+            parts = name.split(".")
+            best, winners = 0, []
+            for ref, rparts in zip(ref_names, ref_split):
+                k = 0
+                while k < min(len(parts), len(rparts)) and parts[-1 - k] == rparts[-1 - k]:
+                    k += 1
+                if k and (k >= len(rparts) - rp or k >= len(parts) - np_):
+                    if k > best:
+                        best, winners = k, [ref]
+                    elif k == best:
+                        winners.append(ref)
+            if len(winners) == 1:
+                norm.name = winners[0]
+                break
+
+
 def _match_by_gain(norms: list[OnnxNorm], reference: list) -> None:
     """A graph whose names say nothing (ORT's optimizer renames fused nodes, constant folding
-    renames Gemma's 1 + w): each such norm takes the reference layer whose effective gain it
-    holds, in graph order, then, failing that, the one it holds shifted by a whole number (a
-    dropped or doubled +1, which pairing then reports)."""
+    renames Gemma's 1 + w): each such norm takes the reference layer whose effective gain (and
+    bias) it holds, in graph order; failing that, the only one whose bias it holds (a gain moved
+    to another layer is then that layer's finding, not the bias's); then the one whose gain it
+    holds; then that gain shifted by a whole number (a dropped or doubled +1, which pairing then
+    reports). Pairing says so, and checks the graph's order (pairing.BY_VALUE)."""
     import torch
+
+    def close(a, b, shifts=(0.0,)):
+        return a is not None and b is not None and a.numel() == b.numel() and any(
+            torch.allclose(a.double().reshape(-1), b.double().reshape(-1) + d, rtol=1e-3, atol=1e-6) for d in shifts)
 
     names = {l.name for l in reference}
     free = [l for l in reference if l.name not in {n.name for n in norms}]
-    for shifts in ((0.0,), (-1.0, 1.0, -2.0, 2.0)):
+
+    def gains(norm, layer, shifts=(0.0,)):
+        return close(norm.offset + norm.weight.double(), layer.gain_offset + layer.weight.double(), shifts)
+
+    tiers = (lambda n, l: gains(n, l) and ((n.bias is None) == (l.bias is None)) and (n.bias is None or close(n.bias, l.bias)),
+             "bias",
+             lambda n, l: gains(n, l),
+             lambda n, l: gains(n, l, (-1.0, 1.0, -2.0, 2.0)))
+    for tier in tiers:
         for norm in norms:
             if norm.name in names:
                 continue
-            gain = norm.offset + norm.weight.double().reshape(-1)
-            for layer in free:
-                if layer.dim != norm.dim or layer.weight.numel() != norm.weight.numel():
-                    continue
-                ref = layer.gain_offset + layer.weight.double().reshape(-1)
-                if any(torch.allclose(gain, ref + d, rtol=1e-3, atol=1e-6) for d in shifts):
-                    norm.name = layer.name
-                    free.remove(layer)
-                    break
+            fits = [l for l in free if l.dim == norm.dim and l.weight.numel() == norm.weight.numel()]
+            if tier == "bias":  # only a bias no other free layer holds says which layer it is
+                fits = [l for l in fits if close(norm.bias, l.bias)]
+                layer = fits[0] if len(fits) == 1 else None
+            else:
+                layer = next((l for l in fits if tier(norm, l)), None)
+            if layer is not None:
+                norm.name, norm.paired_by = layer.name, "value"
+                free.remove(layer)
 
 
 def is_onnx(path) -> bool:
@@ -565,12 +749,14 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
 
     from parity_cli.checkpoint import Eps
     from parity_cli.layers import NormLayer
+    from parity_cli.pairing import BY_VALUE
 
     path = Path(path)
     model = load_model(path)
     norms = find_norms(model, path)
     by_name = {layer.name: layer for layer in reference}
-    _match_by_gain(norms, reference)
+    _match_by_name(norms, reference)
+    _match_by_gain(norms, reference)  # only where no name or path says anything
     layers, seen = [], {}
     for norm in norms:
         first = seen.get(norm.name)
@@ -588,11 +774,15 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             family_offset = ref.semantic_offset if ref.semantic_offset is not None else ref.gain_offset
             layer = dataclasses.replace(ref, weight=norm.weight, bias=norm.bias, eps=eps, gain_offset=norm.offset,
                                         semantic_offset=family_offset if family_offset != norm.offset else None,
-                                        tensor=norm.name, program=norm.program, warnings=[])
+                                        tensor=norm.name, program=norm.program,
+                                        warnings=[BY_VALUE] if norm.paired_by == "value" else [])
         else:
             layer = NormLayer(name=norm.name, kind=norm.kind, dim=norm.dim, order="native", gain_offset=norm.offset,
                               eps=eps, weight=norm.weight, bias=norm.bias, family="onnx", tensor=norm.name,
                               program=norm.program)
+        if norm.reduced:  # a finding of the copy's graph itself: pairing reports it for the layer
+            layer.graph_findings = [{"code": "reduced_precision_reduction", "message": reduced_words(norm.reduced),
+                                     "reduction_dtype": norm.reduced}]
         layers.append(layer)
     eps_common = Counter(n.eps for n in norms).most_common(1)
     dtypes = Counter(n.dtype for n in norms).most_common(1)

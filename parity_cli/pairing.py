@@ -7,7 +7,6 @@ a finding that fails the layer (or the report, for layers only the copy has)."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from parity_cli.layers import NormLayer
@@ -32,7 +31,10 @@ def eps_equal(a: float, b: float) -> bool:
     9.99999974738e-06 is the same eps; 1e-6 against 1e-5 is not."""
     import struct
 
-    return struct.pack("<f", a) == struct.pack("<f", b)
+    try:
+        return struct.pack("<f", a) == struct.pack("<f", b)
+    except OverflowError:  # beyond float32: no copy stores it, so equal only to itself
+        return a == b
 
 
 def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked: bool) -> dict | None:
@@ -79,10 +81,109 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked:
     return finding
 
 
+# a copy's layer matched to the reference by the values of its gain (an exported graph whose names
+# and node paths name no layer): said as a warning of the layer, and its graph order is checked
+BY_VALUE = ("paired with the copy's norm by its gain's values: the graph's names and node paths name no "
+            "checkpoint layer, so a gain moved to another layer is caught only by the graph's order")
+
+
+def _effective(layer):
+    return layer.gain_offset + layer.weight.double()
+
+
+def _gain_owner(reference: list[NormLayer]):
+    """(layer, its copy) -> the other reference layers whose effective gain the copy holds exactly
+    (as the copy's dtype stores it): a gain moved from one layer to another."""
+    import torch
+
+    index: dict = {}
+
+    def owners(layer, other) -> list[str]:
+        dtype = other.weight.dtype if other.weight.is_floating_point() else torch.float64
+        table = index.get(dtype)
+        if table is None:
+            table = index[dtype] = {}
+            for ref in reference:
+                key = (tuple(ref.weight.shape), _rounded(_effective(ref), dtype).numpy().tobytes())
+                table.setdefault(key, []).append(ref.name)
+        key = (tuple(other.weight.shape), _rounded(_effective(other), dtype).numpy().tobytes())
+        return [name for name in table.get(key, []) if name != layer.name]
+
+    return owners
+
+
+def _order_findings(reference: list[NormLayer], candidate: list[NormLayer]) -> dict[str, dict]:
+    """A copy paired by value: within each role (`model.layers.*.input_layernorm`), the graph must
+    run the norms holding layer 0's, 1's, ... gains in that order. A gain moved between two layers
+    of one role runs out of place, which the values alone never show."""
+    import re
+
+    digits = re.compile(r"(?<![^.])\d+(?![^.])")
+    if not any(BY_VALUE in layer.warnings for layer in candidate):
+        return {}
+    ref_names = {layer.name for layer in reference}
+    roles: dict[str, list] = {}
+    for layer in candidate:  # the copy's own order: an exported graph's
+        if layer.name in ref_names and digits.search(layer.name):
+            roles.setdefault(digits.sub("*", layer.name), []).append(layer)
+    out = {}
+    for layers in roles.values():
+        if not any(BY_VALUE in layer.warnings for layer in layers):
+            continue
+        key = [tuple(int(d) for d in digits.findall(layer.name)) for layer in layers]
+        expected = sorted(range(len(layers)), key=lambda k: key[k])
+        for k, layer in enumerate(layers):
+            place = layers[expected[k]].name
+            if place != layer.name:
+                out[layer.name] = {
+                    "code": "checkpoint_layer_order",
+                    "message": f"the copy's norm holding {layer.name}'s gain runs where the checkpoint has {place}: "
+                               "the graph's order disagrees with the checkpoint's layer order (a gain moved to "
+                               "another layer)",
+                    "graph_position": place}
+    return out
+
+
+def _shape_of(layers: list[NormLayer]) -> dict:
+    """Family, blocks and widths: what says which model a list of norm layers belongs to."""
+    import re
+    from collections import Counter
+
+    blocks = {int(m.group(1)) for l in layers for m in [re.search(r"\.(\d+)\.", l.name)] if m}
+    dims = Counter(l.dim for l in layers)
+    families = Counter(l.family for l in layers if l.family and l.family != "onnx")
+    return {"family": families.most_common(1)[0][0] if families else None, "blocks": len(blocks),
+            "width": dims.most_common(1)[0][0] if dims else None, "widths": sorted(dims)}
+
+
+def _model_mismatch(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str) -> dict | None:
+    """The copy is another model when its family or its main width (the hidden size: no conversion
+    changes it) differs; a dropped block alone is a conversion fault, which the layers report."""
+    if not reference or not candidate:
+        return None
+    ref, cand = _shape_of(reference), _shape_of(candidate)
+    if (ref["width"] == cand["width"]) and (None in (ref["family"], cand["family"]) or ref["family"] == cand["family"]):
+        return None
+
+    def words(d):
+        return (f"family {d['family'] or 'unknown'}, {d['blocks']} blocks, widths "
+                f"{', '.join(str(w) for w in d['widths'])}")
+
+    return {"code": "checkpoint_model_mismatch", "layer": "*",
+            "message": f"the candidate checkpoint {cand_path} is a different model: {words(cand)}; the reference: "
+                       f"{words(ref)}",
+            "reference": ref, "candidate": cand}
+
+
 def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str) -> Pairing:
     by_name = {layer.name: layer for layer in candidate}
     ref_names = {layer.name for layer in reference}
     out = Pairing(candidate_layers={})
+    owners = _gain_owner(reference)
+    order = _order_findings(reference, candidate)
+    other_model = _model_mismatch(reference, candidate, cand_path)
+    if other_model:  # said first: every layer's difference follows from it
+        out.report_findings.append(other_model)
     for layer in reference:
         findings = []
         other = by_name.get(layer.name)
@@ -92,6 +193,8 @@ def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str)
             out.layer_findings[layer.name] = findings
             continue
         out.candidate_layers[layer.name] = other
+        if BY_VALUE in other.warnings and BY_VALUE not in layer.warnings:
+            layer.warnings.append(BY_VALUE)  # the reference layer's warnings are the report's
         if not eps_equal(layer.eps.value, other.eps.value):
             findings.append({
                 "code": "checkpoint_eps_mismatch",
@@ -104,10 +207,22 @@ def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str)
         cand_gain = other.gain_offset + other.weight.double()
         gain = _gain_finding("checkpoint_weight_mismatch", "effective gain", ref_gain, cand_gain,
                              layer.weight.dtype, other.weight.dtype, baked=layer.gain_offset != other.gain_offset)
+        if gain and gain["code"] == "checkpoint_shape_mismatch":  # nothing to probe: it would only raise
+            del out.candidate_layers[layer.name]
         if gain:
             gain["reference_dtype"] = str(layer.weight.dtype).removeprefix("torch.")
             gain["candidate_dtype"] = str(other.weight.dtype).removeprefix("torch.")
             findings.append(gain)
+            moved = owners(layer, other) if gain["code"] == "checkpoint_weight_mismatch" else []
+            if moved:
+                findings.append({"code": "checkpoint_gain_of_other_layer",
+                                 "message": f"the copy's gain here is exactly the reference's gain of {moved[0]}"
+                                            + (f" (and {len(moved) - 1} more)" if len(moved) > 1 else "")
+                                            + ": gains swapped or assigned to the wrong layer",
+                                 "layers": moved[:10]})
+        if layer.name in order:
+            findings.append(order[layer.name])
+        findings += getattr(other, "graph_findings", [])  # what the copy's graph itself computes (onnx_checkpoint)
         if (layer.bias is None) != (other.bias is None):
             findings.append({"code": "checkpoint_bias_mismatch",
                              "message": "bias only in the " + ("reference" if other.bias is None else "candidate")})

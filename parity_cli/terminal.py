@@ -61,8 +61,13 @@ def verdict(d: dict) -> tuple[bool, str]:
     bad = s["failed"] + s["errors"]
     counts = _fail_count(bad, s["layers"]) + (f" ({s['errors']} with an error)" if s["errors"] else "")
     extra = len(d.get("findings", []))
-    if extra:
-        counts += f", {extra} checkpoint finding(s)"
+    conv = (d.get("candidate") or {}).get("checkpoint") or {}
+    every = conv.get("findings") if isinstance(conv.get("findings"), int) else extra  # the copy's line says the same
+    if every:
+        counts += f", {every} checkpoint finding(s)"
+    other = next((f for f in d.get("findings", []) if f.get("code") == "checkpoint_model_mismatch"), None)
+    if other is not None:  # every other finding follows from it: said first
+        counts = f"{other.get('message')}; {counts}"
     baseline = gate.get("baseline")
     if baseline is not None:
         new = len(gate.get("new_findings", []))

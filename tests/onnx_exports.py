@@ -96,3 +96,87 @@ def export(ckpt_dir, out, exporter="torchscript", drop=(), swap_class=None, eps=
         onnx.save(m, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin",
                   size_threshold=0)
     return out
+
+
+class Wrapper(torch.nn.Module):
+    """A model exported inside another module, as a user's export script often does: every
+    initializer and node path gains a prefix (`m.model.layers.0.input_layernorm.weight`)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, *xs):
+        return self.m(*xs)
+
+
+def export_wrapped(ckpt_dir, out, exporter="torchscript", swap=None):
+    """The checkpoint's norms exported inside a Wrapper, the gains of the two layers named in
+    `swap` exchanged first (a conversion that wrote them to the wrong layers)."""
+    import contextlib
+    import io
+    import warnings
+
+    from parity_cli import api
+    from parity_cli.layers import discover_layers
+
+    ckpt, fam, resolved = api.load(ckpt_dir)
+    layers = discover_layers(ckpt, fam, resolved).layers
+    model = Norms(layers).eval()
+    if swap:
+        mods = dict(model.named_modules())
+        a, b = mods[swap[0]].weight, mods[swap[1]].weight
+        with torch.no_grad():
+            saved = a.clone()
+            a.copy_(b)
+            b.copy_(saved)
+    dims = sorted({l.dim for l in layers}, reverse=True)
+    inputs = tuple(torch.randn(1, 4, d) for d in dims)
+    kwargs = {"dynamo": exporter == "dynamo", "opset_version": 18 if exporter == "dynamo" else 17}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Wrapper(model), inputs, str(out), **kwargs)
+    return out
+
+
+def strip_names(path):
+    """Every initializer renamed `w{k}`, node names and metadata cleared: a graph whose names and
+    paths say nothing of the layers (as after some optimizers), so norms pair by value."""
+    import onnx
+
+    model = onnx.load(str(path))
+    renamed = {t.name: f"w{k}" for k, t in enumerate(model.graph.initializer)}
+    for t in model.graph.initializer:
+        t.name = renamed[t.name]
+    for node in model.graph.node:
+        node.name = ""
+        del node.metadata_props[:]
+        for k, name in enumerate(node.input):
+            if name in renamed:
+                node.input[k] = renamed[name]
+    onnx.save(model, str(path))
+    return path
+
+
+def cast_reduction(path, scope: str, to: str = "float16"):
+    """Pow -> Cast(to) -> ReduceMean -> Cast(float32) -> Add(eps) in the one norm whose node names
+    hold `scope`: what a mixed-precision converter inserts around a reduction it keeps in half."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path))
+    nodes = list(model.graph.node)
+    (mean,) = [n for n in nodes if n.op_type == "ReduceMean" and scope in n.name
+               and any(p.op_type == "Pow" and p.output[0] == n.input[0] for p in nodes)]
+    q = mean.output[0]
+    low = getattr(TensorProto, to.upper())
+    before = helper.make_node("Cast", [mean.input[0]], [mean.input[0] + "_low"], to=low, name=mean.name + "_cast_in")
+    after = helper.make_node("Cast", [q + "_low"], [q], to=TensorProto.FLOAT, name=mean.name + "_cast_out")
+    mean.input[0] = mean.input[0] + "_low"
+    mean.output[0] = q + "_low"
+    k = nodes.index(mean)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[:k] + [before, mean, after] + nodes[k + 1:])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
