@@ -29,13 +29,29 @@ def printable(text) -> str:
 
 
 def printable_tree(value):
-    """Every string in a report dict (keys too) through printable(): what the renderers read."""
-    if isinstance(value, str):
-        return printable(value)
-    if isinstance(value, dict):
-        return {printable(k) if isinstance(k, str) else k: printable_tree(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [printable_tree(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(printable_tree(v) for v in value)
-    return value
+    """Every string in a report (dict keys too) through printable(), as a copy: what the
+    renderers read. A loop, not recursion: a saved report may nest as deep as the JSON parser
+    allows, deeper than Python's call stack in frames."""
+    out = [None]
+    stack = [(value, out, 0)]  # (item, the copy's container, where it goes there)
+    tuples = []  # lists that stand for tuples, parents before children
+    while stack:
+        item, into, at = stack.pop()
+        if isinstance(item, str):
+            into[at] = printable(item)
+        elif isinstance(item, dict):
+            into[at] = copy = {}
+            for k, v in item.items():
+                k = printable(k) if isinstance(k, str) else k
+                copy[k] = None
+                stack.append((v, copy, k))
+        elif isinstance(item, (list, tuple)):
+            into[at] = copy = [None] * len(item)
+            if isinstance(item, tuple):
+                tuples.append((into, at))
+            stack.extend((v, copy, i) for i, v in enumerate(item))
+        else:
+            into[at] = item
+    for into, at in reversed(tuples):  # children first: a tuple copies its items as they are now
+        into[at] = tuple(into[at])
+    return out[0]

@@ -91,6 +91,15 @@ def test_printable_escapes_each_control_and_bidi_character_and_nothing_else():
     assert printable(once) == once and not any(ch in once for ch in RAW)
 
 
+def test_printable_tree_escapes_keys_and_nested_values_and_nothing_else():
+    from parity_cli.text import printable_tree
+
+    clean_report = {"layers": [{"name": "model.norm", "q": 1.5, "s": ["a\\nb", None]}], "n": (1, "x")}
+    assert printable_tree(clean_report) == clean_report  # a literal backslash-n is text, not a newline
+    tree = {"a\x1b": [{"b": ("c\n", 2, "\u202e")}], "d": "\x85", "e": 1.0}
+    assert printable_tree(tree) == {"a\\x1b": [{"b": ("c\\n", 2, "\\u202e")}], "d": "\\x85", "e": 1.0}
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------
 
 def test_a_tensor_name_with_escapes_is_printed_escaped(tmp_path):
@@ -220,6 +229,25 @@ def test_a_300_kb_layer_name_renders_without_recursion(report_path):
     assert text.count("x") >= 300_000 and "\x1b" not in text
     assert max(len(line) for line in text.split("\n")) <= 100
     assert quiet_line(d) and ET.fromstring(to_junit(d).encode()) is not None and to_markdown(d)
+
+
+def test_a_report_nested_deeper_than_the_call_stack_renders(report_path):
+    """A key no renderer reads may nest as deep as the JSON parser allows: escaping the
+    report's strings must not recurse into it."""
+    from rich.console import Console
+
+    from parity_cli.formats import to_junit, to_markdown
+    from parity_cli.terminal import quiet_line, render
+
+    d = json.loads(report_path.read_text())
+    deep = [ESC]
+    for _ in range(5000):
+        deep = [(deep,), 1.0]
+    d["extra"] = {"deep": deep}
+    buf = io.StringIO()
+    render(d, Console(file=buf, width=100, highlight=False, soft_wrap=False))
+    assert "FAIL" in buf.getvalue() and quiet_line(d).startswith("FAIL")
+    assert ET.fromstring(to_junit(d).encode()) is not None and to_markdown(d)
 
 
 def test_wrap_folds_a_megabyte_word_into_lines_of_the_width():
