@@ -361,7 +361,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     if supervisor.supervised(opts.candidate, opts.device, opts.isolation) or (
             parallel.resolve_jobs(opts.jobs) > 1 and not opts.candidate_checkpoint):
         supervisor.warm()  # the fork server imports torch while this process does
-    import torch
+    with supervisor.deferred_interrupt():
+        import torch
 
     from parity_cli import implementations as impls
     from parity_cli.comparison import (

@@ -56,8 +56,9 @@ def check_shards(plan: Plan, names: list[str], workers: int, progress=None) -> l
     and reads only the layers it is given; shares are small so that a slow layer (a failing one
     that is diagnosed) does not leave the other workers idle at the end."""
     import dataclasses
+    import os
 
-    from parity_cli.supervisor import _context, _no_main
+    from parity_cli.supervisor import _context, _no_main, ensure_fork_server
 
     chunk = max(1, -(-len(names) // (workers * 8)))
     shares = [names[k:k + chunk] for k in range(0, len(names), chunk)]
@@ -70,7 +71,9 @@ def check_shards(plan: Plan, names: list[str], workers: int, progress=None) -> l
 
     done: dict = {}
     finished = 0
-    pool = ProcessPoolExecutor(workers, mp_context=_context())
+    server = ensure_fork_server()
+    pool = ProcessPoolExecutor(workers, mp_context=_context(), initializer=_worker_start,
+                               initargs=(server or os.getpid(),))
     try:
         with _no_main():  # the workers start as the tasks are submitted
             pending = {pool.submit(_run_share, task): k for k, task in enumerate(tasks)}
@@ -87,12 +90,33 @@ def check_shards(plan: Plan, names: list[str], workers: int, progress=None) -> l
                 finished += len(done[k])
                 if progress is not None:
                     progress(finished, len(names), f"{finished} layers")
+    except BaseException:
+        # Ctrl-C / SIGTERM / a dead worker: the workers ignore SIGINT, so they are ended here
+        # rather than left to finish their shares
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            try:
+                proc.kill()
+            except (OSError, ValueError, AttributeError):
+                pass
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return [result for k in range(len(tasks)) for result in done[k]]
 
 
 _STATE: dict = {}
+
+
+def _worker_start(parent: int) -> None:
+    """A worker's first act: it dies with the fork server (and so with parity), holds none of the
+    fork server's pipes, and leaves Ctrl-C to the parent, which ends it (no traceback of its own)."""
+    import signal
+
+    from parity_cli.worker import detach_from_fork_server, die_with_parent
+
+    die_with_parent(parent)
+    detach_from_fork_server()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_share(task):

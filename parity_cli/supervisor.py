@@ -60,7 +60,8 @@ def _context():
 
         try:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch", "parity_cli.worker", "parity_cli.runners",
+            # the worker first: it watches for parity's exit while torch imports (worker._fork_server_watch)
+            ctx.set_forkserver_preload(["parity_cli.worker", "torch", "parity_cli.runners",
                                         "parity_cli.implementations", "parity_cli.layers", "parity_cli.parallel",
                                         # a --jobs worker's stages (parity_cli.parallel)
                                         "parity_cli.api", "parity_cli.layer_check", "parity_cli.fit"])
@@ -68,6 +69,64 @@ def _context():
             ctx = multiprocessing.get_context("spawn")
         _ctx = ctx
     return _ctx
+
+
+def ensure_fork_server() -> int | None:
+    """The fork server's pid (None without one), started if it is not running. It starts with
+    SIGINT blocked: it is in the terminal's process group, and a Ctrl-C while it imports torch
+    (its first 2-3 s) printed a KeyboardInterrupt traceback after parity had exited. Once up it
+    ignores SIGINT itself; its children unblock what they need (worker.serve)."""
+    if _context().get_start_method() != "forkserver":
+        return None
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # first: its own start unblocks SIGINT again
+    mask = hasattr(signal, "pthread_sigmask")
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if mask else None
+    try:
+        forkserver.ensure_running()
+    finally:
+        if mask:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+class deferred_interrupt:
+    """Ctrl-C while torch imports is held until the import is done, then raised: torch's C
+    init imports numpy and swallows any exception from it, KeyboardInterrupt included, so a
+    Ctrl-C in a run's first seconds was lost (the run went on and passed, exit 0) or left a
+    half-imported module behind (an internal error). Main thread only; elsewhere a no-op."""
+
+    def __enter__(self):
+        self.old, self.hit = None, False
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self.old = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum, frame):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            if self.hit and exc[0] is None:
+                raise KeyboardInterrupt
+        return False
+
+
+_lifeline: tuple = ()  # (pid, read end, write end) of this process's lifeline pipe
+
+
+def lifeline():
+    """The read end of a pipe whose write end only this process holds (non-inheritable, never
+    passed on): every supervised child watches it and ends itself and its forks at its EOF,
+    which comes however this process dies (kill -9 included)."""
+    global _lifeline
+    if not _lifeline or _lifeline[0] != os.getpid():
+        r, w = _context().Pipe(duplex=False)
+        _lifeline = (os.getpid(), r, w)
+    return _lifeline[1]
 
 
 def _compact(job: CandidateJob) -> CandidateJob:
@@ -240,10 +299,12 @@ class Supervisor:
                     pass
             from parity_cli.worker import serve
 
-            proc = ctx.Process(target=serve, args=(p2c_r, c2p_w, out_path), name="parity-candidate")
             try:
                 with _mp_lock, _no_main():  # start() polls every other child: see _exit_code
                     _wake_fork_server()
+                    server = ensure_fork_server()
+                    proc = ctx.Process(target=serve, args=(p2c_r, c2p_w, out_path, server or os.getpid(), lifeline()),
+                                       name="parity-candidate")
                     proc.start()
             except BaseException:
                 for conn in (p2c_r, p2c_w, c2p_r, c2p_w):
@@ -646,12 +707,8 @@ def supervised(spec: str, device: str, isolation: str) -> bool:
 def warm() -> None:
     """Starts the fork server now (it does not wait for it): its torch import then overlaps the
     parent's own, instead of following it."""
-    _context()
     try:
-        from multiprocessing import forkserver
-
-        if _ctx.get_start_method() == "forkserver":
-            forkserver.ensure_running()
+        ensure_fork_server()
     except Exception:  # only an optimisation: the first child starts it anyway
         pass
 

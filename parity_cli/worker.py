@@ -21,6 +21,35 @@ _PID = os.getpid()
 _CWD = os.getcwd()
 
 
+def _fork_server_watch() -> None:
+    """Imported first by the fork server (supervisor._context): while it imports torch (seconds
+    on a busy machine) it is not yet watching its "alive" pipe, so parity killed then left it
+    running until the import was done. A thread watches the pipe meanwhile and ends it at EOF;
+    it stops once the fork server's own loop has the pipe."""
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "main"
+                                     and frame.f_globals.get("__name__") == "multiprocessing.forkserver"):
+        frame = frame.f_back
+    fd = None if frame is None else frame.f_locals.get("alive_r")
+    if not isinstance(fd, int):
+        return  # not the fork server (or a multiprocessing that names it otherwise)
+    import select
+    import threading
+    from multiprocessing import forkserver
+
+    def watch():
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        while getattr(forkserver._forkserver, "_forkserver_address", None) is None:
+            if poller.poll(50):  # the only writer is parity: readable means EOF, parity is gone
+                os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="parity-fork-server-watch").start()
+
+
+_fork_server_watch()
+
+
 def _read_exact(fd: int, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
@@ -72,27 +101,80 @@ def _guard() -> None:
         os.chdir(_CWD)
 
 
-def _die_with_parent() -> None:
+def detach_from_fork_server() -> None:
+    """Closes what every fork-server child inherits and must not keep: the write end of the fork
+    server's "alive" pipe, whose EOF is how the fork server learns that parity has exited (a
+    child holding it, stuck in a C call, kept the fork server, the resource tracker and itself
+    alive after a kill -9 of parity; a candidate writing into it crashed the fork server), and
+    the resource tracker's pipe (garbage written there is printed on parity's stderr)."""
+    try:
+        from multiprocessing import forkserver, resource_tracker
+    except ImportError:
+        return
+    for owner, attr in ((forkserver._forkserver, "_forkserver_alive_fd"), (resource_tracker._resource_tracker, "_fd")):
+        fd = getattr(owner, attr, None)
+        if isinstance(fd, int):
+            setattr(owner, attr, None)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def die_with_parent(parent: int | None) -> None:
     """Linux: the kernel kills this process when its parent (the fork server, which exits with
-    the parity process) dies, even in the middle of a candidate call."""
+    the parity process once no child holds its pipe) dies, even in the middle of a C call. A
+    parent gone before the prctl took effect is seen in getppid(): then this one goes now."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if parent and os.getppid() != parent:
+        os._exit(1)
 
 
-def serve(rconn, wconn, out_path: str) -> None:
+def _lifeline(fd: int | None) -> None:
+    """The read end of a pipe only the parity process writes to: its EOF (parity has exited,
+    however it died) ends this process and whatever the candidate forked (its process group),
+    without waiting for the fork server. A candidate stuck in a call that holds the GIL is
+    still ended by die_with_parent."""
+    if fd is None:
+        return
+    import threading
+
+    def watch():
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        try:
+            if os.getpgid(0) == os.getpid():  # our own group (setsid), never the fork server's
+                os.killpg(0, signal.SIGKILL)
+        except OSError:
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parity-lifeline").start()
+
+
+def serve(rconn, wconn, out_path: str, parent: int | None = None, lifeline=None) -> None:
     """The child's life: its own session (the terminal's Ctrl-C is the parent's; a kill of the
-    group also stops what the candidate forks), output captured, then load and run jobs."""
+    group also stops what the candidate forks), output captured, then load and run jobs.
+    `parent` is the fork server's pid; `lifeline` a pipe whose EOF says parity is gone."""
     global _PID, _CWD
     _PID = os.getpid()
     try:
         os.setsid()
     except OSError:
         pass
-    _die_with_parent()
+    die_with_parent(parent)
+    detach_from_fork_server()
+    _lifeline(None if lifeline is None else lifeline.fileno())
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # the fork server started with SIGINT blocked (supervisor)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         import resource
