@@ -137,6 +137,13 @@ def _cell(text) -> str:
     return text.replace("\n", " ")
 
 
+def _text(text) -> str:
+    """Running text outside a table: no link, image or HTML from the report's words ('[x](url)',
+    '<img>'); underscores and stars stay as they are (config:rms_norm_eps reads as itself)."""
+    text = printable(text).replace("\\", "\\\\").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return text.replace("[", "\\[").replace("]", "\\]")
+
+
 def to_markdown(report: dict) -> str:
     """Verdict, context, one table row per group of layers that fail the same way (each
     diagnosis' full message once), then the per-layer rows folded away in <details>. Strings
@@ -148,23 +155,24 @@ def to_markdown(report: dict) -> str:
     cand, ref, tol = report["candidate"], report["reference"], report["tolerance"]
     passed, what = verdict(report)
     lines = [
-        f"## parity: {'PASS' if passed else 'FAIL'} — {what}",
+        f"## parity: {'PASS' if passed else 'FAIL'} — {_text(what)}",
         "",
         f"- checkpoint: {_code(report['checkpoint']['path'])} (family {_code(report['checkpoint']['family'])})",
-        f"- eps: {grouping.g(report['eps']['value'])} ({report['eps']['source']})",
-        f"- candidate: {_code(cand['impl'])} {cand['dtype']} on {cand['device']}, eps {grouping.g(cand['eps'])}",
-        f"- reference: {_code(ref['impl'])} {ref['dtype']} on {ref['device']}, eps {grouping.g(ref['eps'])}",
+        f"- eps: {grouping.g(report['eps']['value'])} ({_text(report['eps']['source'])})",
+        f"- candidate: {_code(cand['impl'])} {_text(cand['dtype'])} on {_text(cand['device'])}, eps {grouping.g(cand['eps'])}",
+        f"- reference: {_code(ref['impl'])} {_text(ref['dtype'])} on {_text(ref['device'])}, eps {grouping.g(ref['eps'])}",
         ("- pass rule: bitwise, cand == ref" if tol.get("exact") else
          f"- pass rule: \\|cand − ref\\| ≤ atol + rtol·\\|ref\\|, atol {fmt(tol['atol'])}, rtol {fmt(tol['rtol'])}")
         + (" + gradients" if report["probes"].get("grad") else ""),
-        f"- strata covered: {', '.join(report['probes']['strata'])}"
-        + (f" (not covered: {', '.join(report['probes'].get('not_covered', []))})"
+        f"- strata covered: {_text(', '.join(report['probes']['strata']))}"
+        + (f" (not covered: {_text(', '.join(report['probes'].get('not_covered', [])))})"
            if report["probes"].get("not_covered") else ""),
     ]
     conv = cand.get("checkpoint")
     if conv:
-        lines.append(f"- candidate checkpoint: {_code(conv['path'])} ({conv['format']}), eps {grouping.g(conv['eps']['value'])} "
-                     f"({conv['eps']['source']}), {conv['findings']} difference(s)")
+        lines.append(f"- candidate checkpoint: {_code(conv['path'])} ({_text(conv['format'])}), "
+                     f"eps {grouping.g(conv['eps']['value'])} ({_text(conv['eps']['source'])}), "
+                     f"{_text(conv['findings'])} difference(s)")
     lines.append("")
     found = grouping.groups(report)
     universe = grouping.universe(report)
@@ -185,7 +193,7 @@ def to_markdown(report: dict) -> str:
         for g in found:
             rep = g.representative
             for item in rep["diagnoses"] + rep.get("findings", []):
-                lines.append(f"- **{item['code']}** ({len(g.layers)} layer(s)): {_cell(item['message'])}")
+                lines.append(f"- **{_text(item['code'])}** ({len(g.layers)} layer(s)): {_cell(item['message'])}")
             if rep.get("error"):
                 lines.append(f"- **error** ({len(g.layers)} layer(s)): {_cell(rep['error'])}")
             if rep.get("conclusion"):

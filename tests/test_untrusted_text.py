@@ -20,6 +20,7 @@ ESC = "\x1b[31mRED\x1b[0m"
 OSC = "\x1b]8;;http://evil.example\x07LINK\x1b]8;;\x07"
 BIDI = "\u202egnp.exe"
 MARKUP = "[/][link=http://x]ml[/link][bold]"
+MD = "[click](http://evil.example)<img src=x>"  # a live link and HTML in a Markdown PR comment
 HOSTILE = ESC + OSC + BIDI + MARKUP + "\x00\x7f\x9b"
 RAW = ("\x1b", "\x07", "\x9b", "\u202e", "\x00", "\x7f")  # none of these may reach an output
 
@@ -69,7 +70,8 @@ def hostile_report(report_path, tmp_path):
     d["candidate"]["dtype"] = "float32" + MARKUP
     d["checkpoint"]["family"] = "llama" + OSC
     d["checkpoint"]["model_type"] = HOSTILE
-    d["eps"]["source"] = HOSTILE
+    d["eps"]["source"] = HOSTILE + MD
+    d["candidate"]["device"] += MD
     d["warnings"] = [HOSTILE]
     path = tmp_path / "hostile.json"
     path.write_text(json.dumps(d))
@@ -191,7 +193,8 @@ def test_a_hostile_report_renders_to_valid_junit_and_inert_markdown(hostile_repo
     code, out, err = parity("report", hostile_report, "--format", "markdown")
     assert code == 0, err
     clean(out + err)
-    assert "\\\\x1b\\[31mRED" in out and "\\[link=http://x\\]" in out and "](http" not in out
+    assert "\\\\x1b\\[31mRED" in out and "\\[link=http://x\\]" in out
+    assert not re.search(r"(?<!\\)\]\(", out) and "<img" not in out  # no link: every ']' escaped and "\\[click\\](http://evil.example)&lt;img" in out
 
 
 def test_a_lone_surrogate_is_rendered_as_its_escape(report_path):
