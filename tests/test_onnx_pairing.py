@@ -1,0 +1,195 @@
+"""Issue 23: an exported graph's norms paired with the checkpoint's layers. A wrapped export
+(`m.model.layers.0...`) with two gains swapped passed, paired by the gains it held; a float16
+Cast pair around one ReduceMean hid that norm; hostile constants and paths were internal errors;
+a graph of millions of nodes took gigabytes before anything was checked."""
+
+import contextlib
+import io
+
+import pytest
+
+from parity_cli import api
+from parity_cli.errors import InputError
+
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper
+from onnx_exports import cast_reduction, export, export_wrapped, strip_names
+
+SWAPS = {"llama": ("model.layers.0.input_layernorm", "model.layers.1.input_layernorm"),
+         "bert": ("bert.embeddings.LayerNorm", "bert.encoder.layer.0.output.LayerNorm")}
+
+
+def _codes(report):
+    return {l.name: [f["code"] for f in l.findings] for l in report.layers}
+
+
+@pytest.mark.parametrize("model_type, exporter", [("llama", "torchscript"), ("bert", "torchscript"),
+                                                  ("llama", "dynamo")])
+def test_a_wrapped_export_with_two_gains_swapped_fails(ckpt, tmp_path, model_type, exporter):
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    src = ckpt(model_type, layers=2, eps=1e-12 if model_type == "bert" else 1e-6)
+    a, b = SWAPS[model_type]
+    path = export_wrapped(src, tmp_path / "m.onnx", exporter, swap=(a, b))
+    names = [t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer]
+    assert any(n.startswith("m.") for n in names) or exporter == "dynamo"  # the wrapper's prefix is there
+    report = api.check(src, candidate_checkpoint=str(path))
+    assert not report.passed
+    codes = _codes(report)
+    for mine, theirs in ((a, b), (b, a)):  # each holds the other's gain, and the finding says whose
+        assert codes.pop(mine) == ["checkpoint_weight_mismatch", "checkpoint_gain_of_other_layer"]
+        moved = next(f for f in next(l for l in report.layers if l.name == mine).findings
+                     if f["code"] == "checkpoint_gain_of_other_layer")
+        assert moved["layers"] == [theirs]
+    assert all(c == [] for c in codes.values()), codes  # the bias is not blamed, no other layer is
+    assert not report.findings  # every norm found its layer by name: nothing only in the copy
+
+
+def test_a_faithful_wrapped_export_passes(ckpt, tmp_path):
+    src = ckpt("llama", layers=2, eps=1e-6)
+    report = api.check(src, candidate_checkpoint=str(export_wrapped(src, tmp_path / "m.onnx")))
+    assert report.passed and not any(l.warnings for l in report.layers)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "bert"])
+def test_a_graph_without_names_pairs_by_value_says_so_and_checks_the_order(ckpt, tmp_path, model_type):
+    from parity_cli.pairing import BY_VALUE
+
+    src = ckpt(model_type, layers=2, eps=1e-12 if model_type == "bert" else 1e-6)
+    faithful = strip_names(export_wrapped(src, tmp_path / "ok.onnx"))
+    report = api.check(src, candidate_checkpoint=str(faithful))
+    assert report.passed and all(BY_VALUE in l.warnings for l in report.layers)
+    a, b = SWAPS[model_type]
+    swapped = strip_names(export_wrapped(src, tmp_path / "swapped.onnx", swap=(a, b)))
+    report = api.check(src, candidate_checkpoint=str(swapped))
+    assert not report.passed
+    codes = _codes(report)
+    if model_type == "llama":  # the two input norms run out of their blocks' order
+        assert codes.pop(a) == codes.pop(b) == ["checkpoint_layer_order"]
+    else:  # each LayerNorm's own bias says which it is: the gain it holds is another's
+        assert codes.pop(a) == codes.pop(b) == ["checkpoint_weight_mismatch", "checkpoint_gain_of_other_layer"]
+    assert all(c == [] for c in codes.values()), codes
+
+
+def test_a_float16_cast_pair_around_one_reduction_keeps_that_norm(ckpt, tmp_path):
+    src = ckpt("llama", layers=2, eps=1e-6)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        path = export(src, tmp_path / "m.onnx", "torchscript")
+    cast_reduction(path, "layers.1/input_layernorm")
+    graph = onnx.load(str(path), load_external_data=False).graph
+    chain = [n.op_type for n in graph.node if "layers.1/input_layernorm" in n.name]
+    assert "Cast" in chain[chain.index("Pow"):chain.index("Add")]  # the pair is inside the pattern
+    info = api.inspect(path)
+    layers = {l["name"]: l for l in info["layers"]}
+    assert len(layers) == 5  # 2 blocks x 2 norms + model.norm
+    assert [w for l in layers.values() for w in l["warnings"]] == layers["model.layers.1.input_layernorm"]["warnings"]
+    assert "float16" in layers["model.layers.1.input_layernorm"]["warnings"][0]
+    report = api.check(src, candidate_checkpoint=str(path))
+    codes = _codes(report)
+    assert codes.pop("model.layers.1.input_layernorm") == ["reduced_precision_reduction"]
+    assert all(c == [] for c in codes.values()), codes
+    layer = next(l for l in report.layers if l.name == "model.layers.1.input_layernorm")
+    assert layer.strata  # probed through its own subgraph, casts included, not "missing"
+
+
+# --- hand-made graphs ----------------------------------------------------------------------------
+
+def _w(value=1.0):
+    return helper.make_tensor("model.norm.weight", TensorProto.FLOAT, [64], [value] * 64)
+
+
+def _save(tmp_path, name, nodes, inits):
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 64])], initializer=inits)
+    path = tmp_path / name
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def _decomposed(tmp_path, name, eps, gain=("model.norm.weight",), inits=None):
+    nodes = [helper.make_node("Constant", [], ["two"], value=helper.make_tensor("t", TensorProto.FLOAT, [], [2.0])),
+             helper.make_node("Constant", [], ["eps"], value=eps),
+             helper.make_node("Pow", ["x", "two"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["q"], axes=[-1]),
+             helper.make_node("Add", ["q", "eps"], ["qe"]), helper.make_node("Sqrt", ["qe"], ["r"]),
+             helper.make_node("Div", ["x", "r"], ["n"])]
+    if len(gain) == 2:  # Gemma's offset kept in the graph: Add of a constant 1 and w, in the order given
+        nodes += [helper.make_node("Constant", [], ["one"], value=helper.make_tensor("o", TensorProto.FLOAT, [], [1.0])),
+                  helper.make_node("Add", list(gain), ["g1"]), helper.make_node("Mul", ["n", "g1"], ["y"])]
+    else:
+        nodes.append(helper.make_node("Mul", ["n", gain[0]], ["y"]))
+    return _save(tmp_path, name, nodes, inits or [_w(0.25)])
+
+
+def test_a_gemma_offset_is_read_in_either_operand_order(tmp_path):
+    eps = helper.make_tensor("e", TensorProto.FLOAT, [], [1e-6])
+    for order in (["one", "model.norm.weight"], ["model.norm.weight", "one"]):
+        (layer,) = api.inspect(_decomposed(tmp_path, "g.onnx", eps, tuple(order)))["layers"]
+        assert layer["gain_offset"] == 1.0 and layer["gain"] == {"min": 1.25, "max": 1.25}  # 1 + 0.25
+
+
+def _one_line(path, words):
+    with pytest.raises(InputError) as err:
+        api.inspect(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and words in message, message
+
+
+def test_hostile_constants_and_paths_are_one_line(tmp_path):
+    import os
+
+    _one_line(_decomposed(tmp_path, "c.onnx", helper.make_tensor("e", TensorProto.COMPLEX64, [], [complex(1e-6, 3)])),
+              "not a real number")
+    _one_line(_decomposed(tmp_path, "big.onnx", helper.make_tensor("e", TensorProto.DOUBLE, [], [1e308])),
+              "eps is 1e+308")
+    _one_line(_save(tmp_path, "abc.onnx", [helper.make_node("LayerNormalization", ["x", "model.norm.weight"], ["y"],
+                                                            epsilon="abc")], [_w()]), "not a float")
+    os.symlink("loop2.bin", tmp_path / "loop.bin")
+    os.symlink("loop.bin", tmp_path / "loop2.bin")
+    for location in ("a\0b.bin", "loop.bin"):
+        gain = helper.make_tensor("model.norm.weight", TensorProto.FLOAT, [64], [1.0] * 64)
+        gain.ClearField("float_data")
+        gain.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", "0"), ("length", "256")):
+            entry = gain.external_data.add()
+            entry.key, entry.value = key, value
+        path = _save(tmp_path, "ext.onnx", [helper.make_node("LayerNormalization", ["x", "model.norm.weight"], ["y"],
+                                                             epsilon=1e-5)], [gain])
+        _one_line(path, "cannot be opened")
+
+
+def test_an_eps_beyond_float32_against_a_checkpoint_is_one_line(ckpt, tmp_path):
+    src = ckpt("llama", layers=0, eps=1e-6)  # model.norm only
+    path = _decomposed(tmp_path, "big.onnx", helper.make_tensor("e", TensorProto.DOUBLE, [], [1e308]))
+    with pytest.raises(InputError, match="eps is 1e\\+308"):
+        api.check(src, candidate_checkpoint=str(path))
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out += bytes([byte | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def test_a_graph_of_too_many_nodes_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    """The wire format written by hand: ir_version, an opset, a graph of Identity nodes."""
+    from parity_cli import onnx_checkpoint
+
+    node = b"\x0a\x01a" + b"\x12\x01b" + b"\x22\x08Identity"  # input 'a', output 'b', op_type
+    entry = b"\x0a" + _varint(len(node)) + node  # GraphProto.node (field 1)
+    graph = entry * (onnx_checkpoint.MAX_ENTRIES + 1)
+    model = b"\x08\x08" + b"\x42\x02\x10\x11" + b"\x3a" + _varint(len(graph)) + graph
+    path = tmp_path / "many.onnx"
+    path.write_bytes(model)
+
+    def refuse(*a, **k):
+        raise AssertionError("parsed before the bound was checked")
+
+    monkeypatch.setattr(onnx, "load", refuse)
+    _one_line(path, f"more than {onnx_checkpoint.MAX_ENTRIES} nodes")
+    small = tmp_path / "small.onnx"  # the same file under the bound counts exactly: one entry a node
+    small.write_bytes(b"\x08\x08" + b"\x3a" + _varint(len(entry) * 3) + entry * 3)
+    assert onnx_checkpoint.count_entries(small) == 3
