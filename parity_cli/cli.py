@@ -66,13 +66,13 @@ def _output_path(raw: str, flag: str) -> Path:
     return path
 
 
-MAX_SCANNED = 10_000  # files looked at in a checkpoint directory for what an .onnx graph references
+MAX_SCANNED = 10_000  # directory entries looked at per input directory
 
 
-def _inputs(items: list) -> set:
-    """Every file a run reads, resolved: each input file, every file of a checkpoint directory,
-    the source of a FILE.py:ATTR plugin (`impl:` prefixed items), and the external data an .onnx
-    graph names (any file beside or below it whose name the graph holds)."""
+def _inputs(items: list, wanted: set) -> set:
+    """Which of the `wanted` resolved paths a run reads: each input file, every file of a
+    checkpoint directory, the source of a FILE.py:ATTR plugin (`impl:` prefixed items), and the
+    external data an .onnx graph names (a file in its directory whose name the graph holds)."""
     from parity_cli.implementations import is_file_target
 
     found = set()
@@ -88,39 +88,48 @@ def _inputs(items: list) -> set:
         p = Path(item).expanduser()
         try:
             if p.is_dir():
-                for n, f in enumerate(p.rglob("*")):
-                    if n >= MAX_SCANNED:
-                        break
-                    if f.is_file():
-                        found.add(f.resolve())
+                found |= {f for f in _files(p) if f in wanted}
             elif p.is_file():
-                found.add(p.resolve())
+                found |= {p.resolve()} & wanted
                 if p.suffix.lower() == ".onnx":
-                    found |= _onnx_external(p)
+                    found |= _onnx_external(p, wanted)
         except (OSError, ValueError):
             continue  # not readable here: the run itself says so
     return found
 
 
-def _onnx_external(path: Path) -> set:
-    """Files an .onnx graph may read as external data: they lie inside its directory, and the
-    graph holds their location as a string. Found without parsing it: a file whose name does not
-    occur in the graph's bytes is none of them."""
+def _files(root: Path):
+    """The resolved paths of the files under `root`, links to files followed (a Hugging Face
+    cache links each into its blobs), at most MAX_SCANNED entries."""
+    import os
+
+    n = 0
+    for top, _dirs, files in os.walk(root):
+        for name in files:
+            n += 1
+            if n > MAX_SCANNED:
+                return
+            yield Path(top, name).resolve()
+
+
+def _onnx_external(path: Path, wanted: set) -> set:
+    """Which of `wanted` an .onnx graph may read as external data: a file inside its directory
+    whose name the graph holds as a string (its location). Found without parsing the graph."""
     import mmap
     import os
 
-    base = path.parent.resolve()
     out = set()
     try:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             n = 0
-            for root, _dirs, files in os.walk(base):
+            for top, _dirs, files in os.walk(path.parent.resolve()):
                 for name in files:
                     n += 1
                     if n > MAX_SCANNED:
                         return out
-                    if mm.find(os.fsencode(name)) >= 0:
-                        out.add(Path(root, name).resolve())
+                    full = Path(top, name).resolve()
+                    if full in wanted and mm.find(os.fsencode(name)) >= 0:
+                        out.add(full)
     except (OSError, ValueError):  # an empty file cannot be mapped; no external data then
         pass
     return out
@@ -133,7 +142,6 @@ def _check_outputs(named: dict, inputs: list) -> dict:
     from parity_cli.report import output_target
 
     taken: dict = {}
-    protected = None
     out = {}
     for flag, raw in named.items():
         if not raw:
@@ -145,14 +153,14 @@ def _check_outputs(named: dict, inputs: list) -> dict:
             continue
         path = _output_path(raw, flag)
         key = output_target(path, flag)
-        if protected is None:
-            protected = _inputs(inputs)
-        if key in protected:
-            raise InputError(f"{raw}: {flag} would overwrite an input of this run; refused")
         if key in taken:
             raise InputError(f"{raw}: given to both {taken[key]} and {flag}")
         taken[key] = flag
         out[flag] = path
+    overwritten = _inputs(inputs, set(taken)) if taken else set()
+    for key, flag in taken.items():
+        if key in overwritten:
+            raise InputError(f"{named[flag]}: {flag} would overwrite an input of this run; refused")
     return out
 
 
@@ -477,23 +485,39 @@ def demo():
 @click.option("--checkpoint", "checkpoint", default=None, type=click.Path(),
               help="This machine's copy of the report's checkpoint (a CI artifact replayed elsewhere); its norm "
                    "tensors must match the report's fingerprint.")
-@click.option("--candidate", default=None, help="The candidate to replay with, where the recorded one is not here "
-                                                "(FILE.py:ATTR at another path, a renamed plugin).")
+@click.option("--candidate", default=None, help="The candidate to replay with. A plugin the report names "
+                                                "(FILE.py:ATTR, MODULE:ATTR) runs only when named here again, or "
+                                                "under --trust-report; built-ins run as recorded.")
+@click.option("--reference", default=None, help="The reference to replay with; a plugin the report names runs only "
+                                                "when named here again, or under --trust-report.")
+@click.option("--trust-report", is_flag=True,
+              help="Run the plugin code the report names (its candidate and reference). A report is data: "
+                   "without this, replay never imports code a report names.")
 @click.option("--candidate-checkpoint", default=None, type=click.Path(),
               help="This machine's copy of the report's --candidate-checkpoint.")
+@click.option("--timeout", type=float, default=None,
+              help="Seconds per layer before the candidate's process is killed [default: 120; inf: no limit]; "
+                   "never taken from the report.")
+@click.option("--isolation", type=click.Choice(["auto", "process", "none"]), default="auto", show_default=True,
+              help="Where the candidate runs, as for check; never taken from the report.")
 @click.option("--layers", "layer_names", multiple=True, help="Layers to explain (default: every failing layer).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the ladders as JSON.")
-def explain_cmd(report_path, checkpoint, candidate, candidate_checkpoint, layer_names, json_path):
+def explain_cmd(report_path, checkpoint, candidate, reference, trust_report, candidate_checkpoint, timeout, isolation,
+                layer_names, json_path):
     """Rerun a saved report's failing layers one factor at a time (dtype, kernel, eps): one ladder
-    per group of layers that fail the same way, each with its conclusion."""
+    per group of layers that fail the same way, each with its conclusion. The report is data: the
+    plugin code it names runs only when named again (--candidate, --reference) or under
+    --trust-report, and how the candidate is supervised (--isolation, --timeout) is never the file's."""
     from parity_cli import preflight
-    from parity_cli.replay import options_from_report, verify_fingerprint
     from parity_cli.gate import load_report
+    from parity_cli.replay import options_from_report, verify_fingerprint
     from parity_cli.report import json_text, write_files
 
     _check_output_target(json_path, [report_path])
+    preflight.option_values(timeout=timeout)
     data = load_report(report_path)
-    path, options = options_from_report(data, report_path, checkpoint, candidate, candidate_checkpoint)
+    path, options = options_from_report(data, report_path, checkpoint, candidate, candidate_checkpoint,
+                                        reference=reference, trust=trust_report, timeout=timeout, isolation=isolation)
     json_path = _check_output_target(json_path, [report_path, path, options.candidate_checkpoint, options.activations,
                                                  f"impl:{options.candidate}", f"impl:{options.reference}"])
     preflight.check_inputs(path, candidate=options.candidate, reference=options.reference,

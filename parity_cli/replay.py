@@ -51,34 +51,43 @@ def fingerprint(layers) -> dict:
 
 
 def options_from_report(data: dict, where: str, checkpoint: str | None = None, candidate: str | None = None,
-                        candidate_checkpoint: str | None = None):
+                        candidate_checkpoint: str | None = None, reference: str | None = None,
+                        trust: bool = False, timeout: float | None = None, isolation: str = "auto"):
     """The options a saved report was produced with, to rerun it (parity explain REPORT.json).
-    `checkpoint`, `candidate` and `candidate_checkpoint` point a replay at this machine's copies;
-    a recorded relative path is taken from the working directory, as it was recorded."""
+    `checkpoint`, `candidate`, `reference` and `candidate_checkpoint` point a replay at this
+    machine's copies; a recorded relative path is taken from the working directory, as it was
+    recorded. A report is data: the code it names runs only when it is a built-in, when the
+    user names it again, or under `trust` (--trust-report); how the candidate is supervised
+    (isolation, timeout) is the caller's, never the file's."""
+    from parity_cli import saved_report
     from parity_cli.api import CheckOptions
 
+    saved_report.check(data, where)  # every field below has its schema type from here on
+    cand, ref, probes, tol = data["candidate"], data["reference"], data["probes"], data["tolerance"]
+    for role, flag, spec, given in (("candidate", "--candidate", cand["impl"], candidate),
+                                    ("reference", "--reference", ref["impl"], reference)):
+        if not given and not trust:
+            _refuse_code(spec, role, flag, where)
     try:
-        cand, ref, probes = data["candidate"], data["reference"], data["probes"]
         opts = CheckOptions(
-            candidate=candidate or cand["impl"], reference=ref["impl"], dtype=cand["dtype"], device=cand["device"],
-            family=data["checkpoint"].get("family"),
+            candidate=candidate or cand["impl"], reference=reference or ref["impl"], dtype=cand["dtype"],
+            device=cand["device"], family=data["checkpoint"].get("family"),
             eps=data["eps"]["value"] if data["eps"]["source"] == "override" else None,
             candidate_eps=cand["eps"] if cand.get("eps_source") == "option:--candidate-eps" else None,
             # a one-sided override is recorded as "option+profile:..."; the profile's own value is harmless
-            atol=data["tolerance"]["atol"] if str(data["tolerance"].get("source", "")).startswith("option") else None,
-            rtol=data["tolerance"]["rtol"] if str(data["tolerance"].get("source", "")).startswith("option") else None,
-            max_violation_fraction=float(data["tolerance"].get("max_violation_fraction", 0.0)),
-            timeout=cand.get("timeout") if cand.get("timeout") is not None or "isolation" not in cand else float("inf"),
-            isolation=cand.get("isolation", "auto"),
+            atol=tol["atol"] if tol.get("source", "").startswith("option") else None,
+            rtol=tol["rtol"] if tol.get("source", "").startswith("option") else None,
+            max_violation_fraction=float(tol.get("max_violation_fraction", 0.0)),
+            timeout=timeout, isolation=isolation,
             # `captured` is the --activations file's stratum, recorded with its path below
-            strata=[n for n in probes["strata"] if n != "captured"], seed=int(probes["seed"]),
+            strata=[n for n in probes["strata"] if n != "captured"], seed=probes["seed"],
             layers=probes.get("layers"), activations=(probes.get("activations") or {}).get("path"),
-            reference_dtype=ref.get("dtype", "float64"), reference_device=ref.get("device", "cpu"),
-            exact=bool(data["tolerance"].get("exact", False)), candidate_args=cand.get("args") or None,
+            reference_dtype=ref["dtype"], reference_device=ref["device"],
+            exact=bool(tol.get("exact", False)), candidate_args=cand.get("args") or None,
             candidate_checkpoint=candidate_checkpoint or (cand.get("checkpoint") or {}).get("path"),
         )
         path = checkpoint or data["checkpoint"]["path"]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # the schema leaves none of these; kept as a net
         raise InputError(f"{where}: the report lacks what a rerun needs ({exc})") from None
     from parity_cli.implementations import is_file_target
 
@@ -95,6 +104,21 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
             raise InputError(f"{where}: the report's checkpoint {value} is not here; point at this machine's copy "
                              f"with {flag} PATH")
     return path, opts
+
+
+def _refuse_code(spec: str, role: str, flag: str, where: str) -> None:
+    """A built-in named by a report is ours to run; anything else (FILE.py:ATTR, MODULE:ATTR, an
+    entry point) is code, and a report that names code does not run it: the user names it again,
+    or says they trust the file."""
+    from parity_cli.implementations import BUILTINS, is_file_target
+
+    if spec in BUILTINS:
+        return
+    target, sep, _ = spec.rpartition(":")
+    form = "FILE.py:ATTR" if sep and is_file_target(target) else "MODULE:ATTR" if sep else "NAME"
+    raise InputError(f"{where}: the report names the {role} {spec!r}, code that a replay does not run; name it "
+                     f"again to run it ({flag} {form}, this machine's copy), or pass --trust-report if you trust "
+                     "this report")
 
 
 def verify_fingerprint(data: dict, path: str, opts, where: str) -> str | None:

@@ -137,17 +137,17 @@ def test_a_report_replays_on_another_copy(gemma, tmp_path):
     here = tmp_path / "here"
     here.mkdir()
     shutil.copy(ci / "r.json", here / "r.json")
-    r = run_parity("explain", "r.json", cwd=here)
+    r = run_parity("explain", "r.json", "--candidate", TWO_FAULTS, cwd=here)
     assert r.returncode == 2 and "--checkpoint" in r.stderr and len(r.stderr.splitlines()) == 1
     shutil.copytree(gemma, here / "copy")
-    r = run_parity("explain", "r.json", "--checkpoint", "copy", cwd=here)
+    r = run_parity("explain", "r.json", "--checkpoint", "copy", "--candidate", TWO_FAULTS, cwd=here)
     assert r.returncode == 0, r.stderr
     assert "eps carries the error" in r.stdout
     # another model (different weights): refused, not explained
     from parity_cli.synthetic import write_checkpoint
 
     write_checkpoint(here / "other", "gemma3_text", layers=6, hidden=64, heads=4, eps=1e-6, seed=1)
-    r = run_parity("explain", "r.json", "--checkpoint", "other", cwd=here)
+    r = run_parity("explain", "r.json", "--checkpoint", "other", "--candidate", TWO_FAULTS, cwd=here)
     assert r.returncode == 2 and "not the same model" in r.stderr
 
 
@@ -296,7 +296,7 @@ def test_replay_names_the_missing_candidate_file(gemma, tmp_path):
     r = run_parity("check", gemma, "--candidate", "plugins/k.py:eps_wide_offset_narrow", "--layers", "model.norm",
                    "--json", "r.json", cwd=ci)
     assert r.returncode == 1 and load_json(ci / "r.json")["candidate"]["impl"] == "plugins/k.py:eps_wide_offset_narrow"
-    r = run_parity("explain", ci / "r.json", "--checkpoint", gemma, cwd=tmp_path)
+    r = run_parity("explain", ci / "r.json", "--checkpoint", gemma, "--trust-report", cwd=tmp_path)
     assert r.returncode == 2 and "--candidate FILE.py:ATTR" in r.stderr
     r = run_parity("explain", ci / "r.json", "--checkpoint", gemma, "--candidate", TWO_FAULTS, cwd=tmp_path)
     assert r.returncode == 0 and "eps carries the error" in r.stdout
