@@ -434,9 +434,10 @@ class Supervisor:
             self.kill()
             run.error = f"candidate process {why}{self._last_line()}"
             return run
-        except Exception as exc:  # a header no check anticipated: still the candidate's fault, never ours
+        except Exception:  # a header no check anticipated: still the candidate's fault, never ours
             self.kill()
-            run.error = f"candidate process sent something unreadable ({type(exc).__name__}; protocol violation)"
+            run.error = ("candidate process sent something unreadable: the candidate corrupted its result channel "
+                         "(protocol violation)")
             return run
         if job.device.startswith("cuda") and (run.error or any(o.error for o in run.outputs)
                                               or any(g[2] for g in run.grads)):
@@ -515,13 +516,16 @@ class Supervisor:
         `limit` is the most payload this frame may carry."""
         (size,) = struct.unpack("<I", self._read(4, deadline))
         if size > MAX_HEADER:
-            raise _Stop(f"sent a {size}-byte header (protocol violation)")
+            raise _Stop(f"sent a {size}-byte header: the candidate corrupted its result channel "
+                        "(protocol violation)")
         try:
             head = json.loads(self._read(size, deadline))
-        except (ValueError, RecursionError):
-            raise _Stop("sent a malformed header (protocol violation)") from None
+        except (ValueError, RecursionError):  # UnicodeDecodeError too: bytes that are no JSON text
+            raise _Stop("sent a header that is not JSON text: the candidate corrupted its result channel "
+                        "(protocol violation)") from None
         if not isinstance(head, dict):
-            raise _Stop("sent a malformed header (protocol violation)")
+            raise _Stop("sent a header that is not a JSON object: the candidate corrupted its result channel "
+                        "(protocol violation)")
         nbytes = head.get("nbytes", 0)
         if type(nbytes) is not int or not 0 <= nbytes <= limit:
             raise _Stop(f"declared a {str(nbytes)[:30]}-byte payload (at most {limit}; protocol violation)")
