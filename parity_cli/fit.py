@@ -387,7 +387,7 @@ def screen(ctx, panel: Panel, f: Factors, extra_rel: float, extra_mean: float = 
 
     g = panel.gain(f)
     bad_total = bad_hit = 0
-    left = 0.0
+    seen = []
     for s, n in zip(panel.strata, panel.normalised(f)):
         rows, cols, cand, extra = _failing(ctx, s)
         if rows.numel() == 0:
@@ -405,10 +405,11 @@ def screen(ctx, panel: Panel, f: Factors, extra_rel: float, extra_mean: float = 
             ok |= (cand == v) | (torch.isnan(cand) & torch.isnan(v))  # inf == inf, NaN on both sides
         bad_total += ok.numel()
         bad_hit += int(ok.sum())
-        left += float(residual(cand, _failing_ref(ctx, s), v, bound).sum())
-    if bad_total == 0 or bad_hit < MATCH_SHARE * bad_total or left > MOST * bad_total:
+        seen.append((s, cand, v, bound))
+    if bad_total == 0 or bad_hit < MATCH_SHARE * bad_total:
         return None
-    return left / bad_total
+    left = sum(float(residual(cand, _failing_ref(ctx, s), v, bound).sum()) for s, cand, v, bound in seen)
+    return None if left > MOST * bad_total else left / bad_total
 
 
 def _failing_ref(ctx, s):
@@ -437,22 +438,39 @@ def _rounding(ctx, s):
     return ctx.cache[key]
 
 
-def _conditioning(ctx, s, eps: float | None = None, outside: bool = False):
-    """Per element of a LayerNorm, |g| max|x| / sqrt(var + eps) (outside the root: / (std + eps)):
-    what a relative rounding of the row's mean becomes in the output (configs/tolerances.toml,
-    mean_rounding). `eps` defaults to the layer's."""
+def _conditioning(ctx, s, eps: float | None = None, outside: bool = False, rows=None, cols=None):
+    """Per element of a LayerNorm (at rows, cols of s when given), |g| max|x| / sqrt(var + eps)
+    (outside the root: / (std + eps)): what a relative rounding of the row's mean becomes in the
+    output (configs/tolerances.toml, mean_rounding). `eps` defaults to the layer's."""
     import torch
 
     eps = ctx.eps if eps is None else eps
+    peak, var = _row_stats(ctx, s)
+    per_row = peak / (var.sqrt() + eps if outside else (var + eps).sqrt()).clamp_min(1e-300)
+    g = ctx.gain.to(torch.float64).abs()
+    if rows is not None:
+        return g[cols] * per_row[rows, 0]
     key = ("conditioning", id(s), eps, outside)
     if key not in ctx.cache:
-        x = s.x.to(torch.float64)
-        var = x.var(-1, unbiased=False, keepdim=True)
-        denom = var.sqrt() + eps if outside else (var + eps).sqrt()
-        allowance = ctx.gain.to(torch.float64).abs() * x.abs().amax(-1, keepdim=True) / denom.clamp_min(1e-300)
-        cols = getattr(s, "cols", None)
-        ctx.cache[key] = allowance if cols is None else allowance[:, cols]
+        sampled = getattr(s, "cols", None)
+        ctx.cache[key] = (g if sampled is None else g[sampled]) * per_row
     return ctx.cache[key]
+
+
+def _row_stats(ctx, s):
+    """(max |x|, variance) per row of s: the probes' own, so every layer shares them (a sample's
+    rows are its source's)."""
+    import torch
+
+    if isinstance(s, _Rows):
+        peak, var = _row_stats(ctx, s.source)
+        return peak[s.rows], var[s.rows]
+    store = getattr(s, "shared", None)
+    store, key = (ctx.cache, ("row_stats", id(s))) if store is None else (store, ("row_stats",))
+    if key not in store:
+        x = s.x.to(torch.float64)
+        store[key] = (x.abs().amax(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True))
+    return store[key]
 
 
 def _bound(ctx, s, f: Factors | None, v, extra_rel: float, extra_mean: float, rows=None, cols=None):
@@ -464,16 +482,13 @@ def _bound(ctx, s, f: Factors | None, v, extra_rel: float, extra_mean: float, ro
     if ctx.layer.kind != "layer_norm" or f is None:
         return bound
 
-    def at(t):
-        return t if rows is None else t[rows, cols]
-
     eps = f.eps if f.eps > 0 else ctx.eps
     own = None
     if extra_mean:
-        own = at(_conditioning(ctx, s, eps, f.outside)) * extra_mean
+        own = _conditioning(ctx, s, eps, f.outside, rows, cols) * extra_mean
     if ctx.tol.mean_rounding and (f.outside or eps != ctx.eps):
-        more = (at(_conditioning(ctx, s, eps, f.outside)) - at(_conditioning(ctx, s))).clamp_(min=0.0)
-        more = more * ctx.tol.mean_rounding
+        more = (_conditioning(ctx, s, eps, f.outside, rows, cols) - _conditioning(ctx, s, rows=rows, cols=cols))
+        more = more.clamp_(min=0.0) * ctx.tol.mean_rounding
         own = more if own is None else own + more
     if own is None:
         return bound
@@ -764,6 +779,8 @@ def _marginal(ctx, panel: Panel, expected: Factors, combos, missed_by: float) ->
     """A candidate that misses by less than the matching slack: every variant close to the
     reference lands within it, so none is picked. The variants (of up to HAIRLINE_FACTORS
     factors) that remove most of the deviation and fit about as well as the best are listed."""
+    # a gain off by 1 moves every output by about its own size: never a candidate at the hairline
+    combos = [f for f in combos if f.gain != "offset"]
     found = [(f, left) for f, left, _ in _search(ctx, panel, expected, combos, HAIRLINE_FACTORS, every=True)
              if describe(ctx, f, expected)]  # a fitted gain that differs in no channel says nothing
     fits = []
