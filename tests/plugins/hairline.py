@@ -75,19 +75,6 @@ def layer_norm_mean_as_sum(x, weight, eps, bias=None):
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-def layer_norm_f16_graph(x, weight, eps, bias=None):
-    """A decomposed float16 graph (ReduceMean, Sub, Mul, ReduceMean, Add(eps), Sqrt, Div, Mul,
-    Add) run op by op: the reductions accumulate in float32, every op's output is float16 and
-    the eps constant is float16 (1e-12 is 0 there)."""
-    half = torch.float16
-    e = torch.tensor(eps, dtype=half)
-    h = x.to(half) - x.float().mean(-1, keepdim=True).to(half)
-    sq = h * h
-    var = sq.float().mean(-1, keepdim=True).to(half)
-    y = h / torch.sqrt(var + e) * weight.to(half)
-    return y if bias is None else y + bias.to(half)
-
-
 def layer_norm_folded_f16(x, weight, eps, bias=None):
     """keras' generic LayerNorm formula, x * (g / sqrt(var + eps)) + (b - mean * g / sqrt(var + eps)),
     run as a float16 graph: moments in float32 and stored as float16, eps a float16 constant (1e-12
