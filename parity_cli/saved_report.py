@@ -28,11 +28,28 @@ _TYPES = {"object": "an object", "array": "an array", "string": "a string", "num
 
 
 class Invalid(Exception):
-    """Where (a field path such as layers[3].diagnoses) and what is wrong."""
+    """What is wrong, and where: the field path (layers[3].diagnoses), gathered on the way out."""
 
-    def __init__(self, where: str, what: str):
-        super().__init__(f"{where or 'the top level'}: {what}")
-        self.where, self.what = where, what
+    def __init__(self, what, parts: list | None = None):
+        super().__init__()
+        self._what, self.parts = what, parts if parts is not None else []  # innermost first
+
+    @property
+    def what(self) -> str:
+        """Said only when it is shown: a oneOf's failing alternative is usually never shown."""
+        if callable(self._what):
+            self._what = self._what()
+        return self._what
+
+    @property
+    def where(self) -> str:
+        out = ""
+        for part in reversed(self.parts):
+            out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
+        return out
+
+    def __str__(self) -> str:
+        return f"{self.where or 'the top level'}: {self.what}"
 
 
 @cache
@@ -65,36 +82,72 @@ def check(data, where) -> None:
 
 
 def validate(data, spec: dict | None = None) -> None:
-    """Raises Invalid for the first field of `data` that breaks `spec` (default: the report schema)."""
-    root = schema() if spec is None else spec
-    _check(data, root, root, "")
+    """Raises Invalid for the first field of `data` that breaks `spec` (default: the report schema).
+    What the schema does not describe is still walked: its strings bounded, its numbers finite."""
+    if spec is None:
+        _report_checker()(data)
+    else:
+        _compile(spec, spec, {})(data)
+
+
+@cache
+def _report_checker():
+    root = schema()
+    return _compile(root, root, {})
+
+
+_KINDS = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+          dict: "object"}
 
 
 def _kind(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object" if isinstance(value, dict) else type(value).__name__
-
-
-def _is(value, kind: str, t: str) -> bool:
-    return kind == t or (t == "number" and kind == "integer")
+    kind = _KINDS.get(type(value))
+    if kind is None:  # not from the JSON parser: a subclass, or no JSON type at all
+        kind = next((k for t, k in _KINDS.items() if t is not type(None) and isinstance(value, t)), type(value).__name__)
+    return kind
 
 
 def _said(value, kind: str) -> str:
     if kind in ("string", "number", "integer", "boolean"):
-        text = repr(value)
+        text = repr(value[:41] if kind == "string" else value)
         return f"{_TYPES[kind]} ({text[:40]}{'...' if len(text) > 40 else ''})"
     return _TYPES.get(kind, kind)
+
+
+def _scalar(value, kind: str, bound: int = MAX_STRING) -> None:
+    """The rules beyond the schema: finite numbers, bounded and valid strings."""
+    if kind == "number" and not math.isfinite(value):
+        raise Invalid(f"{value} is not a JSON number (the report writes \"inf\", \"nan\" as strings)")
+    if kind == "string":
+        if len(value) > bound:
+            raise Invalid(f"a string of {len(value)} characters, over the {bound} allowed; refused")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise Invalid("a string that is not valid Unicode (a lone surrogate)") from None
+
+
+def _loose(value) -> None:
+    """A part the schema does not describe (environment, a diagnosis' evidence): only the rules
+    beyond the schema, walked without recursion (it may nest as deep as the parser allows)."""
+    stack = [(value, ())]
+    while stack:
+        node, parts = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, item in items:
+            kind = _KINDS.get(type(item))
+            try:
+                if isinstance(key, str) and len(key) > MAX_STRING:
+                    raise Invalid(f"a key of {len(key)} characters, over the {MAX_STRING} allowed; refused")
+                if kind == "object" or kind == "array":
+                    stack.append((item, parts + (key,)))
+                elif kind == "number" or kind == "string":
+                    _scalar(item, kind)
+            except Invalid as exc:
+                exc.parts.append(key)
+                exc.parts.extend(reversed(parts))
+                raise
 
 
 def _resolve(root: dict, ref: str) -> dict:
@@ -104,80 +157,151 @@ def _resolve(root: dict, ref: str) -> dict:
     return root["$defs"][ref[len(prefix):]]
 
 
-def _check(value, spec: dict, root: dict, where: str) -> None:
+def _compile(spec: dict, root: dict, memo: dict):
+    """A function that raises Invalid where a value breaks `spec`; compiled once, so that reading
+    a report of thousands of layers costs a walk, not a schema interpretation per field."""
+    if id(spec) in memo:
+        return memo[id(spec)]
+    body = []
+    memo[id(spec)] = lambda value: body[0](value)  # a $ref cycle resolves through this
     unknown = set(spec) - CHECKED - ANNOTATIONS
     if unknown:  # a schema change this reader does not follow: a bug of ours, said as one
-        raise ValueError(f"schema keyword(s) {', '.join(sorted(unknown))} at {where or 'the top'} are not checked")
-    if "$ref" in spec:
-        _check(value, _resolve(root, spec["$ref"]), root, where)
-    kind = _kind(value)
-    if kind == "number" and not math.isfinite(value):
-        raise Invalid(where, f"{value} is not a JSON number (the report writes \"inf\", \"nan\" as strings)")
-    if kind == "string":
-        bound = spec.get("maxLength", MAX_STRING)
-        if len(value) > bound:
-            raise Invalid(where, f"a string of {len(value)} characters, over the {bound} allowed; refused")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise Invalid(where, "a string that is not valid Unicode (a lone surrogate)") from None
+        raise ValueError(f"schema keyword(s) {', '.join(sorted(unknown))} are not checked")
+    ref = _compile(_resolve(root, spec["$ref"]), root, memo) if "$ref" in spec else None
+    types = None
     if "type" in spec:
-        types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
-        if not any(_is(value, kind, t) for t in types):
-            want = " or ".join(_TYPES[t] for t in types)
-            raise Invalid(where, f"expected {want}, got {_said(value, kind)}")
-    if "const" in spec and not _same(value, spec["const"]):
-        raise Invalid(where, f"expected {spec['const']!r}, got {_said(value, kind)}")
-    if "enum" in spec and not any(_same(value, e) for e in spec["enum"]):
-        listed = ", ".join("null" if e is None else str(e) for e in spec["enum"])
-        raise Invalid(where, f"expected one of {listed}, got {_said(value, kind)}")
-    if kind in ("integer", "number"):
-        if "minimum" in spec and not value >= spec["minimum"]:
-            raise Invalid(where, f"{value} is below the minimum {spec['minimum']}")
-        if "maximum" in spec and not value <= spec["maximum"]:
-            raise Invalid(where, f"{value} is above the maximum {spec['maximum']}")
-        if "exclusiveMinimum" in spec and not value > spec["exclusiveMinimum"]:
-            raise Invalid(where, f"{value} is not above {spec['exclusiveMinimum']}")
-    for key in ("anyOf", "oneOf"):
-        if key in spec:
-            _one_of(value, spec[key], root, where, key == "oneOf")
-    if kind == "object":
-        for key in spec.get("required", ()):
-            if key not in value:
-                raise Invalid(where, f"missing '{key}'")
-        props = spec.get("properties", {})
-        extra = spec.get("additionalProperties")
-        for key, item in value.items():
-            if len(key) > MAX_STRING:
-                raise Invalid(where, f"a key of {len(key)} characters, over the {MAX_STRING} allowed; refused")
-            if key in props:
-                _check(item, props[key], root, _join(where, key))
-            elif isinstance(extra, dict):
-                _check(item, extra, root, _join(where, key))
-    elif kind == "array":
-        if "maxItems" in spec and len(value) > spec["maxItems"]:
-            raise Invalid(where, f"{len(value)} items, over the {spec['maxItems']} allowed")
-        if "items" in spec:
-            for i, item in enumerate(value):
-                _check(item, spec["items"], root, f"{where}[{i}]")
+        types = set(spec["type"] if isinstance(spec["type"], list) else [spec["type"]])
+        wanted = " or ".join(_TYPES[t] for t in sorted(types, key=list(_TYPES).index))
+        if "number" in types:
+            types.add("integer")
+    has_const, const = "const" in spec, spec.get("const")
+    enum = spec.get("enum")
+    enum_set = None if enum is None else {(_json_kind(e), e) for e in enum}
+    bound = spec.get("maxLength", MAX_STRING)
+    low, high, above = spec.get("minimum"), spec.get("maximum"), spec.get("exclusiveMinimum")
+    alts = [(key == "oneOf", [(_quick(o, root), _compile(o, root, memo)) for o in spec[key]])
+            for key in ("anyOf", "oneOf") if key in spec]
+    required = spec.get("required", ())
+    props = {k: _compile(v, root, memo) for k, v in spec.get("properties", {}).items()}
+    extra = _compile(spec["additionalProperties"], root, memo) if isinstance(spec.get("additionalProperties"), dict) else None
+    items = _compile(spec["items"], root, memo) if "items" in spec else None
+    max_items = spec.get("maxItems")
+
+    def run(value):
+        kind = _KINDS.get(type(value)) or _kind(value)
+        if ref is not None:
+            ref(value)
+        if kind == "number" or kind == "string":
+            _scalar(value, kind, bound)
+        if types is not None and kind not in types:
+            raise Invalid(lambda: f"expected {wanted}, got {_said(value, kind)}")
+        if has_const and not _same(value, const):
+            raise Invalid(lambda: f"expected {const!r}, got {_said(value, kind)}")
+        if enum_set is not None and (_json_kind(kind), value if kind in _SCALARS else None) not in enum_set:
+            raise Invalid(lambda: f"expected one of {', '.join('null' if e is None else str(e) for e in enum)}, "
+                                  f"got {_said(value, kind)}")
+        if kind == "integer" or kind == "number":
+            if low is not None and not value >= low:
+                raise Invalid(f"{value} is below the minimum {low}")
+            if high is not None and not value <= high:
+                raise Invalid(f"{value} is above the maximum {high}")
+            if above is not None and not value > above:
+                raise Invalid(f"{value} is not above {above}")
+        for exactly_one, options in alts:
+            _one_of(value, options, exactly_one)
+        if kind == "object":
+            for key in required:
+                if key not in value:
+                    raise Invalid(f"missing '{key}'")
+            for key, item in value.items():
+                try:
+                    if len(key) > MAX_STRING:
+                        raise Invalid(f"a key of {len(key)} characters, over the {MAX_STRING} allowed; refused")
+                    sub = props.get(key, extra)
+                    if sub is not None:
+                        sub(item)
+                    elif isinstance(item, (dict, list)):
+                        _loose(item)
+                    else:
+                        _scalar(item, _KINDS.get(type(item)) or _kind(item))
+                except Invalid as exc:
+                    exc.parts.append(key)
+                    raise
+        elif kind == "array":
+            if max_items is not None and len(value) > max_items:
+                raise Invalid(f"{len(value)} items, over the {max_items} allowed")
+            if items is None:
+                _loose(value)
+            else:
+                for i, item in enumerate(value):
+                    try:
+                        items(item)
+                    except Invalid as exc:
+                        exc.parts.append(i)
+                        raise
+
+    body.append(run)
+    return run
 
 
-def _one_of(value, options: list, root: dict, where: str, exactly_one: bool) -> None:
+def _one_of(value, options: list, exactly_one: bool) -> None:
     failures, matched = [], 0
-    for option in options:
+    kind = _KINDS.get(type(value))
+    for quick, option in options:
+        if quick is not None and kind is not None and quick(value, kind):  # no exception to raise
+            matched += 1
+            continue
         try:
-            _check(value, option, root, where)
+            option(value)
             matched += 1
         except Invalid as exc:
             failures.append(exc)
     if matched == 0:
         # the option that got furthest into the value says the most (a nested field, not the type)
-        best = max(failures, key=lambda e: len(e.where))
-        if best.where != where:
+        best = max(failures, key=lambda e: len(e.parts))
+        if best.parts:
             raise best
-        raise Invalid(where, "; or ".join(dict.fromkeys(e.what for e in failures)))
+        raise Invalid(lambda: _merged([e.what for e in failures]))
     if exactly_one and matched > 1:
-        raise Invalid(where, "matches more than one of the schema's alternatives")
+        raise Invalid("matches more than one of the schema's alternatives")
+
+
+_SCALARS = ("null", "boolean", "integer", "number", "string")
+
+
+def _json_kind(kind_or_value) -> str:
+    """integer and number are one kind for equality (1 == 1.0), true is not 1."""
+    kind = kind_or_value if isinstance(kind_or_value, str) and kind_or_value in _TYPES else _kind(kind_or_value)
+    return "number" if kind == "integer" else kind
+
+
+def _quick(spec: dict, root: dict):
+    """For an alternative that is only a type or only an enum of scalars (after its $ref): a test
+    without exceptions, so that the common case of a oneOf costs a lookup."""
+    while set(spec) - ANNOTATIONS == {"$ref"}:
+        spec = _resolve(root, spec["$ref"])
+    keys = set(spec) - ANNOTATIONS
+    if keys == {"type"}:
+        types = set(spec["type"] if isinstance(spec["type"], list) else [spec["type"]])
+        if "number" in types:
+            types.add("integer")
+        if "string" in types:
+            return None  # a string's bound is checked by the full path
+        return lambda value, kind: kind in types
+    if keys == {"enum"} and all(_kind(e) in _SCALARS for e in spec["enum"]):
+        allowed = {(_json_kind(e), e) for e in spec["enum"]}
+        return lambda value, kind: kind in _SCALARS and (_json_kind(kind), value) in allowed
+    return None
+
+
+def _merged(whats: list[str]) -> str:
+    """The alternatives' complaints as one: "expected null or an object, got a string ('x')"."""
+    whats = list(dict.fromkeys(whats))
+    got = {w.partition(", got ")[2] for w in whats}
+    if len(got) == 1 and all(w.startswith("expected ") and ", got " in w for w in whats):
+        wanted = " or ".join(w.removeprefix("expected ").partition(", got ")[0] for w in whats)
+        return f"expected {wanted}, got {got.pop()}"
+    return "; or ".join(whats)
 
 
 def _same(a, b) -> bool:
@@ -185,7 +309,3 @@ def _same(a, b) -> bool:
     if type(a) in (int, float) and type(b) in (int, float):
         return a == b
     return type(a) is type(b) and a == b
-
-
-def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
