@@ -21,7 +21,7 @@ from parity_cli.errors import InputError
 MAX_STRING = 65536  # characters in any string of a report; names have a maxLength of their own
 # what a keyword of the shipped schema means here; anything else is refused (tests/test_saved_reports)
 CHECKED = {"type", "required", "properties", "additionalProperties", "items", "enum", "const", "$ref",
-           "anyOf", "oneOf", "minimum", "maximum", "exclusiveMinimum", "maxLength", "maxItems"}
+           "anyOf", "oneOf", "minimum", "maximum", "exclusiveMinimum", "maxLength", "minItems", "maxItems"}
 ANNOTATIONS = {"$schema", "$id", "$defs", "title", "description"}
 _TYPES = {"object": "an object", "array": "an array", "string": "a string", "number": "a number",
           "integer": "an integer", "boolean": "a boolean", "null": "null"}
@@ -185,7 +185,7 @@ def _compile(spec: dict, root: dict, memo: dict):
     props = {k: _compile(v, root, memo) for k, v in spec.get("properties", {}).items()}
     extra = _compile(spec["additionalProperties"], root, memo) if isinstance(spec.get("additionalProperties"), dict) else None
     items = _compile(spec["items"], root, memo) if "items" in spec else None
-    max_items = spec.get("maxItems")
+    min_items, max_items = spec.get("minItems"), spec.get("maxItems")
 
     def run(value):
         kind = _KINDS.get(type(value)) or _kind(value)
@@ -230,6 +230,8 @@ def _compile(spec: dict, root: dict, memo: dict):
         elif kind == "array":
             if max_items is not None and len(value) > max_items:
                 raise Invalid(f"{len(value)} items, over the {max_items} allowed")
+            if min_items is not None and len(value) < min_items:
+                raise Invalid(f"{len(value)} items, fewer than the {min_items} required")
             if items is None:
                 _loose(value)
             else:

@@ -159,6 +159,7 @@ CASES = [  # (command, edit, the field path the line names, what it says)
     ("explain", lambda d: d["layers"][0].update(name="x" * 300_000), "layers[0].name",
      "a string of 300000 characters, over the 4096 allowed"),
     ("report", lambda d: d["tolerance"].update(atol=float("inf")), "tolerance.atol", "inf is not a JSON number"),
+    ("report", lambda d: d["probes"].update(strata=[]), "probes.strata", "0 items, fewer than the 1 required"),
     ("report", lambda d: d["layers"][0]["strata"][0].update(worst="x"), "layers[0].strata[0].worst",
      "expected null or an object, got a string ('x')"),
 ]
@@ -293,12 +294,12 @@ def test_the_reader_follows_the_keywords_as_json_schema_does():
               "type": "object", "required": ["a"],
               "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"enum": [1, "x", None]},
                              "c": {"oneOf": [{"type": "number"}, {"type": "integer"}]},
-                             "d": {"type": "array", "items": {"type": "string", "maxLength": 2}, "maxItems": 2},
+                             "d": {"type": "array", "items": {"type": "string", "maxLength": 2}, "minItems": 1, "maxItems": 2},
                              "e": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "f": {"const": 1},
                              "g": {"type": "object", "additionalProperties": {"type": "boolean"}}}}
     cases = [{"a": 1}, {}, {"a": True}, {"a": -1}, {"a": 1.5}, {"a": 0, "b": 1}, {"a": 0, "b": True},
              {"a": 0, "b": None}, {"a": 0, "b": 2}, {"a": 0, "c": 1.5}, {"a": 0, "c": 1}, {"a": 0, "d": ["ab"]},
-             {"a": 0, "d": ["abc"]}, {"a": 0, "d": ["a", "b", "c"]}, {"a": 0, "e": 0}, {"a": 0, "e": 1},
+             {"a": 0, "d": ["abc"]}, {"a": 0, "d": ["a", "b", "c"]}, {"a": 0, "d": []}, {"a": 0, "e": 0}, {"a": 0, "e": 1},
              {"a": 0, "e": 1.01}, {"a": 0, "f": 1.0}, {"a": 0, "f": True}, {"a": 0, "g": {"k": True}},
              {"a": 0, "g": {"k": 1}}, {"a": 0, "x": [None]}, []]
     for case in cases:
