@@ -48,11 +48,9 @@ def test_eps_inside_vs_outside_the_root():
     x = torch.tensor([[0.001, 0.001]], dtype=torch.float64)
     inside = float(oracle_normalize(x, 1e-6)[0, 0])
     assert round(inside, 6) == 0.707107
-    from parity_cli.diagnosis import (
-        _rms_eps_outside,  # the variant the diagnosis plants
-    )
+    from parity_cli.diagnosis import _eps_outside  # the variant the diagnosis plants
 
-    outside = float(_rms_eps_outside(x, 1e-6)[0, 0])
+    outside = float(_eps_outside(x, 1e-6)[0, 0])
     assert round(outside, 6) == 0.999001
     assert abs(inside - outside) > 0.29
     assert round(float(oracle_normalize(x, 1e-4)[0, 0]), 6) == 0.099504
