@@ -370,11 +370,11 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         grad_tolerance_for,
         tolerance_for,
     )
-    from parity_cli.layer_check import Side, run_layers
+    from parity_cli.layer_check import Side, run_layers, setup_failure
     from parity_cli.layers import discover_layers
     from parity_cli.probes import load_strata, select_strata
     from parity_cli.report import Report
-    from parity_cli.supervisor import close_runners, open_runners, parse_memory, printed_note
+    from parity_cli.supervisor import close_runners, open_reference, open_runners, parse_memory, printed_note
 
     if not 0.0 <= opts.max_violation_fraction <= 1.0:
         raise InputError("--max-violation-fraction must be between 0 and 1")
@@ -390,7 +390,9 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     ref_dtype_name = dtype_name(opts.reference_dtype)
     cand_args = candidate_args(opts)
     memory = parse_memory(opts.candidate_memory)
-    ref_impl = impls.resolve(opts.reference)
+    # a plugin reference is loaded in its own supervised process (below), never here
+    ref_plugin = supervisor.reference_supervised(opts.reference, opts.isolation)
+    ref_impl = impls.precheck(opts.reference) if ref_plugin else impls.resolve(opts.reference)
 
     ckpt, fam, eps = load(path, opts.family, opts.eps)
     found = discover_layers(ckpt, fam, eps, opts.layers)
@@ -417,7 +419,6 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else (copy_dtype or stored_dtype(found.layers))
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
     grad_tol = grad_tolerance_for(cand_dtype_name, exact=opts.exact) if opts.grad else None
-    reference = Side(ref_impl, opts.reference, getattr(torch, ref_dtype_name), ref_device)
 
     warnings = list(found.warnings)
     if eps.source == "family-default":
@@ -434,13 +435,22 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         raise InputError(f"--threads must be a whole number >= 1, got {opts.threads}")
     timeout = timeout_of(opts)
     if opts.candidate_memory is None and memory is not None:
-        memory //= workers  # the default is half of RAM for all the workers together
+        memory //= workers * (2 if ref_plugin else 1)  # the default is half of RAM for all the children together
     sharded = workers > 1 and parallel.shardable(opts, device)
     if sharded:  # whole layers in worker processes: our own code end to end (parity_cli.parallel)
         cand_impl, runners = impls.resolve(opts.candidate, cand_args), []
     else:
         cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers,
                                           threads=opts.threads)
+    ref_runner = None
+    if ref_plugin:  # supervised exactly as the candidate: its exit, hang or memory is the user's input
+        try:
+            ref_impl, ref_runner = open_reference(opts.reference, ref_device, timeout, memory, max(1, len(runners)),
+                                                  opts.threads)
+        except BaseException:
+            close_runners(runners)
+            raise
+    reference = Side(ref_impl, opts.reference, getattr(torch, ref_dtype_name), ref_device, runner=ref_runner)
     isolated = any(getattr(r, "isolated", False) for r in runners)
     threads = torch.get_num_threads()
     try:
@@ -458,7 +468,10 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         note = printed_note(runners)
     finally:
         torch.set_num_threads(threads)
-        close_runners(runners)
+        close_runners(runners + ([ref_runner] if ref_runner else []))
+    setup = setup_failure(results, opts.candidate)
+    if setup:  # the same InputError from every layer's build, no output anywhere: exit 2, not a verdict
+        raise InputError(setup)
     if note:
         warnings.append(note)
 

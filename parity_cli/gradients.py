@@ -18,20 +18,28 @@ def upstream_for(seed: int, stratum: str, dim: int, x):
 
 
 def grad_strata(probe, x, upstream, rows, layer, reference, w_ref, b_ref, eps, grad_tol, cand_grad,
-                forward_error):
+                forward_error, ref_grad=None):
     """The "<stratum>:dx" and "<stratum>:dweight" results of one stratum. `cand_grad` is the
-    candidate's (dx, dweight, error) from its runner."""
+    candidate's (dx, dweight, error) from its runner; `ref_grad` the same from a supervised
+    plugin reference (None: the reference's autograd runs here)."""
     import torch
 
     from parity_cli.comparison import compare, errored
 
     name_dx, name_dw = f"{probe.stratum}:dx", f"{probe.stratum}:dweight"
     job = CandidateJob(layer=layer, weight=w_ref, bias=b_ref, eps=eps, device=reference.device, inputs=[])
-    try:
-        dx_ref, dw_ref = autograd(reference.impl, job, x.to(reference.dtype).to(reference.device),
-                                  upstream.to(reference.dtype).to(reference.device))
-    except Exception as exc:
-        raise InputError(failure(f"--reference {reference.spec} is not differentiable on {layer.name}: ", exc)) from None
+    if ref_grad is not None:
+        dx_ref, dw_ref, err = ref_grad
+        if err:
+            raise InputError(f"--reference {reference.spec} is not differentiable on {layer.name}: "
+                             f"{err.replace('candidate process', 'its process')}")
+    else:
+        try:
+            dx_ref, dw_ref = autograd(reference.impl, job, x.to(reference.dtype).to(reference.device),
+                                      upstream.to(reference.dtype).to(reference.device))
+        except Exception as exc:
+            raise InputError(failure(f"--reference {reference.spec} is not differentiable on {layer.name}: ",
+                                     exc)) from None
     dx_ref = dx_ref.to(torch.float64)
     dw_ref = None if dw_ref is None else dw_ref.to(torch.float64)
     if forward_error:

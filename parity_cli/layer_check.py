@@ -34,7 +34,8 @@ class Side:
     dtype: object  # torch dtype
     device: str
     eps: float | None = None  # None: the layer's own eps
-    runner: object = None  # the candidate's: runners.InProcessRunner or supervisor.Supervisor
+    runner: object = None  # the candidate's: runners.InProcessRunner or supervisor.Supervisor; a plugin
+    # reference's: supervisor.RunnerPool (None: the reference runs here)
 
 
 def weight_stats(weight) -> dict:
@@ -138,8 +139,12 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     candidate.runner.submit(job)  # the candidate computes while the reference does, below
 
     work = workspace()
-    refs = [_reference_batch(ps, j, reference, layer, w_ref, b_ref, eps, spread, rows, work, keep_tensors)
-            for j, ps in enumerate(sets)]
+    ref_grads = None
+    if reference.runner is not None:  # a plugin reference, in its own supervised process
+        refs, ref_grads = _supervised_reference(sets, reference, layer, w_ref, b_ref, eps, spread, rows, upstream)
+    else:
+        refs = [_reference_batch(ps, j, reference, layer, w_ref, b_ref, eps, spread, rows, work, keep_tensors)
+                for j, ps in enumerate(sets)]
     run = candidate.runner.collect()
     layer_error = run.error
 
@@ -190,7 +195,8 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     if opts.grad:
         for k, (probe, x) in enumerate(zip(probes, xs)):
             grads.extend(grad_strata(probe, x, upstream[k], rows, layer, reference, w_ref, b_ref, eps, grad_tol,
-                                     run.grad(k), layer_error or run.output(k).error))
+                                     run.grad(k), layer_error or run.output(k).error,
+                                     ref_grad=None if ref_grads is None else ref_grads[k]))
     warnings = list(layer.warnings)
     if overflowed:
         warnings.append(f"{overflowed} captured row(s) overflow {str(candidate.dtype).removeprefix('torch.')} "
@@ -212,6 +218,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         weight=stats, strata=results, error=layer_error, warnings=warnings, grad=grads,
         shape=list(layer.shape), findings=weight_findings,
     )
+    result.setup_error = layer_error if run.setup else None  # read by setup_failure, never written out
     if cand_layer is not layer or candidate.eps is not None:
         result.candidate_eps = {"value": cand_eps, "source": "option:--candidate-eps" if candidate.eps is not None
                                 else cand_layer.eps.source}
@@ -262,6 +269,40 @@ def _reference_batch(ps, j, reference: Side, layer, w_ref, b_ref, eps, spread, r
     return torch.cat([rows(_reference(ref_fn, spread(p.x), reference, layer, p)) for p in ps.probes])
 
 
+def _supervised_reference(sets, reference: Side, layer, w_ref, b_ref, eps, spread, rows, upstream):
+    """A plugin reference's outputs per probe set (float64, CPU) and, under --grad, its (dx,
+    dweight, error) per probe, from its supervised process. Whatever it does there (raise, exit,
+    hang, take the memory) ends the run as the user's input: exit 2, never a finding."""
+    import torch
+
+    probes = [p for ps in sets for p in ps.probes]
+    xs = [spread(p.x) for p in probes]
+    job = CandidateJob(layer=layer, weight=w_ref.cpu(), bias=None if b_ref is None else b_ref.cpu(), eps=eps,
+                       device=reference.device, inputs=[x.to(reference.dtype) for x in xs],
+                       upstream=None if upstream is None else [u.to(reference.dtype) for u in upstream])
+    run = reference.runner.run(job)
+
+    def said(text):  # the runner words it for a candidate
+        return text.replace("building the candidate failed: ", "").replace("candidate process", "its process")
+
+    if run.error:
+        raise InputError(f"--reference {reference.spec}: cannot run {layer.name}: {said(run.error)}")
+    outs = []
+    for k, (probe, x) in enumerate(zip(probes, xs)):
+        out = run.output(k)
+        if out.error is None and tuple(out.value.shape) != tuple(x.shape):
+            out.error = f"returned shape {list(out.value.shape)} for input {list(x.shape)}"
+        if out.error:
+            raise InputError(f"--reference {reference.spec} failed on {layer.name}, stratum {probe.stratum}: "
+                             f"{said(out.error)}")
+        outs.append(rows(out.value))
+    refs, k = [], 0
+    for ps in sets:
+        refs.append(torch.cat(outs[k:k + len(ps.probes)]))
+        k += len(ps.probes)
+    return refs, None if upstream is None else [run.grad(k) for k in range(len(probes))]
+
+
 def _reference(ref_fn, x, reference: Side, layer, probe):
     """The reference's output as float64 on the CPU; any fault in it is the user's input."""
     import torch
@@ -277,6 +318,33 @@ def _reference(ref_fn, x, reference: Side, layer, probe):
     except Exception as exc:
         raise InputError(failure(f"--reference {reference.spec} failed on {layer.name}, "
                                  f"stratum {probe.stratum}: ", exc)) from None
+
+
+SETUP_PREFIX = "building the candidate failed: InputError: "
+
+
+def setup_failure(results, spec: str) -> str | None:
+    """The one line of a setup error, or None. Every checked layer failed to build its candidate
+    with InputError (the implementation saying its input is at fault: no kernel for the dtype, an
+    argument it cannot take) and the same message, layer names and numbers aside, so no output
+    exists anywhere: that is the run's input, not 61 parity failures. A candidate whose build
+    or forward call raises anything else stays a finding on every layer."""
+    import re
+
+    checked = [r for r in results if r.strata or r.error]  # a layer missing from a converted copy was not
+    errors = [getattr(r, "setup_error", None) for r in checked]
+    if not checked or not all(errors):
+        return None
+
+    def shape(r, text):
+        return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text.replace(r.name, "<layer>"))
+
+    if len({shape(r, e) for r, e in zip(checked, errors)}) != 1:
+        return None
+    text = errors[0].removeprefix(SETUP_PREFIX)
+    layers = f"all {len(checked)} layers" if len(checked) > 1 else "its only layer"
+    who = "--candidate " + (text if text.startswith(f"{spec}: ") else f"{spec}: {text}")
+    return f"{who} (the same on {layers}, before any output)"
 
 
 def missing_layer(layer):
@@ -309,10 +377,10 @@ def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata,
                 progress(k, len(layers), layer.name)
             results.append(one(layer, candidates[0]))
         return results
-    return _threaded(layers, candidates, one, progress)
+    return _threaded(layers, candidates, one, progress, reference.runner)
 
 
-def _threaded(layers, candidates, one, progress):
+def _threaded(layers, candidates, one, progress, reference_runner=None):
     import queue
     import threading
 
@@ -354,6 +422,8 @@ def _threaded(layers, candidates, one, progress):
         stop.set()
         for candidate in candidates:
             candidate.runner.stop()
+        if reference_runner is not None:
+            reference_runner.stop()
         deadline = time.monotonic() + 30
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -29,12 +29,13 @@ def resolve_jobs(jobs) -> int:
 
 def shardable(opts, device: str) -> bool:
     """Whether --jobs can split the layers over whole worker processes: every step of a layer is
-    then our own code (the candidate a built-in that runs in-process on the CPU), and there is no
-    converted copy whose layers the parent pairs. Otherwise the workers are supervised candidate
+    then our own code (the candidate a built-in that runs in-process on the CPU, the reference no
+    plugin), and there is no converted copy whose layers the parent pairs. Otherwise the workers are supervised candidate
     children, driven from the parent's threads (layer_check.run_layers)."""
-    from parity_cli.supervisor import supervised
+    from parity_cli.supervisor import reference_supervised, supervised
 
-    return not supervised(opts.candidate, device, opts.isolation) and not opts.candidate_checkpoint
+    return not supervised(opts.candidate, device, opts.isolation) and not opts.candidate_checkpoint and \
+        not reference_supervised(opts.reference, opts.isolation)
 
 
 @dataclass(frozen=True)

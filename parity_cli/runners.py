@@ -44,6 +44,9 @@ class CandidateRun:
     error: str | None = None
     outputs: list[Output] = field(default_factory=list)
     grads: list[tuple] = field(default_factory=list)  # per input: (dx, dweight or None, error)
+    # building it raised InputError: the implementation says its setup is at fault (no kernel for
+    # the dtype, an argument it cannot take), not its math (layer_check.setup_failure)
+    setup: bool = False
 
     def output(self, k: int) -> Output:
         return self.outputs[k] if k < len(self.outputs) else Output(error=self.error or "no output")
@@ -88,7 +91,7 @@ def readable(y, expected_numel: int):
 
 
 def execute(impl, job: CandidateJob, guard=None, in_child: bool = False, copy_inputs: bool = True):
-    """Runs the job, yielding ("built", error), then ("out", k, tensor, dtype, error) per input,
+    """Runs the job, yielding ("built", error, setup), then ("out", k, tensor, dtype, error) per input,
     then ("grad", k, dx, dweight, error) per input under --grad. `guard()` runs after every
     call into candidate code (the child uses it to stop a process the candidate forked).
 
@@ -117,9 +120,11 @@ def execute(impl, job: CandidateJob, guard=None, in_child: bool = False, copy_in
     except BaseException as exc:  # SystemExit, KeyboardInterrupt from the candidate: findings too
         if isinstance(exc, KeyboardInterrupt) and not in_child:
             raise
-        yield ("built", failure("building the candidate failed: ", exc))
+        from parity_cli.errors import InputError
+
+        yield ("built", failure("building the candidate failed: ", exc), isinstance(exc, InputError))
         return
-    yield ("built", None)
+    yield ("built", None, False)
     failed = set()
     for k, x in enumerate(job.inputs):
         try:
@@ -195,7 +200,7 @@ def collect(events, run: CandidateRun) -> CandidateRun:
 
     for event in events:
         if event[0] == "built":
-            run.error = event[1]
+            run.error, run.setup = event[1], bool(event[1] and event[2])
         elif event[0] == "out":
             _, _, y, dtype, err = event
             run.outputs.append(Output(None if y is None else y.to(torch.float64), err, dtype))

@@ -454,6 +454,7 @@ class Supervisor:
         if head.get("type") != "built":
             raise _Stop(f"sent {str(head.get('type'))[:40]!r} before building (protocol violation)")
         run.error = _error(head.get("error"), allow_none=True)
+        run.setup = bool(run.error) and head.get("setup") is True
         if run.error:
             head, _ = self._frame(self._deadline, 0)
             if head.get("type") != "done":
@@ -700,6 +701,53 @@ def open_runners(spec: str, args: dict, device: str, isolation: str = "auto",
             sup.close()
         raise
     return impls.Implementation(info["name"], info["source"], None, info["description"]), sups
+
+
+def reference_supervised(spec: str, isolation: str) -> bool:
+    """A plugin --reference (anything but a built-in name) is untrusted code like a candidate:
+    supervised unless --isolation none. The float64 oracle and the built-ins run here."""
+    from parity_cli.implementations import BUILTINS
+
+    if isolation not in ISOLATION:
+        raise InputError(f"--isolation: '{isolation}' is not one of {', '.join(ISOLATION)}")
+    return spec not in BUILTINS and isolation != "none"
+
+
+def open_reference(spec: str, device: str, timeout: float | None, memory: int | None, count: int = 1,
+                   threads: int = 1):
+    """(Implementation, RunnerPool) for a plugin reference: `count` supervised children, one per
+    layer thread, each as a candidate's (timeout, memory cap, a fresh child after a kill)."""
+    impl, sups = open_runners(spec, {}, device, "process", timeout, memory, count, threads)
+    return impl, RunnerPool(sups)
+
+
+class RunnerPool:
+    """Several supervised children for one side, shared by the layer threads (--jobs N): each
+    run takes a free one, so no two threads ever speak on one child's pipe at once."""
+
+    isolated = True
+
+    def __init__(self, runners):
+        import queue
+
+        self.runners = list(runners)
+        self._free: queue.Queue = queue.Queue()
+        for runner in self.runners:
+            self._free.put(runner)
+
+    def run(self, job: CandidateJob) -> CandidateRun:
+        runner = self._free.get()
+        try:
+            return runner.run(job)
+        finally:
+            self._free.put(runner)
+
+    def stop(self) -> None:
+        for runner in self.runners:
+            runner.stop()
+
+    def close(self) -> None:
+        close_runners(self.runners)
 
 
 def supervised(spec: str, device: str, isolation: str) -> bool:

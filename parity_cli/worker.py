@@ -228,7 +228,7 @@ def serve(rconn, wconn, out_path: str, parent: int | None = None, lifeline=None)
         # --grad runs them again, after whatever the forward call did to them)
         for event in runners.execute(impl, job, _guard, in_child=True, copy_inputs=job.upstream is not None):
             if event[0] == "built":
-                _send(wfd, {"type": "built", "error": event[1]})
+                _send(wfd, {"type": "built", "error": event[1], "setup": event[2]})
             elif event[0] == "out":
                 _, k, y, dtype, err = event
                 if y is None:

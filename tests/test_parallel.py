@@ -56,19 +56,21 @@ def test_jobs_auto_records_its_workers(ckpt):
 
 
 def test_a_reference_fault_in_a_worker_is_exit_2(ckpt, tmp_path):
-    """The reference runs in the workers: its fault is still the user's input (InputError)."""
+    """Under --isolation none a plugin reference runs in the workers: its fault is still the
+    user's input (InputError)."""
     bad = tmp_path / "ref.py"
     bad.write_text(textwrap.dedent("""
         def norm(x, weight, eps):
             raise ValueError("no reference today")
     """))
     with pytest.raises(InputError, match="no reference today"):  # the CLI's exit 2, one line
-        api.check(ckpt("llama", layers=2), candidate="torch", reference=f"{bad}:norm", jobs=2)
+        api.check(ckpt("llama", layers=2), candidate="torch", reference=f"{bad}:norm", jobs=2, isolation="none")
 
 
 def test_a_worker_that_dies_is_an_error_not_a_hang(ckpt, tmp_path):
-    """A worker process killed mid-run (here by a reference that exits the process) ends the run
-    with a one-line error: ProcessPoolExecutor notices, a multiprocessing.Pool would wait forever."""
+    """A worker process killed mid-run (here by a reference that --isolation none runs in it, and
+    that exits the process) ends the run with a one-line error: ProcessPoolExecutor notices, a
+    multiprocessing.Pool would wait forever."""
     bad = tmp_path / "ref.py"
     bad.write_text(textwrap.dedent("""
         import os
@@ -77,7 +79,7 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(ckpt, tmp_path):
             os._exit(3)
     """))
     with pytest.raises(InputError, match="worker process died"):  # the CLI's exit 2, one line
-        api.check(ckpt("llama", layers=2), candidate="torch", reference=f"{bad}:norm", jobs=2)
+        api.check(ckpt("llama", layers=2), candidate="torch", reference=f"{bad}:norm", jobs=2, isolation="none")
 
 
 def test_workers_resolve_relative_paths_from_the_callers_directory(ckpt, tmp_path, monkeypatch):
@@ -92,5 +94,6 @@ def test_workers_resolve_relative_paths_from_the_callers_directory(ckpt, tmp_pat
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     """))
     monkeypatch.chdir(tmp_path)
-    report = api.check(os.path.relpath(path, tmp_path), candidate="torch", reference="ref.py:norm", jobs=2)
+    report = api.check(os.path.relpath(path, tmp_path), candidate="torch", reference="ref.py:norm", jobs=2,
+                       isolation="none")  # the reference then runs in the workers
     assert report.passed and report.header["candidate"]["workers"] == 2
