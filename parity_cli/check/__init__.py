@@ -1,0 +1,1 @@
+"""Stage 5: one layer through both sides, compared stratum by stratum; the results as values."""

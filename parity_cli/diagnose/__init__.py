@@ -1,0 +1,1 @@
+"""Stage 6: from a failing layer's strata to its cause."""
