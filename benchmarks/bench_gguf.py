@@ -15,7 +15,7 @@ def make(root: Path, vocab: int) -> tuple[Path, Path]:
     import gguf
     import numpy as np
 
-    from parity_cli.synthetic import write_checkpoint
+    from parity_cli.sources.synthetic import write_checkpoint
 
     hf = write_checkpoint(root / "hf", "gemma3", layers=2, eps=1e-6)
     path = root / "tok.gguf"
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import gguf
 
-    from parity_cli.gguf_reader import read_gguf
+    from parity_cli.sources.gguf_reader import read_gguf
 
     root = Path(tempfile.mkdtemp(prefix="parity-bench-gguf-"))
     hf, path = make(root, args.vocab)

@@ -102,7 +102,8 @@ def measure_load_file(shards, repeat, loader, quiet_wait):
 
 def what_if_pread(model, files):
     """In-process api.inspect as shipped (pread of each tensor) vs the earlier safe_open mmap reader."""
-    from parity_cli import api, checkpoint
+    from parity_cli import api
+    from parity_cli.sources import huggingface as checkpoint
 
     original = checkpoint.Checkpoint.read
     out = {}

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity_cli import __version__
-from parity_cli.checkpoint import open_checkpoint, resolve_eps
+from parity_cli.sources.huggingface import open_checkpoint, resolve_eps
 from parity_cli.errors import InputError
-from parity_cli.families import family_by_name, family_for_model_type
-from parity_cli.grouping import g as _g
-from parity_cli import parallel
-from parity_cli.parallel import resolve_jobs
-from parity_cli.replay import fingerprint, options_from_report, recorded_path, recorded_spec  # noqa: F401
+from parity_cli.model.families import family_by_name, family_for_model_type
+from parity_cli.report.grouping import g as _g
+from parity_cli.check import parallel
+from parity_cli.check.parallel import resolve_jobs
+from parity_cli.report.replay import fingerprint, options_from_report, recorded_path, recorded_spec  # noqa: F401
 
 DTYPES = {
     "float32": "float32", "fp32": "float32", "f32": "float32",
@@ -128,7 +128,7 @@ def _eps_dict(eps) -> dict:
     """eps with its source; a value stored as float32 (GGUF) also gives the decimal it came from."""
     out = {"value": eps.value, "source": eps.source}
     if eps.source.startswith("gguf:"):
-        from parity_cli.gguf_checkpoint import float32_decimal
+        from parity_cli.sources.gguf import float32_decimal
 
         out.update(stored_as="float32", decimal=float32_decimal(eps.value))
     return out
@@ -170,9 +170,9 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     weight and the RMS below which eps attenuates its output by more than 1%."""
     import math
 
-    from parity_cli.layer_check import weight_stats
-    from parity_cli.layers import discover_layers
-    from parity_cli.onnx_checkpoint import is_onnx
+    from parity_cli.check.layer import weight_stats
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.sources.onnx_graph import is_onnx
 
     if is_onnx(path):
         return _inspect_onnx(path)
@@ -203,7 +203,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         })
     # one line per kind of condition, with how many layers and which: a healthy 109-layer model
     # must not print 77 lines about it
-    from parity_cli.grouping import layer_count, name_pattern
+    from parity_cli.report.grouping import layer_count, name_pattern
 
     universe = [l.name for l in found.layers]
     notes = []
@@ -235,8 +235,8 @@ def _inspect_onnx(path) -> dict:
     import math
     from collections import Counter
 
-    from parity_cli.layer_check import weight_stats
-    from parity_cli.onnx_checkpoint import find_norms, load_model, reduced_words
+    from parity_cli.check.layer import weight_stats
+    from parity_cli.sources.onnx_graph import find_norms, load_model, reduced_words
 
     path = Path(path)
     model = load_model(path)
@@ -277,14 +277,14 @@ def stored_dtype(layers) -> str:
 
 
 def candidate_args(opts: CheckOptions) -> dict:
-    from parity_cli.implementations import parse_args
+    from parity_cli.backends.implementations import parse_args
 
     return opts.candidate_args if isinstance(opts.candidate_args, dict) else parse_args(opts.candidate_args)
 
 
 def timeout_of(opts: CheckOptions) -> float | None:
     """Seconds per layer: the default when unset, none at all only when asked for (inf)."""
-    from parity_cli.supervisor import DEFAULT_TIMEOUT
+    from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT
 
     if opts.timeout is None:
         return DEFAULT_TIMEOUT
@@ -296,7 +296,7 @@ def effective(opts: CheckOptions) -> CheckOptions:
     Runtime; anything else gets torch's fused kernel."""
     import dataclasses
 
-    from parity_cli.onnx_checkpoint import is_onnx
+    from parity_cli.sources.onnx_graph import is_onnx
 
     if opts.candidate:
         return opts
@@ -310,8 +310,8 @@ def converted(opts: CheckOptions, reference_layers) -> tuple:
     the reference; an .onnx graph through onnx_checkpoint."""
     import fnmatch
 
-    from parity_cli.layers import discover_layers
-    from parity_cli.onnx_checkpoint import candidate_layers, is_onnx
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.sources.onnx_graph import candidate_layers, is_onnx
 
     if is_onnx(opts.candidate_checkpoint):
         layers, info = candidate_layers(opts.candidate_checkpoint, reference_layers)
@@ -345,7 +345,7 @@ def with_captured(opts: CheckOptions, layers, everything):
         return opts, None
     import dataclasses
 
-    from parity_cli import capture
+    from parity_cli.probes import capture
 
     rows, meta = capture.load(opts.activations, layers, everything())
     return dataclasses.replace(opts, captured=rows), meta
@@ -356,7 +356,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
 
     `progress(done, total, layer_name)` is called before each layer (the CLI's progress bar)."""
     opts = effective(options or CheckOptions(**kwargs))
-    from parity_cli import supervisor
+    from parity_cli.isolation import supervisor
 
     if supervisor.supervised(opts.candidate, opts.device, opts.isolation) or (
             parallel.resolve_jobs(opts.jobs) > 1 and not opts.candidate_checkpoint):
@@ -364,17 +364,17 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     with supervisor.deferred_interrupt():
         import torch
 
-    from parity_cli import implementations as impls
+    from parity_cli.backends import implementations as impls
     from parity_cli.comparison import (
         ZERO_REFERENCE_RULE,
         grad_tolerance_for,
         tolerance_for,
     )
-    from parity_cli.layer_check import Side, run_layers, setup_failure
-    from parity_cli.layers import discover_layers
-    from parity_cli.probes import load_strata, select_strata
-    from parity_cli.report import Report
-    from parity_cli.supervisor import close_runners, open_reference, open_runners, parse_memory, printed_note
+    from parity_cli.check.layer import Side, run_layers, setup_failure
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.probes.strata import load_strata, select_strata
+    from parity_cli.check.results import Report
+    from parity_cli.isolation.supervisor import close_runners, open_reference, open_runners, parse_memory, printed_note
 
     if not 0.0 <= opts.max_violation_fraction <= 1.0:
         raise InputError("--max-violation-fraction must be between 0 and 1")
@@ -403,7 +403,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                                         if opts.layers else found.layers)
     pairing, conversion, copy_dtype = None, None, None
     if opts.candidate_checkpoint:
-        from parity_cli.pairing import pair
+        from parity_cli.model.pairing import pair
 
         copy_layers, conversion, copy_dtype = converted(opts, found.layers)
         if conversion["format"] == "onnx" and opts.candidate == "onnxruntime":
@@ -437,7 +437,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     if opts.candidate_memory is None and memory is not None:
         memory //= workers * (2 if ref_plugin else 1)  # the default is half of RAM for all the children together
     sharded = workers > 1 and parallel.shardable(opts, device)
-    if sharded:  # whole layers in worker processes: our own code end to end (parity_cli.parallel)
+    if sharded:  # whole layers in worker processes: our own code end to end (parity_cli.check.parallel)
         cand_impl, runners = impls.resolve(opts.candidate, cand_args), []
     else:
         cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers,

@@ -35,7 +35,7 @@ def _on_sigterm(signum, frame):
 
 
 def _console(stderr: bool = False):
-    from parity_cli.layout import console
+    from parity_cli.report.layout import console
 
     return console(stderr=stderr)
 
@@ -55,7 +55,7 @@ def _output_path(raw: str, flag: str) -> Path:
     writable. The name given is kept: the link, if it is one, is written through at the end."""
     import os
 
-    from parity_cli.report import output_target
+    from parity_cli.check.results import output_target
 
     path = Path(raw).expanduser().absolute()  # now: a candidate may chdir later
     parent = output_target(path, flag).parent  # the staged file and the rename happen beside the target
@@ -73,7 +73,7 @@ def _inputs(items: list, wanted: set) -> set:
     """Which of the `wanted` resolved paths a run reads: each input file, every file of a
     checkpoint directory, the source of a FILE.py:ATTR plugin (`impl:` prefixed items), and the
     external data an .onnx graph names (a file in its directory whose name the graph holds)."""
-    from parity_cli.implementations import is_file_target
+    from parity_cli.backends.implementations import is_file_target
 
     found = set()
     for item in items:
@@ -139,7 +139,7 @@ def _check_outputs(named: dict, inputs: list) -> dict:
     """Every output distinct, none an input of the run (a report written over config.json, the
     plugin's source, the baseline, an .onnx graph's external data): compared by where each lands
     once its links are followed."""
-    from parity_cli.report import output_target
+    from parity_cli.check.results import output_target
 
     taken: dict = {}
     out = {}
@@ -254,12 +254,12 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
     json_path, junit_path, markdown_path, plot_path = (
         None if outputs.get(f) is None else str(outputs[f]) for f in ("--json", "--junit", "--markdown", "--plot"))
     if plot_path:
-        from parity_cli.plot import check_target
+        from parity_cli.report.plot import check_target
 
         check_target(plot_path)
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
-    from parity_cli.gate import gate, load_baseline
+    from parity_cli.report.gate import gate, load_baseline
 
     baseline = load_baseline(baseline_path) if baseline_path else None
     options = CheckOptions(
@@ -285,7 +285,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
     data["gate"] = gate(data, fail_on, baseline, baseline_path)
     to_stdout = json_path == "-"
     _write_outputs(data, None if to_stdout else json_path, junit_path, markdown_path, plot=(report, plot_path))
-    from parity_cli import terminal
+    from parity_cli.report import terminal
 
     console = _console(stderr=to_stdout)  # with the JSON on stdout, the human output goes to stderr
     mismatch = (data["gate"].get("baseline") or {}).get("mismatch")
@@ -303,7 +303,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
                     f"{f['layer']} {f['stratum']} {f['code']}: {f['worse']}")
             console.print(f"[yellow]{escape(said)}[/]", soft_wrap=True)
     if to_stdout:
-        from parity_cli.report import json_text
+        from parity_cli.check.results import json_text
 
         click.echo(json_text(data), nl=False)
     return data["gate"]["exit_code"]
@@ -345,13 +345,13 @@ class _progress:
 def _write_outputs(data: dict, json_path, junit_path, markdown_path, plot=(None, None)) -> None:
     """The whole set, plot included, or none of it (Ctrl-C or a full disk during the plot left
     the JSON and JUnit without it)."""
-    from parity_cli.formats import to_junit, to_markdown
-    from parity_cli.report import json_text, write_files
+    from parity_cli.report.formats import to_junit, to_markdown
+    from parity_cli.check.results import json_text, write_files
 
     outputs = {}
     report, plot_path = plot
     if plot_path:
-        from parity_cli.plot import render_plot
+        from parity_cli.report.plot import render_plot
 
         outputs[plot_path] = render_plot(report, plot_path)
     if json_path:
@@ -371,10 +371,10 @@ def _write_outputs(data: dict, json_path, junit_path, markdown_path, plot=(None,
 @click.option("--quiet", "-q", is_flag=True, help="Table format: one line, the verdict and what failed it.")
 def report(report_path, fmt, verbose, quiet):
     """Re-render a saved JSON report without rerunning anything."""
-    from parity_cli.formats import to_junit, to_markdown
-    from parity_cli.gate import load_report
-    from parity_cli.report import json_text
-    from parity_cli.terminal import quiet_line, render
+    from parity_cli.report.formats import to_junit, to_markdown
+    from parity_cli.report.gate import load_report
+    from parity_cli.check.results import json_text
+    from parity_cli.report.terminal import quiet_line, render
 
     data = load_report(report_path)
     if fmt == "table" and quiet:
@@ -402,12 +402,12 @@ def inspect(checkpoint, family, eps, json_path):
     json_path = _check_output_target(json_path, [checkpoint])
     preflight.inspect_inputs(checkpoint, family)
     from parity_cli.api import inspect as run_inspect
-    from parity_cli.report import write_json
+    from parity_cli.check.results import write_json
 
     info = run_inspect(checkpoint, family, eps)
     if json_path:
         write_json(info, json_path)
-    from parity_cli.terminal import render_inspect
+    from parity_cli.report.terminal import render_inspect
 
     render_inspect(info, _console())
     return EXIT_PASS
@@ -419,7 +419,7 @@ def families(as_json):
     """Supported model families and the semantics the reference reproduces for each."""
     import json
 
-    from parity_cli.families import load_families
+    from parity_cli.model.families import load_families
 
     rows = []
     for fam in load_families().values():
@@ -434,7 +434,7 @@ def families(as_json):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return EXIT_PASS
-    from parity_cli.layout import Column, table
+    from parity_cli.report.layout import Column, table
 
     columns = [Column("family"), Column("kind", with_name=True), Column("model types", "types"),
                Column("numerics", "numerics"), Column("gain", "gain"), Column("eps key -> default", "eps"),
@@ -457,9 +457,9 @@ def demo():
     """Check the bundled tiny checkpoint twice: a matching candidate, then a planted eps fault."""
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
-    from parity_cli.grouping import g
+    from parity_cli.report.grouping import g
     from parity_cli.resources import demo_checkpoint
-    from parity_cli.terminal import heading, render
+    from parity_cli.report.terminal import heading, render
 
     console = _console()
     path = demo_checkpoint()
@@ -509,9 +509,9 @@ def explain_cmd(report_path, checkpoint, candidate, reference, trust_report, can
     plugin code it names runs only when named again (--candidate, --reference) or under
     --trust-report, and how the candidate is supervised (--isolation, --timeout) is never the file's."""
     from parity_cli import preflight
-    from parity_cli.gate import load_report
-    from parity_cli.replay import options_from_report, verify_fingerprint
-    from parity_cli.report import json_text, write_files
+    from parity_cli.report.gate import load_report
+    from parity_cli.report.replay import options_from_report, verify_fingerprint
+    from parity_cli.check.results import json_text, write_files
 
     _check_output_target(json_path, [report_path])
     preflight.option_values(timeout=timeout)
@@ -533,7 +533,7 @@ def explain_cmd(report_path, checkpoint, candidate, reference, trust_report, can
     if warning:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
     from parity_cli.explain import explain_groups
-    from parity_cli.terminal import render_explain
+    from parity_cli.report.terminal import render_explain
 
     ladders = explain_groups(path, options, data, names)
     if json_path:
@@ -544,7 +544,7 @@ def explain_cmd(report_path, checkpoint, candidate, reference, trust_report, can
 
 def _plain(value):
     """Non-finite floats as the report writes them ("inf", "nan")."""
-    from parity_cli.report import _jsonable
+    from parity_cli.check.results import _jsonable
 
     return _jsonable(value)
 
@@ -571,7 +571,7 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
         raise InputError("parity capture: give --text FILE or --prompt TEXT (one of them)")
     outputs = _check_outputs({"-o": out_path}, [model] + ([text_path] if text_path else []))
     if text_path:
-        from parity_cli.jsonfile import regular_file
+        from parity_cli.sources.jsonfile import regular_file
 
         regular_file(text_path, "the text", 1 << 30, "over the 1 GiB a text may have")
         try:
@@ -581,8 +581,8 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
             raise InputError(f"{text_path}: cannot read: {exc.strerror}") from None
     else:
         text = prompt
-    from parity_cli.capture import capture as run_capture
-    from parity_cli.capture import write
+    from parity_cli.probes.capture import capture as run_capture
+    from parity_cli.probes.capture import write
 
     tensors, meta = run_capture(model, text, max_tokens=max_tokens, rows_per_layer=rows_per_layer, device=device,
                                 seed=seed)
@@ -596,10 +596,10 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def implementations(as_json):
     """Built-in implementations and those installed packages register (entry point group
-    parity_cli.implementations), with where each comes from."""
+    parity_cli.backends.implementations), with where each comes from."""
     import json
 
-    from parity_cli.implementations import available
+    from parity_cli.backends.implementations import available
 
     rows = available()
     if as_json:
@@ -665,8 +665,8 @@ def _signal_exit(word: str, code: int, hard: bool) -> int:
     `hard` only for the real command line: a caller of main(argv) keeps its process."""
     import os
 
-    if "parity_cli.supervisor" in sys.modules:
-        sys.modules["parity_cli.supervisor"].kill_all()
+    if "parity_cli.isolation.supervisor" in sys.modules:
+        sys.modules["parity_cli.isolation.supervisor"].kill_all()
     click.echo(f"parity: {word}", err=True)
     if not hard:
         return code

@@ -106,7 +106,7 @@ def q_over_eps_stats(x, eps: float, kind: str, q=None):
 
     A zero row has q/eps = 0 and A = 0 (its output is zero); with eps = 0 every nonzero row
     has q/eps = inf and A = 1."""
-    from parity_cli.implementations import mean_square
+    from parity_cli.backends.implementations import mean_square
 
     if q is None:
         q = mean_square(x, kind)
@@ -180,7 +180,7 @@ def compare(name: str, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     bitwise comparisons and for strata that fail (where it says how far off they are)."""
     import torch
 
-    from parity_cli.implementations import mean_square
+    from parity_cli.backends.implementations import mean_square
 
     if tuple(cand.shape) != tuple(ref.shape):
         return errored(name, x, eps, kind, f"candidate returned shape {list(cand.shape)}, expected {list(ref.shape)}")
@@ -313,7 +313,7 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
     rounds above 1), so the worst element and the verdict come from one pass."""
     import torch
 
-    from parity_cli.implementations import mean_square
+    from parity_cli.backends.implementations import mean_square
 
     q = mean_square(x, kind) if q is None else q
     # atol below the smallest normal float64 (or 0) would let d / allowed overflow where

@@ -36,16 +36,16 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     import torch
 
     from parity_cli import api
-    from parity_cli import implementations as impls
-    from parity_cli.checkpoint import Eps
+    from parity_cli.backends import implementations as impls
+    from parity_cli.sources.huggingface import Eps
     from parity_cli.comparison import tolerance_for
-    from parity_cli.diagnosis import Context, estimate_eps
-    from parity_cli.layer_check import Side, check_layer, first_head
-    from parity_cli.layers import discover_layers
-    from parity_cli.probes import select_strata
-    from parity_cli.runners import InProcessRunner
-    from parity_cli.supervisor import close_runners, open_runners, parse_memory
-    from parity_cli.terminal import fmt
+    from parity_cli.diagnose.causes import Context, estimate_eps
+    from parity_cli.check.layer import Side, check_layer, first_head
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.probes.strata import select_strata
+    from parity_cli.isolation.runners import InProcessRunner
+    from parity_cli.isolation.supervisor import close_runners, open_runners, parse_memory
+    from parity_cli.report.terminal import fmt
 
     opts = dataclasses.replace(api.effective(opts), grad=False)
     if layer_names:  # the caller has the report already (check --explain, parity explain REPORT.json)
@@ -62,7 +62,7 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     strata = select_strata(opts.strata)
     copies, copy_dtype = None, None  # --candidate-checkpoint: the candidate keeps the copy's weights and eps
     if opts.candidate_checkpoint:
-        from parity_cli.pairing import pair
+        from parity_cli.model.pairing import pair
 
         copy_layers, _, copy_dtype = api.converted(opts, list(found.values()))
         copies = pair(list(found.values()), copy_layers, opts.candidate_checkpoint).candidate_layers
@@ -147,7 +147,7 @@ VERDICTS = {  # the most specific factor first: eps, then dtype, then the kernel
 def conclude(steps: list[dict]) -> dict:
     """The factor whose change alone removes the error, with what is left after changing it;
     or, when none does, the change that comes closest and what it leaves."""
-    from parity_cli.terminal import fmt
+    from parity_cli.report.terminal import fmt
 
     def residual(st):
         return {"status": st["status"], "max_abs_err": st["max_abs_err"], "max_rel_err": st["max_rel_err"],
@@ -184,7 +184,7 @@ def _from_findings(layer: dict, conclusion: dict | None) -> dict | None:
     findings = layer.get("findings", [])
     if not findings or (conclusion and conclusion.get("factor")):
         return conclusion
-    from parity_cli.grouping import short
+    from parity_cli.report.grouping import short
 
     what = "; ".join(short(f) for f in findings)
     return {"factor": "checkpoint", "residual": (conclusion or {}).get("residual"),
@@ -196,7 +196,7 @@ def explain_groups(path, opts, report: dict, layer_names: list[str] | None = Non
     the same way share its conclusion, and a 109-layer failure costs a handful of ladders.
     Returns {"groups": [...], "layers": {name: conclusion}}; layers without strata (the
     candidate never ran, or only the checkpoints differ) have no ladder."""
-    from parity_cli import grouping
+    from parity_cli.report import grouping
 
     wanted = set(layer_names) if layer_names else None
     if wanted:

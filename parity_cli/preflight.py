@@ -30,7 +30,7 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
     option_values(**(options or {}))
     checkpoint_input(checkpoint, family)
     if candidate_checkpoint:
-        from parity_cli.onnx_checkpoint import is_onnx
+        from parity_cli.sources.onnx_graph import is_onnx
 
         if is_onnx(candidate_checkpoint):
             onnx_input(candidate_checkpoint)
@@ -45,7 +45,7 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
     if reference_device != "auto":
         device_input(reference_device, "--reference-device")
     if strata:
-        from parity_cli.probes import select_strata
+        from parity_cli.probes.strata import select_strata
 
         select_strata([s.strip() for s in strata.split(",") if s.strip()] if isinstance(strata, str) else list(strata))
     implementation_input(candidate, "--candidate")
@@ -55,7 +55,7 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
 
 
 def inspect_inputs(checkpoint, family=None) -> None:
-    from parity_cli.onnx_checkpoint import is_onnx
+    from parity_cli.sources.onnx_graph import is_onnx
 
     if is_onnx(checkpoint):
         return onnx_input(checkpoint)
@@ -70,7 +70,7 @@ def _inspect_inputs(checkpoint, family=None) -> None:
 def report_input(path, what: str = "the report") -> None:
     """A saved report (`parity report`, `parity explain`) or a --baseline: there, a regular
     file, under the size cap. Worded as jsonfile.load words it; the JSON is read later."""
-    from parity_cli.jsonfile import MAX_BYTES, regular_file
+    from parity_cli.sources.jsonfile import MAX_BYTES, regular_file
 
     cap = MAX_BYTES["report"]
     regular_file(Path(path), what, cap, f"over the {cap >> 20} MiB a report may have")
@@ -80,11 +80,11 @@ def checkpoint_input(path, family=None) -> None:
     """A directory is opened as `check` opens it (config, shard index, safetensors header: no
     tensor bytes), so every layout open_checkpoint refuses is refused here in its words. A GGUF
     file is only recognised: reading its metadata needs gguf, which imports numpy."""
-    from parity_cli.checkpoint import open_checkpoint
-    from parity_cli.families import family_by_name, family_for_model_type
-    from parity_cli.gguf_checkpoint import is_gguf
+    from parity_cli.sources.huggingface import open_checkpoint
+    from parity_cli.model.families import family_by_name, family_for_model_type
+    from parity_cli.sources.gguf import is_gguf
 
-    from parity_cli.onnx_checkpoint import is_onnx
+    from parity_cli.sources.onnx_graph import is_onnx
 
     path = Path(path)
     st = _stat(path)
@@ -108,8 +108,8 @@ def checkpoint_input(path, family=None) -> None:
 
 def onnx_input(path) -> None:
     """An .onnx file: a regular file within protobuf's size, and onnx + onnxruntime installed."""
-    from parity_cli.jsonfile import regular_file
-    from parity_cli.onnx_checkpoint import MAX_ONNX_BYTES
+    from parity_cli.sources.jsonfile import regular_file
+    from parity_cli.sources.onnx_graph import MAX_ONNX_BYTES
 
     path = Path(path)
     if _stat(path) is None:
@@ -139,7 +139,7 @@ def implementation_input(spec, option: str = "--candidate") -> None:
     """What can be said of an IMPL without running any of its code: a built-in's package is
     installed, a plain name is a built-in or an installed entry point, FILE.py exists, MODULE
     can be found. A plugin whose own imports fail is found out only by importing it."""
-    from parity_cli import implementations as impls
+    from parity_cli.backends import implementations as impls
 
     spec = str(spec)
     if spec in impls.BUILTINS:
@@ -181,7 +181,7 @@ def option_values(eps=None, candidate_eps=None, atol=None, rtol=None, timeout=No
                   candidate_memory=None, candidate_args=None, jobs=None) -> None:
     """The same rules api.check applies, said before torch loads."""
     if jobs is not None:
-        from parity_cli.parallel import resolve_jobs
+        from parity_cli.check.parallel import resolve_jobs
 
         resolve_jobs(jobs)
     for flag, value in (("--eps", eps), ("--candidate-eps", candidate_eps), ("--atol", atol), ("--rtol", rtol)):
@@ -192,10 +192,10 @@ def option_values(eps=None, candidate_eps=None, atol=None, rtol=None, timeout=No
     if max_violation_fraction is not None and not 0.0 <= max_violation_fraction <= 1.0:
         raise InputError("--max-violation-fraction must be between 0 and 1")
     if candidate_memory is not None:
-        from parity_cli.supervisor import parse_memory
+        from parity_cli.isolation.supervisor import parse_memory
 
         parse_memory(candidate_memory)
     if candidate_args:
-        from parity_cli.implementations import parse_args
+        from parity_cli.backends.implementations import parse_args
 
         parse_args(candidate_args)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from parity_cli.synthetic import write_checkpoint
+from parity_cli.sources.synthetic import write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins" / "norms.py"

@@ -136,7 +136,7 @@ def run_case(case, root, listed=None):
     """(layers' (status, codes), expected codes) for one panel case (and into `listed`, the
     variants a marginal diagnosis lists)."""
     from parity_cli import api
-    from parity_cli.synthetic import write_checkpoint
+    from parity_cli.sources.synthetic import write_checkpoint
 
     family, dtype, eps, faults, hidden = case
     model_type, offset, kind = FAMILIES[family]

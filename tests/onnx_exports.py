@@ -66,7 +66,7 @@ def export(ckpt_dir, out, exporter="torchscript", drop=(), swap_class=None, eps=
            external=False):
     """Exports the checkpoint's norms to `out`; returns the path."""
     from parity_cli import api
-    from parity_cli.layers import discover_layers
+    from parity_cli.model.layers import discover_layers
 
     ckpt, fam, resolved = api.load(ckpt_dir)
     layers = [l for l in discover_layers(ckpt, fam, resolved).layers if l.name not in drop]
@@ -118,7 +118,7 @@ def export_wrapped(ckpt_dir, out, exporter="torchscript", swap=None):
     import warnings
 
     from parity_cli import api
-    from parity_cli.layers import discover_layers
+    from parity_cli.model.layers import discover_layers
 
     ckpt, fam, resolved = api.load(ckpt_dir)
     layers = discover_layers(ckpt, fam, resolved).layers

@@ -74,7 +74,7 @@ def test_capture_sees_every_norm_and_keeps_the_smallest_rows(which, llama, bert,
     from safetensors import safe_open
 
     from parity_cli import api
-    from parity_cli.layers import discover_layers
+    from parity_cli.model.layers import discover_layers
 
     model = {"llama": llama, "bert": bert}[which]
     out = tmp_path / "acts.safetensors"
@@ -141,7 +141,7 @@ def test_a_capture_of_another_model_is_refused(llama, bert, tmp_path):
 
 
 def test_rows_stay_bounded_by_k_whatever_the_tokens(llama):
-    from parity_cli.capture import capture
+    from parity_cli.probes.capture import capture
 
     for tokens in (30, 400):  # in-process: the sample, not the command, is under test here
         rows, meta = capture(llama, TEXT + " " + TEXT, max_tokens=tokens, rows_per_layer=9)
@@ -194,7 +194,7 @@ def test_capture_from_a_gguf(llama, tmp_path):
     from safetensors import safe_open
 
     from parity_cli import api
-    from parity_cli.layers import discover_layers
+    from parity_cli.model.layers import discover_layers
 
     path = _write_gguf(llama, tmp_path / "tiny.gguf")
     out = tmp_path / "acts.safetensors"
@@ -241,8 +241,8 @@ def test_rows_of_the_wrong_width_are_refused(llama, tmp_path):
     from safetensors.torch import save_file
 
     from parity_cli import api
-    from parity_cli.layers import discover_layers
-    from parity_cli.replay import fingerprint
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.report.replay import fingerprint
 
     ckpt, fam, eps = api.load(llama)
     meta = {"parity": json.dumps({"fingerprint": fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"]})}
@@ -259,8 +259,8 @@ def _capture_file(llama, tmp_path, name, rows: dict, **meta_extra):
     from safetensors.torch import save_file
 
     from parity_cli import api
-    from parity_cli.layers import discover_layers
-    from parity_cli.replay import fingerprint
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.report.replay import fingerprint
 
     ckpt, fam, eps = api.load(llama)
     meta = {"fingerprint": fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"], **meta_extra}

@@ -5,8 +5,8 @@ import torch
 
 from parity_cli import api
 from parity_cli.errors import InputError
-from parity_cli.families import family_by_name, load_families
-from parity_cli.layers import discover_layers
+from parity_cli.model.families import family_by_name, load_families
+from parity_cli.model.layers import discover_layers
 
 
 def layer_names(path, **kw):

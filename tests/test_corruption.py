@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from parity_cli.cli import main
-from parity_cli.synthetic import write_checkpoint
+from parity_cli.sources.synthetic import write_checkpoint
 
 SEED = 20261129
 

@@ -148,7 +148,7 @@ def test_a_fault_on_every_other_channel_of_a_wide_layer_is_named():
     and the layer was `unexplained`. Expected: 2048 = 4096 / 2 channels, from the fault."""
     import tempfile
 
-    from parity_cli.synthetic import write_checkpoint
+    from parity_cli.sources.synthetic import write_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(tmp + "/c", "llama", layers=1, hidden=4096, heads=32, eps=1e-5)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from parity_cli import api
-from parity_cli.implementations import BUILTINS
-from parity_cli.layers import discover_layers
-from parity_cli.probes import build_probes, load_strata
-from parity_cli.synthetic import LAYOUTS
+from parity_cli.backends.implementations import BUILTINS
+from parity_cli.model.layers import discover_layers
+from parity_cli.probes.strata import build_probes, load_strata
+from parity_cli.sources.synthetic import LAYOUTS
 
 L = 3
 # Norm layers per checkpoint, counted by hand from each transformers modeling_*.py

@@ -4,7 +4,7 @@ import pytest
 from conftest import plugin
 
 from parity_cli import api
-from parity_cli.synthetic import LAYOUTS
+from parity_cli.sources.synthetic import LAYOUTS
 
 
 @pytest.mark.parametrize("model_type", sorted(LAYOUTS))

@@ -107,7 +107,7 @@ def test_fail_on_warn(ckpt):
 def test_heat_grid_has_a_cell_per_layer_and_stratum(ckpt):
     from rich.console import Console
 
-    from parity_cli.terminal import render_heat
+    from parity_cli.report.terminal import render_heat
 
     path = ckpt("llama", layers=3, eps=1e-5)
     report = api.check(path, candidate="torch", candidate_eps=1e-6).to_dict()
@@ -125,7 +125,7 @@ def test_heat_grid_has_a_cell_per_layer_and_stratum(ckpt):
 def test_heat_grid_wraps_a_126_layer_model_to_the_width():
     from rich.console import Console
 
-    from parity_cli.terminal import render_heat
+    from parity_cli.report.terminal import render_heat
 
     stratum = {"name": "normal", "status": "pass", "nonfinite": {"reference": 0, "candidate": 0},
                "worst": {"candidate": 1.0, "reference": 1.0, "allowed": 0.1}}

@@ -9,7 +9,7 @@ from conftest import load_json, plugin, run_parity
 from parity_cli import api
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (the gguf extra)")
-from parity_cli.synthetic import hf_to_gguf  # noqa: E402
+from parity_cli.sources.synthetic import hf_to_gguf  # noqa: E402
 
 
 def f32(x: float) -> float:

@@ -9,9 +9,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package")
 
-from parity_cli.gguf_reader import Array, read_gguf  # noqa: E402
+from parity_cli.sources.gguf_reader import Array, read_gguf  # noqa: E402
 from conftest import run_bounded  # noqa: E402
-from parity_cli.synthetic import hf_to_gguf, write_checkpoint  # noqa: E402
+from parity_cli.sources.synthetic import hf_to_gguf, write_checkpoint  # noqa: E402
 
 
 def _theirs(path):
@@ -34,7 +34,7 @@ def _theirs(path):
 
 
 def _ours(path):
-    from parity_cli.gguf_reader import PLAIN, read_tensor
+    from parity_cli.sources.gguf_reader import PLAIN, read_tensor
 
     gf = read_gguf(path)
     meta = {k: (("array", v.item_type, v.count) if isinstance(v, Array) else v) for k, v in gf.metadata.items()}

@@ -146,7 +146,7 @@ def test_errors_only_on_constant_rows_are_not_blamed_on_eps_when_nothing_fits(ck
 def test_residual_is_the_share_of_the_deviation_the_variant_leaves():
     import torch
 
-    from parity_cli.fit import residual
+    from parity_cli.diagnose.fit import residual
 
     f64 = {"dtype": torch.float64}
     cand = torch.tensor([1.5, 1.5, 1.5, math.nan, math.inf, 2.0], **f64)
@@ -161,7 +161,7 @@ def test_residual_is_the_share_of_the_deviation_the_variant_leaves():
 
 def test_a_marginal_report_is_schema_valid_and_groups_its_layers(ckpt):
     jsonschema = pytest.importorskip("jsonschema")
-    from parity_cli import grouping
+    from parity_cli.report import grouping
     from parity_cli.resources import schema_path
 
     report = check(ckpt, "llama", "bfloat16", 1e-6, "gain_scaled").to_dict()

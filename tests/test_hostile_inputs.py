@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_bounded  # noqa: E402
-from parity_cli.synthetic import write_checkpoint
+from parity_cli.sources.synthetic import write_checkpoint
 
 
 parity = run_bounded

@@ -28,7 +28,7 @@ def bad(name: str) -> str:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """One decoder layer: three norms (input, post-attention, final), eps 1e-6, bf16."""
-    from parity_cli.synthetic import write_checkpoint
+    from parity_cli.sources.synthetic import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("iso") / "llama", "llama", layers=1, hidden=64, heads=4,
                             eps=1e-6, seed=5)
@@ -309,7 +309,7 @@ def test_misbehaving_candidate_sweep(llama, fault, at):
 def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path, monkeypatch):
     """Ctrl-C right after the first of two renames: without holding signals the second report
     would never be written (r.json without r.xml)."""
-    from parity_cli import report
+    from parity_cli.check import results as report
 
     real = os.replace
     done = []
@@ -340,7 +340,7 @@ def test_forged_frames_on_the_pipe_end_the_child_not_the_run(llama, frame):
 
 
 def test_a_sleeper_without_timeout_is_stopped_by_the_default(llama, monkeypatch):
-    from parity_cli import supervisor
+    from parity_cli.isolation import supervisor
 
     monkeypatch.setattr(supervisor, "DEFAULT_TIMEOUT", 1.0)
     report = api.check(llama, candidate=bad("sleeps_forever"), layers="model.norm")
@@ -349,7 +349,7 @@ def test_a_sleeper_without_timeout_is_stopped_by_the_default(llama, monkeypatch)
 
 
 def test_a_gradient_header_with_an_unreadable_dweight_is_a_protocol_violation():
-    from parity_cli.supervisor import Supervisor, _Stop
+    from parity_cli.isolation.supervisor import Supervisor, _Stop
 
     sup = Supervisor("unused", {})
     head = {"type": "grad", "k": 0, "error": None, "dx": {"dtype": "float32", "shape": [1]}, "dw": 5}
@@ -367,8 +367,8 @@ def test_an_in_process_candidate_that_zeroes_its_input_changes_no_later_layer(tm
     later layer's probes, and so its verdict, as they were."""
     import torch
 
-    from parity_cli.probes import build_probe_set, load_strata
-    from parity_cli.synthetic import write_checkpoint
+    from parity_cli.probes.strata import build_probe_set, load_strata
+    from parity_cli.sources.synthetic import write_checkpoint
 
     scribbler = tmp_path / "scribble.py"
     scribbler.write_text(

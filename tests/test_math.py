@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from parity_cli.comparison import attenuation, q_over_eps_stats
-from parity_cli.implementations import mean_square, oracle_normalize
+from parity_cli.backends.implementations import mean_square, oracle_normalize
 
 # The sources' table: q/eps -> A = sqrt(q/(q+eps)), rounded to 6 decimals there.
 SEED_ATTENUATION = [(0.01, 0.099504), (0.1, 0.301511), (1.0, 0.707107), (10.0, 0.953463), (100.0, 0.995037)]
@@ -48,7 +48,7 @@ def test_eps_inside_vs_outside_the_root():
     x = torch.tensor([[0.001, 0.001]], dtype=torch.float64)
     inside = float(oracle_normalize(x, 1e-6)[0, 0])
     assert round(inside, 6) == 0.707107
-    from parity_cli.diagnosis import _eps_outside  # the variant the diagnosis plants
+    from parity_cli.diagnose.causes import _eps_outside  # the variant the diagnosis plants
 
     outside = float(_eps_outside(x, 1e-6)[0, 0])
     assert round(outside, 6) == 0.999001

@@ -246,7 +246,7 @@ def test_cuda_without_the_gpu_runtime_is_one_line(ckpt):
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu is installed")
     from parity_cli.errors import InputError
-    from parity_cli.onnx_runtime import _session, build_graph
+    from parity_cli.backends.onnx_runtime import _session, build_graph
 
     with pytest.raises(InputError, match="onnxruntime-gpu"):
         _session(build_graph("rms_norm", "llama", 8, (), "float32", 1e-6, 0.0, "decomposed", False), "cuda")

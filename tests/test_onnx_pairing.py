@@ -54,7 +54,7 @@ def test_a_faithful_wrapped_export_passes(ckpt, tmp_path):
 
 @pytest.mark.parametrize("model_type", ["llama", "bert"])
 def test_a_graph_without_names_pairs_by_value_says_so_and_checks_the_order(ckpt, tmp_path, model_type):
-    from parity_cli.pairing import BY_VALUE
+    from parity_cli.model.pairing import BY_VALUE
 
     src = ckpt(model_type, layers=2, eps=1e-12 if model_type == "bert" else 1e-6)
     faithful = strip_names(export_wrapped(src, tmp_path / "ok.onnx"))
@@ -176,7 +176,7 @@ def _varint(n: int) -> bytes:
 
 def test_a_graph_of_too_many_nodes_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
     """The wire format written by hand: ir_version, an opset, a graph of Identity nodes."""
-    from parity_cli import onnx_checkpoint
+    from parity_cli.sources import onnx_graph as onnx_checkpoint
 
     node = b"\x0a\x01a" + b"\x12\x01b" + b"\x22\x08Identity"  # input 'a', output 'b', op_type
     entry = b"\x0a" + _varint(len(node)) + node  # GraphProto.node (field 1)

@@ -12,10 +12,11 @@ import stat
 import pytest
 from click.testing import CliRunner
 
-from parity_cli import gate, report
+from parity_cli.report import gate
+from parity_cli.check import results as report
 from parity_cli.cli import main
 from parity_cli.errors import InputError
-from parity_cli.synthetic import write_checkpoint
+from parity_cli.sources.synthetic import write_checkpoint
 
 FAST = ("--layers", "model.norm", "--strata", "tiny,constant")
 
@@ -256,7 +257,7 @@ def test_an_onnx_graphs_external_data_is_an_input(model, tmp_path):
 
 def test_a_gguf_file_is_an_input(model, tmp_path):
     pytest.importorskip("gguf")
-    from parity_cli.synthetic import hf_to_gguf
+    from parity_cli.sources.synthetic import hf_to_gguf
 
     g = hf_to_gguf(model, tmp_path / "m.gguf")
     before = g.read_bytes()

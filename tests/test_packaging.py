@@ -32,7 +32,7 @@ def test_demo_checkpoint_is_what_the_generator_writes(tmp_path):
     from safetensors.torch import load_file
 
     from parity_cli.resources import demo_checkpoint
-    from parity_cli.synthetic import write_demo
+    from parity_cli.sources.synthetic import write_demo
 
     fresh = write_demo(tmp_path / "demo")
     assert (fresh / "config.json").read_text() == (demo_checkpoint() / "config.json").read_text()

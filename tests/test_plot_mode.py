@@ -27,7 +27,7 @@ def umask():
 
 @pytest.mark.parametrize("suffix", [".svg", ".png"])
 def test_plot_mode_follows_umask_like_other_outputs(report, tmp_path, umask, suffix):
-    from parity_cli.plot import write_plot
+    from parity_cli.report.plot import write_plot
 
     umask(0o022)
     out = tmp_path / f"errors{suffix}"
@@ -38,7 +38,7 @@ def test_plot_mode_follows_umask_like_other_outputs(report, tmp_path, umask, suf
 
 
 def test_plot_mode_with_a_stricter_umask(report, tmp_path, umask):
-    from parity_cli.plot import write_plot
+    from parity_cli.report.plot import write_plot
 
     umask(0o027)
     out = tmp_path / "errors.svg"
@@ -47,7 +47,7 @@ def test_plot_mode_with_a_stricter_umask(report, tmp_path, umask):
 
 
 def test_plot_replaces_an_existing_file(report, tmp_path, umask):
-    from parity_cli.plot import write_plot
+    from parity_cli.report.plot import write_plot
 
     umask(0o022)
     out = tmp_path / "errors.svg"
@@ -61,7 +61,7 @@ def test_failed_plot_leaves_no_partial_file(report, tmp_path, monkeypatch):
     """savefig dies half way: the old file is untouched and no temp file remains."""
     from matplotlib.figure import Figure
 
-    from parity_cli.plot import write_plot
+    from parity_cli.report.plot import write_plot
 
     out = tmp_path / "errors.svg"
     out.write_text("old")
@@ -79,7 +79,7 @@ def test_failed_plot_leaves_no_partial_file(report, tmp_path, monkeypatch):
 
 def test_unwritable_directory_is_an_input_error(report, tmp_path):
     from parity_cli.errors import InputError
-    from parity_cli.plot import write_plot
+    from parity_cli.report.plot import write_plot
 
     with pytest.raises(InputError, match="cannot write plot"):
         write_plot(report, str(tmp_path / "no-such-dir" / "errors.svg"))

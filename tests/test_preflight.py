@@ -16,9 +16,9 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 from conftest import ROOT, plugin, run_parity
 
-from parity_cli import implementations as impls
+from parity_cli.backends import implementations as impls
 from parity_cli import preflight
-from parity_cli.checkpoint import open_checkpoint
+from parity_cli.sources.huggingface import open_checkpoint
 from parity_cli.errors import InputError
 
 

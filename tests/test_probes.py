@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from parity_cli.errors import InputError
-from parity_cli.probes import build_probes, select_strata
+from parity_cli.probes.strata import build_probes, select_strata
 
 DEFAULT = ["zero", "tiny", "normal", "constant", "mixed", "large", "outlier"]
 

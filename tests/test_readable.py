@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import load_json, plugin, run_parity
-from parity_cli import grouping
+from parity_cli.report import grouping
 
 TWO_FAULTS = f"{Path(__file__).parent / 'plugins' / 'two_faults.py'}:eps_wide_offset_narrow"
 
@@ -19,7 +19,7 @@ TWO_FAULTS = f"{Path(__file__).parent / 'plugins' / 'two_faults.py'}:eps_wide_of
 def gemma(tmp_path_factory):
     """Gemma 3 shaped, 3 blocks: 3 x 6 norms + the final one = 19 layers, 6 of them q/k norms
     over the 16-wide head (hidden 64 / 4 heads), configured eps 1e-6."""
-    from parity_cli.synthetic import write_checkpoint
+    from parity_cli.sources.synthetic import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("g") / "gemma", "gemma3_text", layers=3, hidden=64, heads=4,
                             eps=1e-6)
@@ -144,7 +144,7 @@ def test_a_report_replays_on_another_copy(gemma, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "eps carries the error" in r.stdout
     # another model (different weights): refused, not explained
-    from parity_cli.synthetic import write_checkpoint
+    from parity_cli.sources.synthetic import write_checkpoint
 
     write_checkpoint(here / "other", "gemma3_text", layers=6, hidden=64, heads=4, eps=1e-6, seed=1)
     r = run_parity("explain", "r.json", "--checkpoint", "other", "--candidate", TWO_FAULTS, cwd=here)
@@ -154,7 +154,7 @@ def test_a_report_replays_on_another_copy(gemma, tmp_path):
 def test_inspect_groups_conditions_normal_for_the_family(tmp_path):
     import torch
 
-    from parity_cli.synthetic import write_checkpoint
+    from parity_cli.sources.synthetic import write_checkpoint
 
     # three layers whose stored w dips below -1: their gain 1 + w is negative somewhere
     low = {f"model.layers.{i}.input_layernorm.weight": torch.full((64,), -1.25).to(torch.bfloat16) for i in range(3)}

@@ -4,7 +4,7 @@
   parity's own process, a candidate in the child, or in the parent under the report's
   `"isolation": "none"`, relative paths (../attacker/evil.py:f) followed, exit 0.
 - A type fuzz of saved reports gave 1,225 internal errors in 11,900 renders: each wrong field
-  must be one line naming the file and the field, from one place (parity_cli.saved_report,
+  must be one line naming the file and the field, from one place (parity_cli.report.saved,
   against the report's own JSON Schema).
 - A candidate that writes garbage on its result pipe was a UnicodeDecodeError.
 
@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import run_bounded
 
-from parity_cli import saved_report
+from parity_cli.report import saved as saved_report
 from parity_cli.cli import main
-from parity_cli.synthetic import write_checkpoint
+from parity_cli.sources.synthetic import write_checkpoint
 
 
 def parity(*argv, cwd=None):

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from parity_cli.cli import main
-from parity_cli.synthetic import write_checkpoint
+from parity_cli.sources.synthetic import write_checkpoint
 from parity_cli.text import printable
 
 ESC = "\x1b[31mRED\x1b[0m"
@@ -148,12 +148,12 @@ def test_an_unknown_model_type_with_escapes_is_refused_in_one_clean_line(tmp_pat
 def test_an_internal_error_quoting_file_text_is_one_clean_line(report_path, monkeypatch):
     """The last-resort line (an input no check anticipated) quotes the exception, which may
     quote the file."""
-    import parity_cli.gate
+    import parity_cli.report.gate
 
     def boom(*args, **kwargs):
         raise ValueError("bad field " + HOSTILE + "\nsecond line")
 
-    monkeypatch.setattr(parity_cli.gate, "load_report", boom)
+    monkeypatch.setattr(parity_cli.report.gate, "load_report", boom)
     code, out, err = parity("report", report_path)
     assert code == 2 and out == ""
     for ch in RAW:
@@ -202,8 +202,8 @@ def test_a_lone_surrogate_is_rendered_as_its_escape(report_path):
     UnicodeEncodeError. (A report reader may refuse it first; the renderers do not depend on it.)"""
     from rich.console import Console
 
-    from parity_cli.formats import to_junit, to_markdown
-    from parity_cli.terminal import render
+    from parity_cli.report.formats import to_junit, to_markdown
+    from parity_cli.report.terminal import render
 
     d = json.loads(report_path.read_text())
     d["layers"][0]["name"] = "model.\ud800.norm"
@@ -221,8 +221,8 @@ def test_a_300_kb_layer_name_renders_without_recursion(report_path):
     characters (no '.', so nothing to fold at) was a RecursionError after part of the table."""
     from rich.console import Console
 
-    from parity_cli.formats import to_junit, to_markdown
-    from parity_cli.terminal import quiet_line, render
+    from parity_cli.report.formats import to_junit, to_markdown
+    from parity_cli.report.terminal import quiet_line, render
 
     d = json.loads(report_path.read_text())
     d["layers"][0]["name"] = "model." + "x" * 300_000 + ESC
@@ -239,8 +239,8 @@ def test_a_report_nested_deeper_than_the_call_stack_renders(report_path):
     report's strings must not recurse into it."""
     from rich.console import Console
 
-    from parity_cli.formats import to_junit, to_markdown
-    from parity_cli.terminal import quiet_line, render
+    from parity_cli.report.formats import to_junit, to_markdown
+    from parity_cli.report.terminal import quiet_line, render
 
     d = json.loads(report_path.read_text())
     deep = [ESC]
@@ -254,7 +254,7 @@ def test_a_report_nested_deeper_than_the_call_stack_renders(report_path):
 
 
 def test_wrap_folds_a_megabyte_word_into_lines_of_the_width():
-    from parity_cli.layout import wrap
+    from parity_cli.report.layout import wrap
 
     word = ("a" * 97 + "/") * 10_000 + "b" * 100_000  # 1.08 MB: folds at '/', then at the width
     lines = wrap(word, 100)

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from parity_cli import api
 from parity_cli.cli import cli
-from parity_cli.synthetic import hf_to_gguf
+from parity_cli.sources.synthetic import hf_to_gguf
 
 
 def test_another_model_as_the_copy_is_said_first_and_counts_agree(ckpt, tmp_path):

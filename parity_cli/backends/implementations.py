@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity_cli.errors import InputError
-from parity_cli.layers import NormLayer
+from parity_cli.model.layers import NormLayer
 
 Prepared = Callable[[object], object]  # x -> y, both torch tensors
 
@@ -181,8 +181,8 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
 
 
 def _onnxruntime(layer: NormLayer, weight, bias, eps: float, op: str = "auto", compute: str | None = None) -> Prepared:
-    """The family's norm as an ONNX graph in an ONNX Runtime session (parity_cli.onnx_runtime)."""
-    from parity_cli.onnx_runtime import prepare
+    """The family's norm as an ONNX graph in an ONNX Runtime session (parity_cli.backends.onnx_runtime)."""
+    from parity_cli.backends.onnx_runtime import prepare
 
     return prepare(layer, weight, bias, eps, op=op, compute=compute)
 
@@ -357,12 +357,12 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
     return Implementation(spec, f"plugin function {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', spec)}", prepare_function)
 
 
-ENTRY_POINT_GROUP = "parity_cli.implementations"
+ENTRY_POINT_GROUP = "parity_cli.backends.implementations"
 
 
 def entry_points() -> dict:
     """Named implementations that installed packages register (pyproject:
-    [project.entry-points."parity_cli.implementations"] name = "module:attr")."""
+    [project.entry-points."parity_cli.backends.implementations"] name = "module:attr")."""
     from importlib.metadata import entry_points as installed
 
     found = {}

@@ -4,14 +4,14 @@ runners.autograd) against the reference's float64 autograd, compared like output
 from __future__ import annotations
 
 from parity_cli.errors import InputError
-from parity_cli.runners import CandidateJob, autograd, failure
+from parity_cli.isolation.runners import CandidateJob, autograd, failure
 
 
 def upstream_for(seed: int, stratum: str, dim: int, x):
     """The upstream gradient of one stratum: seeded by (seed, stratum, dim), so reruns agree."""
     import torch
 
-    from parity_cli.layer_check import crc
+    from parity_cli.check.layer import crc
 
     gen = torch.Generator().manual_seed(crc(f"{seed}:grad:{stratum}:{dim}"))
     return torch.randn(x.shape, generator=gen, dtype=torch.float64)

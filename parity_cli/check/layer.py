@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from parity_cli.errors import InputError
-from parity_cli.runners import CandidateJob, failure
+from parity_cli.isolation.runners import CandidateJob, failure
 
 
 @dataclass
@@ -86,10 +86,10 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     import torch
 
     from parity_cli.comparison import compare_batch, errored, mean_rounding_allowance, workspace
-    from parity_cli.diagnosis import bitwise_diagnosis, diagnose, diagnose_grad
-    from parity_cli.gradients import grad_strata, upstream_for
-    from parity_cli.probes import Probe, build_probe_set, probe_set
-    from parity_cli.report import LayerResult
+    from parity_cli.diagnose.causes import bitwise_diagnosis, diagnose, diagnose_grad
+    from parity_cli.check.gradients import grad_strata, upstream_for
+    from parity_cli.probes.strata import Probe, build_probe_set, probe_set
+    from parity_cli.check.results import LayerResult
 
     cand_layer = cand_layer or layer
     eps = layer.eps.value
@@ -233,7 +233,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     if opts.grad and diagnose_failures:
         result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
     if real is not None:
-        from parity_cli.capture import captured_summary
+        from parity_cli.probes.capture import captured_summary
 
         result.captured = captured_summary(layer, strata_d, gain_d, bias_d, eps, tol, result.diagnoses)
     if not keep_tensors:  # the raw tensors served diagnosis; a 126-layer run should not keep them
@@ -349,7 +349,7 @@ def setup_failure(results, spec: str) -> str | None:
 
 def missing_layer(layer):
     """A layer the --candidate-checkpoint lacks: nothing to probe, the pairing's findings say why."""
-    from parity_cli.report import LayerResult
+    from parity_cli.check.results import LayerResult
 
     return LayerResult(name=layer.name, kind=layer.kind, dim=layer.dim,
                        eps={"value": layer.eps.value, "source": layer.eps.source},

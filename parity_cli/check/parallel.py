@@ -32,7 +32,7 @@ def shardable(opts, device: str) -> bool:
     then our own code (the candidate a built-in that runs in-process on the CPU, the reference no
     plugin), and there is no converted copy whose layers the parent pairs. Otherwise the workers are supervised candidate
     children, driven from the parent's threads (layer_check.run_layers)."""
-    from parity_cli.supervisor import reference_supervised, supervised
+    from parity_cli.isolation.supervisor import reference_supervised, supervised
 
     return not supervised(opts.candidate, device, opts.isolation) and not opts.candidate_checkpoint and \
         not reference_supervised(opts.reference, opts.isolation)
@@ -59,7 +59,7 @@ def check_shards(plan: Plan, names: list[str], workers: int, progress=None) -> l
     import dataclasses
     import os
 
-    from parity_cli.supervisor import _context, _no_main, ensure_fork_server
+    from parity_cli.isolation.supervisor import _context, _no_main, ensure_fork_server
 
     chunk = max(1, -(-len(names) // (workers * 8)))
     shares = [names[k:k + chunk] for k in range(0, len(names), chunk)]
@@ -113,7 +113,7 @@ def _worker_start(parent: int) -> None:
     fork server's pipes, and leaves Ctrl-C to the parent, which ends it (no traceback of its own)."""
     import signal
 
-    from parity_cli.worker import detach_from_fork_server, die_with_parent
+    from parity_cli.isolation.worker import detach_from_fork_server, die_with_parent
 
     die_with_parent(parent)
     detach_from_fork_server()
@@ -126,10 +126,10 @@ def _run_share(task):
     import torch
 
     from parity_cli import api
-    from parity_cli import implementations as impls
-    from parity_cli.layer_check import Side, check_layer
-    from parity_cli.layers import discover_layers
-    from parity_cli.runners import InProcessRunner
+    from parity_cli.backends import implementations as impls
+    from parity_cli.check.layer import Side, check_layer
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.isolation.runners import InProcessRunner
 
     opts = plan.opts
     torch.set_num_threads(opts.threads)

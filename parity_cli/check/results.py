@@ -1,6 +1,6 @@
 """Stage 7: results -> the JSON report (a contract: `parity schema` prints it), written all or nothing.
 
-Checking produced values; this module turns them into a dict and files (parity_cli.terminal
+Checking produced values; this module turns them into a dict and files (parity_cli.report.terminal
 turns the dict into lines)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.comparison import StratumResult
-from parity_cli.diagnosis import Diagnosis
+from parity_cli.diagnose.causes import Diagnosis
 
 SCHEMA_VERSION = 1
 

@@ -1,7 +1,7 @@
 """Stage 6: from a failing layer's strata to its cause.
 
 Method of the sources: keep the high-precision reference and change conditions. The cause is
-the simplest combination of changed factors that reproduces the candidate (parity_cli.fit);
+the simplest combination of changed factors that reproduces the candidate (parity_cli.diagnose.fit);
 the single-change panel below only adds evidence. When nothing reproduces it, the rule of
 thumb of the sources names a first suspect from the rows that failed: only small q/eps -> the
 eps value or placement; only large inputs -> overflow or a missing upcast."""
@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 from parity_cli.comparison import StratumResult, Tolerance
-from parity_cli.implementations import mean_square, oracle_normalize
-from parity_cli.layers import NormLayer
+from parity_cli.backends.implementations import mean_square, oracle_normalize
+from parity_cli.model.layers import NormLayer
 
 
 
@@ -44,7 +44,7 @@ class Context:
 def estimate_eps(ctx: Context):
     """(median, spread) of the eps that explains the candidate with the expected gain and
     semantics, or None: the explain ladder's fallback when the diagnosis found none."""
-    from parity_cli import fit
+    from parity_cli.diagnose import fit
 
     est = fit.estimate_eps(fit.Panel(ctx), fit.Factors(centred=ctx.layer.kind == "layer_norm", eps=ctx.eps), ctx.gain)
     return None if est is None else est[:2]
@@ -252,7 +252,7 @@ def _ordered(ctx: Context, x, order: str):
 
 def matching_variants(ctx: Context) -> list[str]:
     """Single changes (and cast orders) that reproduce the candidate, by fit.match's check."""
-    from parity_cli import fit
+    from parity_cli.diagnose import fit
 
     compared = [s for s in ctx.strata if s.cand is not None]
     names = []
@@ -295,10 +295,10 @@ def cast_order_diagnosis(ctx: Context) -> Diagnosis | None:
 
 
 def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance, dtype, bias=None) -> list[Diagnosis]:
-    """Every factor of the simplest combination that reproduces the candidate (parity_cli.fit),
+    """Every factor of the simplest combination that reproduces the candidate (parity_cli.diagnose.fit),
     each its own diagnosis; when none does, only what the data shows: a bit-exact cast order,
     non-finite zero rows, or which rows failed (and what was ruled out)."""
-    from parity_cli import fit as fitting
+    from parity_cli.diagnose import fit as fitting
 
     failing = {s.name for s in strata if s.status == "fail"}
     if not failing:

@@ -66,7 +66,7 @@ def normalise(x, f: Factors, dtype):
     formula allows (the scaled form of the oracle)."""
     import torch
 
-    from parity_cli.implementations import oracle_normalize
+    from parity_cli.backends.implementations import oracle_normalize
 
     if f.precision != "exact":
         work = dtype if f.precision == "no_upcast" else torch.float32
@@ -502,7 +502,7 @@ def _gain_rows(panel: Panel, f: Factors):
     mixed, large), rows with q/eps > 1e4."""
     import torch
 
-    from parity_cli.implementations import mean_square
+    from parity_cli.backends.implementations import mean_square
 
     named = panel.named(f)
     for name in ("normal", "mixed", "large", "outlier"):
@@ -549,7 +549,7 @@ def estimate_eps(panel: Panel, f: Factors, gain):
     (shared by every layer of the probe set); the elements are a strided sample of channels."""
     import torch
 
-    from parity_cli.implementations import mean_square
+    from parity_cli.backends.implementations import mean_square
 
     samples = []
     for s in panel.originals:
@@ -848,7 +848,7 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
         out.append(("float32_accumulation", f"the candidate {what}: its error grows with the row length "
                     f"({ctx.layer.dim}) up to dim x 2^-24 relative", {"dim": ctx.layer.dim}))
     if f.gain == "offset":
-        from parity_cli.diagnosis import _offset_message
+        from parity_cli.diagnose.causes import _offset_message
 
         ev = {"offset_error": f.gain_value, "expected_offset": ctx.layer.gain_offset}
         out.append(("weight_offset_mismatch", _offset_message(ctx, ev), ev))

@@ -1,6 +1,6 @@
 """Stage 4b: how a candidate is run. One layer's work for the candidate is a CandidateJob; what
 comes back is a CandidateRun. The same `execute` runs in this process (trusted built-ins) and
-in a supervised child process (everything else, parity_cli.supervisor), so both paths
+in a supervised child process (everything else, parity_cli.isolation.supervisor), so both paths
 convert, validate and word a result identically.
 
 Why the split: a candidate is untrusted code. Whatever it returns is turned into plain

@@ -1,4 +1,4 @@
-"""The parent side of a supervised candidate: a child process (parity_cli.worker) that the
+"""The parent side of a supervised candidate: a child process (parity_cli.isolation.worker) that the
 parent can always stop.
 
 A candidate is untrusted code. Here it cannot change what the parent reads (it gets copies
@@ -22,7 +22,7 @@ import threading
 import time
 
 from parity_cli.errors import InputError
-from parity_cli.runners import WIRE_DTYPES, CandidateJob, CandidateRun, Output
+from parity_cli.isolation.runners import WIRE_DTYPES, CandidateJob, CandidateRun, Output
 
 DEFAULT_TIMEOUT = 120.0  # seconds per layer: a CI run can never hang forever
 LOAD_TIMEOUT = 60.0  # a fresh child imports torch and the candidate; never shorter than this
@@ -61,10 +61,10 @@ def _context():
         try:
             ctx = multiprocessing.get_context("forkserver")
             # the worker first: it watches for parity's exit while torch imports (worker._fork_server_watch)
-            ctx.set_forkserver_preload(["parity_cli.worker", "torch", "parity_cli.runners",
-                                        "parity_cli.implementations", "parity_cli.layers", "parity_cli.parallel",
-                                        # a --jobs worker's stages (parity_cli.parallel)
-                                        "parity_cli.api", "parity_cli.layer_check", "parity_cli.fit"])
+            ctx.set_forkserver_preload(["parity_cli.isolation.worker", "torch", "parity_cli.isolation.runners",
+                                        "parity_cli.backends.implementations", "parity_cli.model.layers", "parity_cli.check.parallel",
+                                        # a --jobs worker's stages (parity_cli.check.parallel)
+                                        "parity_cli.api", "parity_cli.check.layer", "parity_cli.diagnose.fit"])
         except ValueError:
             ctx = multiprocessing.get_context("spawn")
         _ctx = ctx
@@ -297,7 +297,7 @@ class Supervisor:
                     fcntl.fcntl(conn.fileno(), 1031, 1 << 20)  # F_SETPIPE_SZ: fewer wake-ups per megabyte
                 except (ImportError, OSError):
                     pass
-            from parity_cli.worker import serve
+            from parity_cli.isolation.worker import serve
 
             try:
                 with _mp_lock, _no_main():  # start() polls every other child: see _exit_code
@@ -675,8 +675,8 @@ def open_runners(spec: str, args: dict, device: str, isolation: str = "auto",
     own pure code (oracle, torch, hf) run here on the CPU; everything else, and anything on a
     GPU (the child owns the CUDA context), runs supervised. `process`: everything supervised.
     `none`: everything here, for debugging a plugin (then --timeout cannot stop it)."""
-    from parity_cli import implementations as impls
-    from parity_cli.runners import InProcessRunner
+    from parity_cli.backends import implementations as impls
+    from parity_cli.isolation.runners import InProcessRunner
 
     if isolation not in ISOLATION:
         raise InputError(f"--isolation: '{isolation}' is not one of {', '.join(ISOLATION)}")
@@ -706,7 +706,7 @@ def open_runners(spec: str, args: dict, device: str, isolation: str = "auto",
 def reference_supervised(spec: str, isolation: str) -> bool:
     """A plugin --reference (anything but a built-in name) is untrusted code like a candidate:
     supervised unless --isolation none. The float64 oracle and the built-ins run here."""
-    from parity_cli.implementations import BUILTINS
+    from parity_cli.backends.implementations import BUILTINS
 
     if isolation not in ISOLATION:
         raise InputError(f"--isolation: '{isolation}' is not one of {', '.join(ISOLATION)}")
@@ -751,7 +751,7 @@ class RunnerPool:
 
 
 def supervised(spec: str, device: str, isolation: str) -> bool:
-    from parity_cli.runners import IN_PROCESS_BUILTINS
+    from parity_cli.isolation.runners import IN_PROCESS_BUILTINS
 
     return isolation == "process" or (isolation == "auto" and not (spec in IN_PROCESS_BUILTINS and device == "cpu"))
 
@@ -769,12 +769,12 @@ def _import_parent_stages() -> None:
     """Everything the parent will import later, imported before any candidate code runs: a
     plugin that rewrites an installed module file then cannot get its code into the parent."""
     import parity_cli.comparison  # noqa: F401
-    import parity_cli.diagnosis  # noqa: F401
+    import parity_cli.diagnose.causes  # noqa: F401
     import parity_cli.explain  # noqa: F401
-    import parity_cli.formats  # noqa: F401
-    import parity_cli.gate  # noqa: F401
-    import parity_cli.gradients  # noqa: F401
-    import parity_cli.report  # noqa: F401
+    import parity_cli.report.formats  # noqa: F401
+    import parity_cli.report.gate  # noqa: F401
+    import parity_cli.check.gradients  # noqa: F401
+    import parity_cli.check.results  # noqa: F401
 
 
 def close_runners(runners) -> None:

@@ -201,14 +201,14 @@ def serve(rconn, wconn, out_path: str, parent: int | None = None, lifeline=None)
     os.environ.clear()
     os.environ.update(environ)
     sys.path[:0] = [p for p in path if p not in sys.path]
-    from parity_cli import runners
+    from parity_cli.isolation import runners
 
     try:
         import torch
 
         if threads:
             torch.set_num_threads(threads)
-        from parity_cli.implementations import resolve
+        from parity_cli.backends.implementations import resolve
 
         impl = resolve(spec, args)
     except BaseException as exc:  # an import that raises, or exits, is the user's input at fault

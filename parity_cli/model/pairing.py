@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parity_cli.layers import NormLayer
+from parity_cli.model.layers import NormLayer
 
 
 @dataclass

@@ -89,9 +89,9 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     import torch
 
     from parity_cli import api
-    from parity_cli.implementations import mean_square
-    from parity_cli.layers import discover_layers
-    from parity_cli.replay import fingerprint
+    from parity_cli.backends.implementations import mean_square
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.report.replay import fingerprint
 
     if not 3 <= rows_per_layer <= MAX_ROWS_PER_LAYER:
         raise InputError(f"--rows-per-layer must be between 3 and {MAX_ROWS_PER_LAYER}")
@@ -104,7 +104,7 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         from transformers import AutoConfig, AutoTokenizer
     except ImportError:
         raise InputError("parity capture needs transformers: pip install transformers") from None
-    from parity_cli.gguf_checkpoint import is_gguf
+    from parity_cli.sources.gguf import is_gguf
 
     source = Path(model_dir)
     gguf = source.is_file() and is_gguf(source)
@@ -182,7 +182,7 @@ def write(tensors: dict, meta: dict, out) -> None:
     """safetensors with the capture's settings and fingerprint as metadata, written atomically."""
     from safetensors.torch import save
 
-    from parity_cli.report import write_bytes
+    from parity_cli.check.results import write_bytes
 
     write_bytes(Path(out), save(tensors, metadata={"parity": json.dumps(meta)}))
 
@@ -192,9 +192,9 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
     import torch
     from safetensors import safe_open
 
-    from parity_cli.replay import fingerprint
+    from parity_cli.report.replay import fingerprint
 
-    from parity_cli.jsonfile import parse, regular_file
+    from parity_cli.sources.jsonfile import parse, regular_file
 
     path = Path(path)
     regular_file(path, "the activations", MAX_FILE_BYTES, f"more than a capture may have ({MAX_FILE_BYTES}); refused")
@@ -236,7 +236,7 @@ def q_summary(rows, eps: float, kind: str) -> dict:
     import torch
 
     from parity_cli.api import ONE_PERCENT_Q_OVER_EPS
-    from parity_cli.implementations import mean_square
+    from parity_cli.backends.implementations import mean_square
 
     r = mean_square(rows, kind) / eps if eps > 0 else torch.full((rows.shape[0],), float("inf"), dtype=torch.float64)
     return {"rows": int(r.numel()), "min": float(r.min()), "p01": float(torch.quantile(r, 0.01)),
@@ -248,7 +248,7 @@ def eps_impact(rows, gain, bias, eps: float, other_eps: float, kind: str, rtol: 
     """What an eps of `other_eps` instead of `eps` does to real rows, in float64: per row the
     largest |change| over the row's largest |output|; the share of rows moved by more than rtol
     and by more than 1 %, and the worst row."""
-    from parity_cli.implementations import oracle_normalize
+    from parity_cli.backends.implementations import oracle_normalize
 
     def out(e):
         y = oracle_normalize(rows, e, kind) * gain

@@ -151,7 +151,7 @@ class ProbeSet:
     and shared by every layer that has them: the reference normalises it once and each layer
     multiplies by its gain; the comparison runs over the whole batch in a few passes.
 
-    Nobody writes into it: a candidate gets copies (parity_cli.runners), the reference reads."""
+    Nobody writes into it: a candidate gets copies (parity_cli.isolation.runners), the reference reads."""
 
     x: object  # float64 (rows, dim)
     probes: list  # one Probe per stratum, its x a view of the batch rows
@@ -170,7 +170,7 @@ class ProbeSet:
         """q of every row of the batch (float64, rows); each probe's q is its view of it."""
         key = ("q", kind)
         if key not in self.cache:
-            from parity_cli.implementations import mean_square
+            from parity_cli.backends.implementations import mean_square
 
             self.cache[key] = mean_square(self.x, kind)
             for p, (_, lo, hi) in zip(self.probes, self.segments):

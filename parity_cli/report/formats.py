@@ -15,7 +15,7 @@ def layer_summary(layer: dict) -> dict:
     failing = [s for s in strata if s["status"] != "pass"]
     compared = [s for s in (failing or strata) if s["status"] != "error"]
 
-    from parity_cli.report import least, worst
+    from parity_cli.check.results import least, worst
 
     def extreme(key, pick, fn):
         values = [s[key][pick] if pick else s[key] for s in compared]
@@ -38,7 +38,7 @@ def _failing_q(strata):
 
 
 def failure_message(layer: dict) -> str:
-    from parity_cli.terminal import fmt
+    from parity_cli.report.terminal import fmt
 
     s = layer_summary(layer)
     lo, hi = s["q_over_eps"]
@@ -71,8 +71,8 @@ def to_junit(report: dict) -> str:
     a failure's message is its group's finding, the same words for every layer of the group.
     Strings from the report are data: XML 1.0 has no form for most control characters (an OSC's
     BEL made the file unparseable), so each is written as its escape."""
-    from parity_cli import grouping
-    from parity_cli.terminal import group_sentence, quiet_line
+    from parity_cli.report import grouping
+    from parity_cli.report.terminal import group_sentence, quiet_line
 
     report = printable_tree(report)
     ckpt = report["checkpoint"]
@@ -148,8 +148,8 @@ def to_markdown(report: dict) -> str:
     """Verdict, context, one table row per group of layers that fail the same way (each
     diagnosis' full message once), then the per-layer rows folded away in <details>. Strings
     from the report reach the file with their control characters escaped."""
-    from parity_cli import grouping
-    from parity_cli.terminal import captured_line, fmt, verdict
+    from parity_cli.report import grouping
+    from parity_cli.report.terminal import captured_line, fmt, verdict
 
     report = printable_tree(report)
     cand, ref, tol = report["candidate"], report["reference"], report["tolerance"]

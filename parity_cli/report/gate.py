@@ -170,8 +170,8 @@ def all_warnings(report: dict) -> list[str]:
 
 
 def load_report(path: str | Path, what: str = "report") -> dict:
-    """A saved report checked against its schema (parity_cli.saved_report) before any field is used."""
-    from parity_cli import saved_report
+    """A saved report checked against its schema (parity_cli.report.saved) before any field is used."""
+    from parity_cli.report import saved as saved_report
 
     return saved_report.load(Path(path), what)
 
@@ -190,8 +190,8 @@ def load_baseline(path: str | Path) -> dict:
 
 
 def _missing_keys(data: dict) -> str | None:
-    """The first field that breaks the report's schema (parity_cli.saved_report), or None."""
-    from parity_cli import saved_report
+    """The first field that breaks the report's schema (parity_cli.report.saved), or None."""
+    from parity_cli.report import saved as saved_report
 
     try:
         saved_report.validate(data)

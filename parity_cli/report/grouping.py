@@ -22,7 +22,7 @@ def unpadded(text: str) -> str:
 
 def sci(value) -> str:
     """Two significant digits: 1.0e-5 (what a config file would say)."""
-    from parity_cli.report import unjfloat
+    from parity_cli.check.results import unjfloat
 
     value = unjfloat(value)
     if value is None:
@@ -123,7 +123,7 @@ class Group:
 
     def figures(self) -> dict:
         """Failing strata, their q/eps range and the worst errors over every layer of the group."""
-        from parity_cli.report import least, worst
+        from parity_cli.check.results import least, worst
 
         failing, compared = [], []
         for layer in self.layers:

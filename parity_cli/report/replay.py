@@ -23,7 +23,7 @@ def recorded_path(path) -> str:
 
 def recorded_spec(spec: str) -> str:
     """FILE.py:ATTR with the file as recorded_path gives it; other specs as typed."""
-    from parity_cli.implementations import is_file_target
+    from parity_cli.backends.implementations import is_file_target
 
     target, sep, attr = spec.rpartition(":")
     if sep and target and is_file_target(target):
@@ -59,7 +59,7 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
     recorded. A report is data: the code it names runs only when it is a built-in, when the
     user names it again, or under `trust` (--trust-report); how the candidate is supervised
     (isolation, timeout) is the caller's, never the file's."""
-    from parity_cli import saved_report
+    from parity_cli.report import saved as saved_report
     from parity_cli.api import CheckOptions
 
     saved_report.check(data, where)  # every field below has its schema type from here on
@@ -89,7 +89,7 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
         path = checkpoint or data["checkpoint"]["path"]
     except (KeyError, TypeError, ValueError) as exc:  # the schema leaves none of these; kept as a net
         raise InputError(f"{where}: the report lacks what a rerun needs ({exc})") from None
-    from parity_cli.implementations import is_file_target
+    from parity_cli.backends.implementations import is_file_target
 
     target, sep, _ = opts.candidate.rpartition(":")
     if not candidate and sep and target and is_file_target(target) and not Path(target).is_file():
@@ -110,7 +110,7 @@ def _refuse_code(spec: str, role: str, flag: str, where: str) -> None:
     """A built-in named by a report is ours to run; anything else (FILE.py:ATTR, MODULE:ATTR, an
     entry point) is code, and a report that names code does not run it: the user names it again,
     or says they trust the file."""
-    from parity_cli.implementations import BUILTINS, is_file_target
+    from parity_cli.backends.implementations import BUILTINS, is_file_target
 
     if spec in BUILTINS:
         return
@@ -125,7 +125,7 @@ def verify_fingerprint(data: dict, path: str, opts, where: str) -> str | None:
     """Refuse to replay a report on a different model; a report without a fingerprint (older
     versions) replays with a warning, returned."""
     from parity_cli.api import load
-    from parity_cli.layers import discover_layers
+    from parity_cli.model.layers import discover_layers
 
     recorded = (data["checkpoint"].get("fingerprint") or {}).get("sha256")
     if not recorded:

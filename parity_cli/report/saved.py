@@ -64,7 +64,7 @@ def schema() -> dict:
 def load(path: str | Path, what: str = "report") -> dict:
     """The report at `path`, read as untrusted JSON and checked against the schema; InputError
     ("<path>: <field>: <what is wrong>") otherwise."""
-    from parity_cli.jsonfile import load as load_json
+    from parity_cli.sources.jsonfile import load as load_json
 
     data = load_json(path, "the " + what, "report")
     if not isinstance(data, dict) or data.get("schema_version") != 1 or not isinstance(data.get("layers"), list):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
-from parity_cli import grouping
-from parity_cli.layout import Column, table, wrap
-from parity_cli.report import least, unjfloat, worst
+from parity_cli.report import grouping
+from parity_cli.report.layout import Column, table, wrap
+from parity_cli.check.results import least, unjfloat, worst
 from parity_cli.text import printable, printable_tree
 
 TABLE_MAX_LAYERS = 16  # above this the per-layer table is --verbose only: the groups say it shorter
@@ -98,7 +98,7 @@ def group_sentence(g: grouping.Group, universe: list[str]) -> str:
 def quiet_line(d: dict) -> str:
     """--quiet: one line, verdict and counts, and on failure what failed it: the first new group
     (the largest, without a baseline), or the first warning under --fail-on warn."""
-    from parity_cli.gate import all_warnings
+    from parity_cli.report.gate import all_warnings
 
     d = printable_tree(d)
     passed, what = verdict(d)

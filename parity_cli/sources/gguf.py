@@ -1,7 +1,7 @@
 """Stage 1 for llama.cpp files: a GGUF file, presented with the same interface as a Hugging
 Face checkpoint (checkpoint.Checkpoint).
 
-Only the metadata and the norm tensors are touched (parity_cli.gguf_reader: bounded, lazy,
+Only the metadata and the norm tensors are touched (parity_cli.sources.gguf_reader: bounded, lazy,
 arrays skipped); quantized blocks are never decoded.
 Tensor names are mapped back to Hugging Face names with gguf-py's own TensorNameMap, so a
 report reads the same across formats."""
@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parity_cli.checkpoint import TensorInfo
+from parity_cli.sources.huggingface import TensorInfo
 from parity_cli.errors import InputError
 
 GGUF_MAGIC = b"GGUF"
@@ -43,7 +43,7 @@ def float32_decimal(value: float) -> str:
 
 def _field(gf, key: str):
     """A scalar or string metadata value; arrays (recorded, never read) count as absent."""
-    from parity_cli.gguf_reader import Array
+    from parity_cli.sources.gguf_reader import Array
 
     value = gf.metadata.get(key)
     return None if isinstance(value, Array) else value
@@ -79,8 +79,8 @@ class GGUFCheckpoint:
 
     def read(self, name: str):
         """F32/F16/BF16/F64 as stored; anything quantized is refused (never dequantized)."""
-        from parity_cli.checkpoint import MAX_NORM_ELEMENTS
-        from parity_cli.gguf_reader import check_extent, read_tensor
+        from parity_cli.sources.huggingface import MAX_NORM_ELEMENTS
+        from parity_cli.sources.gguf_reader import check_extent, read_tensor
 
         t = self._tensors[name]
         if t.type_name not in READABLE:
@@ -103,7 +103,7 @@ def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
         import gguf
     except ImportError:
         raise InputError(f"{path}: reading GGUF needs the gguf package: pip install gguf") from None
-    from parity_cli.gguf_reader import read_gguf
+    from parity_cli.sources.gguf_reader import read_gguf
 
     reader = read_gguf(path)
     arch = _field(reader, "general.architecture")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
-from parity_cli.families import Family
+from parity_cli.model.families import Family
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
 SAFETENSORS_DTYPES = {
@@ -66,7 +66,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raw = fh.read(n)
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    from parity_cli.jsonfile import parse
+    from parity_cli.sources.jsonfile import parse
 
     try:
         text = raw.decode("utf-8")
@@ -199,7 +199,7 @@ def _checked(path: Path, root: Path, what: str) -> Path:
 
 
 def _load_json(path: Path, kind: str = "config") -> object:
-    from parity_cli.jsonfile import load
+    from parity_cli.sources.jsonfile import load
 
     return load(path, "the config" if kind == "config" else "the index", kind)
 
@@ -209,8 +209,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
     if path.is_file():
-        from parity_cli.families import load_families
-        from parity_cli.gguf_checkpoint import is_gguf, open_gguf
+        from parity_cli.model.families import load_families
+        from parity_cli.sources.gguf import is_gguf, open_gguf
 
         if is_gguf(path):
             return open_gguf(path, load_families())

@@ -69,7 +69,7 @@ def load_model(path: Path):
     """The graph without its external data, after the size check."""
     import onnx
 
-    from parity_cli.jsonfile import regular_file
+    from parity_cli.sources.jsonfile import regular_file
 
     regular_file(path, "the ONNX model", MAX_ONNX_BYTES, f"more than an ONNX protobuf can hold ({MAX_ONNX_BYTES}); refused")
     count_entries(path)
@@ -747,9 +747,9 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
     import dataclasses
     from collections import Counter
 
-    from parity_cli.checkpoint import Eps
-    from parity_cli.layers import NormLayer
-    from parity_cli.pairing import BY_VALUE
+    from parity_cli.sources.huggingface import Eps
+    from parity_cli.model.layers import NormLayer
+    from parity_cli.model.pairing import BY_VALUE
 
     path = Path(path)
     model = load_model(path)

@@ -2,7 +2,7 @@
 
 The layouts below are transcribed from the transformers modeling code (tests check them
 against transformers' own state_dict names where it is installed).
-`python -m parity_cli.synthetic DIR` rebuilds the bundled demo checkpoint."""
+`python -m parity_cli.sources.synthetic DIR` rebuilds the bundled demo checkpoint."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def write_demo(directory) -> Path:
 
 
 if __name__ == "__main__":
-    print(write_demo(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "demo"))
+    print(write_demo(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent.parent / "demo"))
 
 
 # model_type -> GGUF general.architecture, as llama.cpp's converter names them
