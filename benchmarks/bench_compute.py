@@ -72,11 +72,11 @@ def bench_layer(dim: int, iters: int, eps: float = 1e-5):
     import torch
     import torch.nn.functional as F
 
-    from parity_cli.sources.huggingface import Eps
-    from parity_cli.comparison import compare_batch, tolerance_for, workspace
     from parity_cli.backends.implementations import BUILTINS, oracle_normalize
+    from parity_cli.comparison import compare_batch, tolerance_for, workspace
     from parity_cli.model.layers import NormLayer
     from parity_cli.probes.strata import _build, probe_set, select_strata
+    from parity_cli.sources.tensors import Eps
 
     bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(0)

@@ -55,7 +55,7 @@ def _output_path(raw: str, flag: str) -> Path:
     writable. The name given is kept: the link, if it is one, is written through at the end."""
     import os
 
-    from parity_cli.check.results import output_target
+    from parity_cli.outputs import output_target
 
     path = Path(raw).expanduser().absolute()  # now: a candidate may chdir later
     parent = output_target(path, flag).parent  # the staged file and the rename happen beside the target
@@ -139,7 +139,7 @@ def _check_outputs(named: dict, inputs: list) -> dict:
     """Every output distinct, none an input of the run (a report written over config.json, the
     plugin's source, the baseline, an .onnx graph's external data): compared by where each lands
     once its links are followed."""
-    from parity_cli.check.results import output_target
+    from parity_cli.outputs import output_target
 
     taken: dict = {}
     out = {}
@@ -303,7 +303,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
                     f"{f['layer']} {f['stratum']} {f['code']}: {f['worse']}")
             console.print(f"[yellow]{escape(said)}[/]", soft_wrap=True)
     if to_stdout:
-        from parity_cli.check.results import json_text
+        from parity_cli.outputs import json_text
 
         click.echo(json_text(data), nl=False)
     return data["gate"]["exit_code"]
@@ -345,8 +345,8 @@ class _progress:
 def _write_outputs(data: dict, json_path, junit_path, markdown_path, plot=(None, None)) -> None:
     """The whole set, plot included, or none of it (Ctrl-C or a full disk during the plot left
     the JSON and JUnit without it)."""
+    from parity_cli.outputs import json_text, write_files
     from parity_cli.report.formats import to_junit, to_markdown
-    from parity_cli.check.results import json_text, write_files
 
     outputs = {}
     report, plot_path = plot
@@ -371,9 +371,9 @@ def _write_outputs(data: dict, json_path, junit_path, markdown_path, plot=(None,
 @click.option("--quiet", "-q", is_flag=True, help="Table format: one line, the verdict and what failed it.")
 def report(report_path, fmt, verbose, quiet):
     """Re-render a saved JSON report without rerunning anything."""
+    from parity_cli.outputs import json_text
     from parity_cli.report.formats import to_junit, to_markdown
     from parity_cli.report.gate import load_report
-    from parity_cli.check.results import json_text
     from parity_cli.report.terminal import quiet_line, render
 
     data = load_report(report_path)
@@ -402,7 +402,7 @@ def inspect(checkpoint, family, eps, json_path):
     json_path = _check_output_target(json_path, [checkpoint])
     preflight.inspect_inputs(checkpoint, family)
     from parity_cli.api import inspect as run_inspect
-    from parity_cli.check.results import write_json
+    from parity_cli.outputs import write_json
 
     info = run_inspect(checkpoint, family, eps)
     if json_path:
@@ -458,8 +458,8 @@ def demo():
     from parity_cli.api import CheckOptions
     from parity_cli.api import check as run_check
     from parity_cli.report.grouping import g
-    from parity_cli.resources import demo_checkpoint
     from parity_cli.report.terminal import heading, render
+    from parity_cli.resources import demo_checkpoint
 
     console = _console()
     path = demo_checkpoint()
@@ -509,9 +509,9 @@ def explain_cmd(report_path, checkpoint, candidate, reference, trust_report, can
     plugin code it names runs only when named again (--candidate, --reference) or under
     --trust-report, and how the candidate is supervised (--isolation, --timeout) is never the file's."""
     from parity_cli import preflight
+    from parity_cli.outputs import json_text, write_files
     from parity_cli.report.gate import load_report
     from parity_cli.report.replay import options_from_report, verify_fingerprint
-    from parity_cli.check.results import json_text, write_files
 
     _check_output_target(json_path, [report_path])
     preflight.option_values(timeout=timeout)

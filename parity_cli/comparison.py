@@ -1,7 +1,7 @@
 """Stage 5: reference vs candidate -> a result per stratum, every violation counted.
 
 Tolerances are a plain table (configs/tolerances.toml) keyed by candidate dtype; results are
-values that know whether they passed; turning them into words is report.py's job."""
+values that know whether they passed; turning them into words is the report stage's job (parity_cli.report)."""
 
 from __future__ import annotations
 
@@ -322,7 +322,7 @@ def compare_batch(segments, x, ref, cand, eps: float, kind: str, tol: Tolerance,
         return [compare(name, x[a:b], ref[a:b], cand[a:b], eps, kind, tol, max_violation_fraction,
                         None if extra is None else extra[a:b], dtype, q[a:b]) for name, a, b in segments]
     work = work or workspace()
-    shape, dev = ref.shape, ref.device  # a GPU reference is compared where it is (api.reference_device)
+    shape, dev = ref.shape, ref.device  # a GPU reference is compared where it is (options.reference_device)
     d = torch.sub(cand, ref, out=work.get("d", shape, device=dev)).abs_()
     a = torch.abs(ref, out=work.get("a", shape, device=dev))
     allowed = torch.mul(a, tol.rtol, out=work.get("allowed", shape, device=dev)).add_(tol.atol)

@@ -35,26 +35,27 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     collapse names the factor that carries them."""
     import torch
 
-    from parity_cli import api
+    from parity_cli import options, pipeline
     from parity_cli.backends import implementations as impls
-    from parity_cli.sources.huggingface import Eps
+    from parity_cli.check.layer import Side, check_layer, first_head
     from parity_cli.comparison import tolerance_for
     from parity_cli.diagnose.causes import Context, estimate_eps
-    from parity_cli.check.layer import Side, check_layer, first_head
-    from parity_cli.model.layers import discover_layers
-    from parity_cli.probes.strata import select_strata
     from parity_cli.isolation.runners import InProcessRunner
-    from parity_cli.isolation.supervisor import close_runners, open_runners, parse_memory
+    from parity_cli.isolation.supervisor import close_runners, open_runners, parse_memory, timeout_of
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.model.load import load
+    from parity_cli.probes.strata import select_strata
     from parity_cli.report.terminal import fmt
+    from parity_cli.sources.tensors import Eps
 
-    opts = dataclasses.replace(api.effective(opts), grad=False)
+    opts = dataclasses.replace(pipeline.effective(opts), grad=False)
     if layer_names:  # the caller has the report already (check --explain, parity explain REPORT.json)
         wanted = set(layer_names)
     else:
-        wanted = {l.name for l in api.check(path, opts).layers if not l.passed}
+        wanted = {l.name for l in pipeline.check(path, opts).layers if not l.passed}
         if not wanted:
             return {}
-    ckpt, fam, eps = api.load(path, opts.family, opts.eps)
+    ckpt, fam, eps = load(path, opts.family, opts.eps)
     found = {l.name: l for l in discover_layers(ckpt, fam, eps).layers}
     unknown = sorted(wanted - set(found))
     if unknown:
@@ -64,19 +65,19 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     if opts.candidate_checkpoint:
         from parity_cli.model.pairing import pair
 
-        copy_layers, _, copy_dtype = api.converted(opts, list(found.values()))
+        copy_layers, _, copy_dtype = pipeline.converted(opts, list(found.values()))
         copies = pair(list(found.values()), copy_layers, opts.candidate_checkpoint).candidate_layers
     # the candidate dtype exactly as check() chooses it
     checked_layers = [l for n, l in found.items() if not opts.layers or fnmatch.fnmatchcase(n, opts.layers)]
-    opts, _ = api.with_captured(opts, checked_layers, lambda: list(found.values()))  # the check's real rows too
-    cand_dtype_name = api.dtype_name(opts.dtype) if opts.dtype else (copy_dtype or api.stored_dtype(checked_layers))
+    opts, _ = pipeline.with_captured(opts, checked_layers, lambda: list(found.values()))  # the check's real rows too
+    cand_dtype_name = options.dtype_name(opts.dtype) if opts.dtype else (copy_dtype or options.stored_dtype(checked_layers))
     cand_dtype = getattr(torch, cand_dtype_name)
-    ref_dtype = getattr(torch, api.dtype_name(opts.reference_dtype))
-    reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, api.reference_device(opts.reference_device, opts.device, api.is_oracle(opts)))
-    device = api.check_device(opts.device)
+    ref_dtype = getattr(torch, options.dtype_name(opts.reference_dtype))
+    reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, options.reference_device(opts.reference_device, opts.device, options.is_oracle(opts)))
+    device = options.check_device(opts.device)
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
-    cand_impl, runners = open_runners(opts.candidate, api.candidate_args(opts), device, opts.isolation,
-                                      api.timeout_of(opts), parse_memory(opts.candidate_memory))
+    cand_impl, runners = open_runners(opts.candidate, options.candidate_args(opts), device, opts.isolation,
+                                      timeout_of(opts), parse_memory(opts.candidate_memory))
     own_runner = InProcessRunner(impls.resolve("hf"))
 
     def cand(dtype, eps_value=opts.candidate_eps):

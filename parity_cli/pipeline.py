@@ -1,116 +1,29 @@
-"""The library API: one function per command, called by the CLI and directly by tests.
-
-check() wires the stages: checkpoint -> layers -> probes -> implementations -> comparison
--> diagnosis -> report."""
+"""The stages wired together: checkpoint -> layers -> probes -> implementations -> comparison
+-> diagnosis -> report. parity_cli.api is the facade over it; the explain ladder reruns it."""
 
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass
 from pathlib import Path
 
 from parity_cli import __version__
-from parity_cli.sources.huggingface import open_checkpoint, resolve_eps
-from parity_cli.errors import InputError
-from parity_cli.model.families import family_by_name, family_for_model_type
-from parity_cli.report.grouping import g as _g
 from parity_cli.check import parallel
 from parity_cli.check.parallel import resolve_jobs
-from parity_cli.report.replay import fingerprint, options_from_report, recorded_path, recorded_spec  # noqa: F401
-
-DTYPES = {
-    "float32": "float32", "fp32": "float32", "f32": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float64": "float64", "fp64": "float64", "double": "float64", "f64": "float64",
-}
-
-
-@dataclass
-class CheckOptions:
-    candidate: str | None = None  # None: torch, or onnxruntime for an .onnx candidate checkpoint
-    reference: str = "oracle"
-    dtype: str | None = None  # candidate input/weight dtype; None: the checkpoint's stored dtype
-    device: str = "cpu"
-    family: str | None = None
-    eps: float | None = None  # overrides the checkpoint's eps for both sides
-    candidate_eps: float | None = None  # the candidate alone (simulates a deployment config)
-    atol: float | None = None
-    rtol: float | None = None
-    strata: list[str] | None = None
-    seed: int = 0
-    layers: str | None = None
-    max_violation_fraction: float = 0.0
-    reference_dtype: str = "float64"
-    reference_device: str = "auto"  # auto: the candidate's GPU when it has fast float64, else the CPU
-    exact: bool = False  # bitwise: atol = rtol = 0, no allowance
-    candidate_args: list[str] | dict | None = None  # KEY=VALUE for the candidate's constructor/function
-    candidate_checkpoint: str | None = None  # a converted copy: the candidate uses its weights and eps
-    grad: bool = False  # backward parity too
-    timeout: float | None = None  # seconds per layer for the candidate; None: 120 s; inf: no limit
-    jobs: int | str = 1  # workers over layers; "auto": one per CPU this process may run on
-    threads: int = 1  # torch intra-op threads per process (the parent's and each candidate child's)
-    isolation: str = "auto"  # auto | process | none (supervisor.open_runners)
-    candidate_memory: str | int | None = None  # cap on the candidate's resident memory; None: half of RAM
-    activations: str | None = None  # a `parity capture` file: a `captured` stratum of real rows per layer
-    captured: dict | None = None  # its rows by layer, once loaded (check() fills it)
-
-
-def dtype_name(name: str) -> str:
-    key = name.lower().removeprefix("torch.")
-    if key not in DTYPES:
-        raise InputError(f"--dtype: unknown dtype '{name}'; use float32, bfloat16, float16 or float64")
-    return DTYPES[key]
-
-
-# (major, minor) compute capabilities whose float64 runs at 1/2 of float32 (P100, V100, A100,
-# H100/H200, B200); every other part runs it at 1/32-1/64, slower than the CPU for the oracle
-FAST_FLOAT64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
-
-
-def reference_device(option: str, candidate_device: str, oracle: bool = True) -> str:
-    """--reference-device: `auto` runs the float64 oracle on the candidate's GPU when that GPU
-    has fast float64 (the probe set then crosses the bus once), otherwise on the CPU. Any other
-    reference (`oracle` False: another implementation, or not float64) stays on the CPU unless
-    asked: moving it would change which kernels the reference runs."""
-    if option != "auto":
-        return check_device(option)
-    if not oracle or not candidate_device.startswith("cuda"):
-        return "cpu"
-    import torch
-
-    props = torch.cuda.get_device_properties(torch.device(candidate_device))
-    return candidate_device if (props.major, props.minor) in FAST_FLOAT64 else "cpu"
-
-
-def is_oracle(opts) -> bool:
-    """The reference is the float64 oracle (what --reference-device auto may move to a GPU)."""
-    return opts.reference == "oracle" and dtype_name(opts.reference_dtype) == "float64"
-
-
-def check_device(device: str) -> str:
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise InputError(f"--device: '{device}' is not a device (cpu, cuda, cuda:N)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device}: no CUDA device is available on this machine")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise InputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise InputError(f"--device: '{device}' is not supported (cpu, cuda, cuda:N)")
-    return str(dev)
-
-
-def load(path: str | Path, family: str | None = None, eps: float | None = None):
-    """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share)."""
-    ckpt = open_checkpoint(path)
-    where = str(path) if ckpt.format == "gguf" else str(Path(path) / "config.json")
-    fam = family_by_name(family) if family else family_for_model_type(ckpt.model_type, where)
-    return ckpt, fam, resolve_eps(ckpt, fam, eps)
+from parity_cli.errors import InputError
+from parity_cli.model.fingerprint import fingerprint
+from parity_cli.model.load import load
+from parity_cli.options import (
+    ONE_PERCENT_Q_OVER_EPS,
+    CheckOptions,
+    candidate_args,
+    check_device,
+    dtype_name,
+    is_oracle,
+    reference_device,
+    stored_dtype,
+)
+from parity_cli.report.grouping import g as _g
+from parity_cli.report.replay import recorded_path, recorded_spec
 
 
 def _config_name(ckpt) -> str:
@@ -160,9 +73,6 @@ def environment(device: str, threads: int | None = None, jobs: int | None = None
     else:
         env["device_name"] = platform.processor() or platform.machine()
     return env
-
-
-ONE_PERCENT_Q_OVER_EPS = 1 / (0.99 ** -2 - 1)  # 49.2512562814: q/eps where A = 0.99
 
 
 def inspect(path: str | Path, family: str | None = None, eps: float | None = None) -> dict:
@@ -268,29 +178,6 @@ def _inspect_onnx(path) -> dict:
     }
 
 
-def stored_dtype(layers) -> str:
-    counts: dict[str, int] = {}
-    for layer in layers:
-        counts[layer.stored_dtype] = counts.get(layer.stored_dtype, 0) + 1
-    name = max(counts, key=counts.get)
-    return name if name in DTYPES.values() else "float32"
-
-
-def candidate_args(opts: CheckOptions) -> dict:
-    from parity_cli.backends.implementations import parse_args
-
-    return opts.candidate_args if isinstance(opts.candidate_args, dict) else parse_args(opts.candidate_args)
-
-
-def timeout_of(opts: CheckOptions) -> float | None:
-    """Seconds per layer: the default when unset, none at all only when asked for (inf)."""
-    from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT
-
-    if opts.timeout is None:
-        return DEFAULT_TIMEOUT
-    return None if opts.timeout == float("inf") else float(opts.timeout)
-
-
 def effective(opts: CheckOptions) -> CheckOptions:
     """The candidate when none is named: an exported .onnx copy runs its own subgraphs in ONNX
     Runtime; anything else gets torch's fused kernel."""
@@ -307,11 +194,12 @@ def effective(opts: CheckOptions) -> CheckOptions:
 def converted(opts: CheckOptions, reference_layers) -> tuple:
     """--candidate-checkpoint: (its layers under the reference's names, the report's description
     of it, the dtype its norms compute in or None). GGUF and HF copies go through discovery like
-    the reference; an .onnx graph through onnx_checkpoint."""
+    the reference; an .onnx graph through model.onnx_layers."""
     import fnmatch
 
     from parity_cli.model.layers import discover_layers
-    from parity_cli.sources.onnx_graph import candidate_layers, is_onnx
+    from parity_cli.model.onnx_layers import candidate_layers
+    from parity_cli.sources.onnx_graph import is_onnx
 
     if is_onnx(opts.candidate_checkpoint):
         layers, info = candidate_layers(opts.candidate_checkpoint, reference_layers)
@@ -365,16 +253,16 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         import torch
 
     from parity_cli.backends import implementations as impls
+    from parity_cli.check.layer import Side, run_layers, setup_failure
+    from parity_cli.check.results import Report
     from parity_cli.comparison import (
         ZERO_REFERENCE_RULE,
         grad_tolerance_for,
         tolerance_for,
     )
-    from parity_cli.check.layer import Side, run_layers, setup_failure
+    from parity_cli.isolation.supervisor import close_runners, open_reference, open_runners, parse_memory, printed_note
     from parity_cli.model.layers import discover_layers
     from parity_cli.probes.strata import load_strata, select_strata
-    from parity_cli.check.results import Report
-    from parity_cli.isolation.supervisor import close_runners, open_reference, open_runners, parse_memory, printed_note
 
     if not 0.0 <= opts.max_violation_fraction <= 1.0:
         raise InputError("--max-violation-fraction must be between 0 and 1")
@@ -433,7 +321,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     workers = max(1, min(resolve_jobs(opts.jobs), len(found.layers)))
     if not (isinstance(opts.threads, int) and opts.threads >= 1):
         raise InputError(f"--threads must be a whole number >= 1, got {opts.threads}")
-    timeout = timeout_of(opts)
+    timeout = supervisor.timeout_of(opts)
     if opts.candidate_memory is None and memory is not None:
         memory //= workers * (2 if ref_plugin else 1)  # the default is half of RAM for all the children together
     sharded = workers > 1 and parallel.shardable(opts, device)
@@ -523,11 +411,3 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     }
     return Report(header=header, layers=results, warnings=warnings,
                   findings=pairing.report_findings if pairing else [])
-
-
-def explain(path: str | Path, options: CheckOptions | None = None, layer_names: list[str] | None = None,
-            **kwargs) -> dict:
-    """The one-factor-at-a-time ladder for the failing (or named) layers; see parity_cli.explain."""
-    from parity_cli.explain import explain as ladder
-
-    return ladder(path, options or CheckOptions(**kwargs), layer_names)

@@ -80,10 +80,9 @@ def checkpoint_input(path, family=None) -> None:
     """A directory is opened as `check` opens it (config, shard index, safetensors header: no
     tensor bytes), so every layout open_checkpoint refuses is refused here in its words. A GGUF
     file is only recognised: reading its metadata needs gguf, which imports numpy."""
-    from parity_cli.sources.huggingface import open_checkpoint
     from parity_cli.model.families import family_by_name, family_for_model_type
+    from parity_cli.model.load import open_checkpoint
     from parity_cli.sources.gguf import is_gguf
-
     from parity_cli.sources.onnx_graph import is_onnx
 
     path = Path(path)
@@ -123,7 +122,7 @@ def onnx_input(path) -> None:
 
 def dtype_input(name, option: str = "--dtype") -> None:
     """api.dtype_name's rule (case, a 'torch.' prefix), with the option that gave the name."""
-    from parity_cli.api import DTYPES
+    from parity_cli.options import DTYPES
 
     if str(name).lower().removeprefix("torch.") not in DTYPES:
         raise InputError(f"{option}: unknown dtype '{name}'; use float32, bfloat16, float16 or float64")
@@ -196,6 +195,6 @@ def option_values(eps=None, candidate_eps=None, atol=None, rtol=None, timeout=No
 
         parse_memory(candidate_memory)
     if candidate_args:
-        from parity_cli.backends.implementations import parse_args
+        from parity_cli.options import parse_args
 
         parse_args(candidate_args)

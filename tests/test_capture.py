@@ -2,7 +2,6 @@
 transformers model, probe with them, and say what an eps fault does to them."""
 
 import pytest
-
 from conftest import load_json, run_parity
 
 transformers = pytest.importorskip("transformers")
@@ -52,9 +51,8 @@ TEXT = " ".join(f"w{(7 * i) % 98}" for i in range(300))
 def _all_inputs(model_dir, layer_name, text):
     """Every row the layer sees, collected by the test's own hook on the model transformers loads."""
     import torch
-    from transformers import AutoTokenizer
-
     import transformers as tf
+    from transformers import AutoTokenizer
 
     cfg = tf.AutoConfig.from_pretrained(model_dir)
     model = getattr(tf, cfg.architectures[0]).from_pretrained(model_dir).eval()
@@ -119,7 +117,7 @@ def test_an_eps_fault_on_real_rows_matches_a_float64_recomputation(llama, tmp_pa
         x = rows[layer["name"]].float().double()  # rounded to the candidate dtype (float32), as every probe
         g = weights[layer["name"] + ".weight"].double()
 
-        def norm(e):
+        def norm(e, x=x, g=g):
             return x / torch.sqrt((x * x).mean(-1, keepdim=True) + e) * g
 
         y, alt = norm(1e-6), norm(est)
@@ -167,7 +165,7 @@ def _write_gguf(hf, out):
     chars = ["Ġ", "w"] + [str(d) for d in range(10)]
     merges, words = ["Ġ w"], ["<|endoftext|>"] + chars + ["Ġw"]
     for i in range(40):
-        prev, nxt = "Ġw", f"Ġw{i}"
+        nxt = f"Ġw{i}"
         if i >= 10:
             merges.append(f"Ġw{i // 10} {i % 10}") if f"Ġw{i // 10}" in words else None
         else:
@@ -241,8 +239,8 @@ def test_rows_of_the_wrong_width_are_refused(llama, tmp_path):
     from safetensors.torch import save_file
 
     from parity_cli import api
+    from parity_cli.model.fingerprint import fingerprint
     from parity_cli.model.layers import discover_layers
-    from parity_cli.report.replay import fingerprint
 
     ckpt, fam, eps = api.load(llama)
     meta = {"parity": json.dumps({"fingerprint": fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"]})}
@@ -259,8 +257,8 @@ def _capture_file(llama, tmp_path, name, rows: dict, **meta_extra):
     from safetensors.torch import save_file
 
     from parity_cli import api
+    from parity_cli.model.fingerprint import fingerprint
     from parity_cli.model.layers import discover_layers
-    from parity_cli.report.replay import fingerprint
 
     ckpt, fam, eps = api.load(llama)
     meta = {"fingerprint": fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"], **meta_extra}

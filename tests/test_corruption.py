@@ -76,7 +76,7 @@ def _cases():
         cases.append((f"{len(cases):03d}-{fn.__name__}", kind, fn))
 
     # truncation anywhere: the header's claims no longer fit the file
-    for k in range(80):
+    for _ in range(80):
         frac = rng.random()
 
         def truncate(d, frac=frac):
@@ -90,7 +90,7 @@ def _cases():
     # flipped bytes in the header JSON (usually unreadable, sometimes a harmless rename), and in
     # tensor data (stays readable)
     for region, count in (("header", 70), ("data", 60)):
-        for k in range(count):
+        for _ in range(count):
             seed = rng.randrange(1 << 30)
 
             def flip(d, seed=seed, region=region):

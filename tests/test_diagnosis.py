@@ -1,8 +1,8 @@
 """Issue 5: every failure explained — codes, the estimated eps, the variant panel, the ladder."""
 
 import pytest
-
 from conftest import load_json, plugin, run_parity
+
 from parity_cli import api
 
 
@@ -130,7 +130,7 @@ def test_exact_on_per_head_gains_reports_ulps(ckpt):
 
 
 def test_explain_from_a_report_keeps_its_options(ckpt, tmp_path):
-    from parity_cli.api import options_from_report
+    from parity_cli.report.replay import options_from_report
 
     path = ckpt("llama", layers=1, eps=1e-5)
     out = tmp_path / "r.json"

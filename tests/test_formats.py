@@ -6,6 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from conftest import load_json, plugin, run_parity
+
 from parity_cli import api
 
 

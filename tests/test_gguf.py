@@ -4,8 +4,8 @@ HF directories, and HF -> GGUF conversion faults each found and named."""
 import struct
 
 import pytest
-
 from conftest import load_json, plugin, run_parity
+
 from parity_cli import api
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (the gguf extra)")

@@ -9,8 +9,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package")
 
-from parity_cli.sources.gguf_reader import Array, read_gguf  # noqa: E402
 from conftest import run_bounded  # noqa: E402
+
+from parity_cli.sources.gguf_reader import Array, read_gguf  # noqa: E402
 from parity_cli.sources.synthetic import hf_to_gguf, write_checkpoint  # noqa: E402
 
 

@@ -8,10 +8,9 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import run_bounded  # noqa: E402
-from parity_cli.sources.synthetic import write_checkpoint
 
+from parity_cli.sources.synthetic import write_checkpoint
 
 parity = run_bounded
 

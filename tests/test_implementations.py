@@ -12,7 +12,8 @@ from conftest import load_json, plugin, run_parity
 from safetensors.torch import load_file, save_file
 
 from parity_cli import api
-from parity_cli.backends.implementations import oracle_normalize, parse_args
+from parity_cli.backends.implementations import oracle_normalize
+from parity_cli.options import parse_args
 
 # --- references and bitwise mode ----------------------------------------------------------------
 
@@ -89,7 +90,7 @@ def test_entry_point_plugin_is_found_by_name(tmp_path, ckpt):
     (pkg / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n\n'
         '[project]\nname = "parity-ep-demo"\nversion = "0.1"\n\n'
-        '[project.entry-points."parity_cli.backends.implementations"]\nep-rms = "parity_ep_demo:rms_norm"\n')
+        '[project.entry-points."parity_cli.implementations"]\nep-rms = "parity_ep_demo:rms_norm"\n')
     site = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                               "--target", str(site), str(pkg)], capture_output=True, text=True)

@@ -309,7 +309,7 @@ def test_misbehaving_candidate_sweep(llama, fault, at):
 def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path, monkeypatch):
     """Ctrl-C right after the first of two renames: without holding signals the second report
     would never be written (r.json without r.xml)."""
-    from parity_cli.check import results as report
+    from parity_cli import outputs
 
     real = os.replace
     done = []
@@ -320,9 +320,9 @@ def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path, monkeyp
         if len(done) == 1:
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(report.os, "replace", replace)
+    monkeypatch.setattr(outputs.os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
-        report.write_files({tmp_path / "r.json": "{}\n", tmp_path / "r.xml": "<testsuites/>\n"})
+        outputs.write_files({tmp_path / "r.json": "{}\n", tmp_path / "r.xml": "<testsuites/>\n"})
     assert (tmp_path / "r.json").exists() and (tmp_path / "r.xml").exists()
     assert not list(tmp_path.glob(".*.tmp"))
 

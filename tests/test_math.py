@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from parity_cli.comparison import attenuation, q_over_eps_stats
 from parity_cli.backends.implementations import mean_square, oracle_normalize
+from parity_cli.comparison import attenuation, q_over_eps_stats
 
 # The sources' table: q/eps -> A = sqrt(q/(q+eps)), rounded to 6 decimals there.
 SEED_ATTENUATION = [(0.01, 0.099504), (0.1, 0.301511), (1.0, 0.707107), (10.0, 0.953463), (100.0, 0.995037)]

@@ -2,8 +2,8 @@
 InferenceSession (RMSNormalization-23 or the decomposed pattern, LayerNormalization-17)."""
 
 import pytest
-
 from conftest import run_parity
+
 from parity_cli import api
 
 pytest.importorskip("onnxruntime")
@@ -245,8 +245,8 @@ def test_cuda_without_the_gpu_runtime_is_one_line(ckpt):
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu is installed")
-    from parity_cli.errors import InputError
     from parity_cli.backends.onnx_runtime import _session, build_graph
+    from parity_cli.errors import InputError
 
     with pytest.raises(InputError, match="onnxruntime-gpu"):
         _session(build_graph("rms_norm", "llama", 8, (), "float32", 1e-6, 0.0, "decomposed", False), "cuda")

@@ -12,10 +12,10 @@ import stat
 import pytest
 from click.testing import CliRunner
 
-from parity_cli.report import gate
-from parity_cli.check import results as report
+from parity_cli import outputs
 from parity_cli.cli import main
 from parity_cli.errors import InputError
+from parity_cli.report import gate
 from parity_cli.sources.synthetic import write_checkpoint
 
 FAST = ("--layers", "model.norm", "--strata", "tiny,constant")
@@ -271,14 +271,14 @@ def test_a_gguf_file_is_an_input(model, tmp_path):
 def test_the_plot_is_part_of_the_set(model, tmp_path, monkeypatch):
     """A full disk while the plot is written: no report, no JUnit either (they were already there)."""
     pytest.importorskip("matplotlib")
-    real = report._stage
+    real = outputs._stage
 
     def full_on_plot(text, path):
         if str(path).endswith(".svg"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(text, path)
 
-    monkeypatch.setattr(report, "_stage", full_on_plot)
+    monkeypatch.setattr(outputs, "_stage", full_on_plot)
     out = {k: tmp_path / f"r.{k}" for k in ("json", "xml", "svg")}
     refused(parity("check", model, *FAST, "--json", out["json"], "--junit", out["xml"], "--plot", out["svg"], "-q"),
             out["svg"], "cannot write", "No space left on device")
@@ -292,7 +292,7 @@ def test_a_full_disk_names_the_file(tmp_path, monkeypatch, where):
         raise OSError(errno.ENOSPC, "No space left on device")  # no filename, as the kernel's errno gives
 
     if where == "write":
-        real = report.os.fdopen
+        real = outputs.os.fdopen
 
         class Full:
             def __init__(self, *args, **kwargs):
@@ -306,12 +306,12 @@ def test_a_full_disk_names_the_file(tmp_path, monkeypatch, where):
 
             write = no_space
 
-        monkeypatch.setattr(report.os, "fdopen", Full)
+        monkeypatch.setattr(outputs.os, "fdopen", Full)
     else:
-        monkeypatch.setattr(report.os, "replace", no_space)
+        monkeypatch.setattr(outputs.os, "replace", no_space)
     out = tmp_path / "r.json"
     with pytest.raises(InputError) as exc:
-        report.write_files({out: "{}\n", tmp_path / "r.xml": "<x/>\n"})
+        outputs.write_files({out: "{}\n", tmp_path / "r.xml": "<x/>\n"})
     assert str(exc.value) == f"{out}: cannot write report: No space left on device"
     assert list(tmp_path.iterdir()) == []
 

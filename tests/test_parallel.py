@@ -10,8 +10,8 @@ import torch
 from conftest import run_parity
 
 from parity_cli import api
-from parity_cli.errors import InputError
 from parity_cli.check.parallel import resolve_jobs
+from parity_cli.errors import InputError
 
 
 def test_jobs_auto_counts_the_cpus_this_process_may_use():

@@ -16,10 +16,10 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 from conftest import ROOT, plugin, run_parity
 
-from parity_cli.backends import implementations as impls
 from parity_cli import preflight
-from parity_cli.sources.huggingface import open_checkpoint
+from parity_cli.backends import implementations as impls
 from parity_cli.errors import InputError
+from parity_cli.model.load import open_checkpoint
 
 
 def refused(*args, **kwargs) -> str:

@@ -80,6 +80,7 @@ def test_extreme_goes_toward_the_dtype_limit():
 
 def test_a_candidate_writing_into_its_input_does_not_change_later_layers(ckpt):
     from conftest import plugin
+
     from parity_cli import api
 
     report = api.check(ckpt("llama", layers=2, eps=1e-5), candidate=plugin("mutates_input"), dtype="float64",

@@ -8,8 +8,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from conftest import load_json, run_parity
 
-from conftest import load_json, plugin, run_parity
 from parity_cli.report import grouping
 
 TWO_FAULTS = f"{Path(__file__).parent / 'plugins' / 'two_faults.py'}:eps_wide_offset_narrow"

@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 from conftest import run_bounded
 
-from parity_cli.report import saved as saved_report
 from parity_cli.cli import main
+from parity_cli.report import saved as saved_report
 from parity_cli.sources.synthetic import write_checkpoint
 
 

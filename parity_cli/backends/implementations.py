@@ -287,23 +287,6 @@ def _load_attr(spec: str):
     return obj
 
 
-def parse_args(pairs) -> dict:
-    """--candidate-arg key=value pairs; a value is JSON where it parses (1.0, true, "x", [1]), else a string."""
-    import json
-
-    args = {}
-    for pair in pairs or ():
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise InputError(f"--candidate-arg '{pair}': expected KEY=VALUE with KEY a Python identifier")
-        try:
-            args[key] = json.loads(raw)
-        except ValueError:
-            args[key] = raw
-    return args
-
-
 def _check_accepts(spec: str, target, args: dict, skip: int) -> None:
     """An argument the implementation cannot take is the user's error, found before any probe."""
     if not args:
@@ -357,12 +340,12 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
     return Implementation(spec, f"plugin function {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', spec)}", prepare_function)
 
 
-ENTRY_POINT_GROUP = "parity_cli.backends.implementations"
+ENTRY_POINT_GROUP = "parity_cli.implementations"  # a public contract: plugins register under it
 
 
 def entry_points() -> dict:
     """Named implementations that installed packages register (pyproject:
-    [project.entry-points."parity_cli.backends.implementations"] name = "module:attr")."""
+    [project.entry-points."parity_cli.implementations"] name = "module:attr")."""
     from importlib.metadata import entry_points as installed
 
     found = {}

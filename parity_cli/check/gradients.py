@@ -9,11 +9,11 @@ from parity_cli.isolation.runners import CandidateJob, autograd, failure
 
 def upstream_for(seed: int, stratum: str, dim: int, x):
     """The upstream gradient of one stratum: seeded by (seed, stratum, dim), so reruns agree."""
+    from zlib import crc32
+
     import torch
 
-    from parity_cli.check.layer import crc
-
-    gen = torch.Generator().manual_seed(crc(f"{seed}:grad:{stratum}:{dim}"))
+    gen = torch.Generator().manual_seed(crc32(f"{seed}:grad:{stratum}:{dim}".encode()))
     return torch.randn(x.shape, generator=gen, dtype=torch.float64)
 
 

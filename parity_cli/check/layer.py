@@ -70,12 +70,6 @@ def first_head(layer, strata, gain, bias):
     return first, gain.reshape(-1, layer.dim)[0], None if bias is None else bias.reshape(-1, layer.dim)[0]
 
 
-def crc(text: str) -> int:
-    import zlib
-
-    return zlib.crc32(text.encode())
-
-
 def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand_layer=None, grad_tol=None,
                 keep_tensors=False, diagnose_failures=True):
     """Probes one layer through both sides. A fault in the reference is the user's input
@@ -85,11 +79,11 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     checkpoint's weight, eps and conventions while the reference keeps the original's."""
     import torch
 
+    from parity_cli.check.gradients import grad_strata, upstream_for
+    from parity_cli.check.results import LayerResult
     from parity_cli.comparison import compare_batch, errored, mean_rounding_allowance, workspace
     from parity_cli.diagnose.causes import bitwise_diagnosis, diagnose, diagnose_grad
-    from parity_cli.check.gradients import grad_strata, upstream_for
     from parity_cli.probes.strata import Probe, build_probe_set, probe_set
-    from parity_cli.check.results import LayerResult
 
     cand_layer = cand_layer or layer
     eps = layer.eps.value
@@ -250,7 +244,7 @@ def _reference_batch(ps, j, reference: Side, layer, w_ref, b_ref, eps, spread, r
 
     normalise = getattr(reference.impl, "normalise", None)
     if normalise is not None and reference.dtype == torch.float64:
-        dev = reference.device  # a GPU with fast float64 (api.reference_device), or the CPU
+        dev = reference.device  # a GPU with fast float64 (options.reference_device), or the CPU
         n = ps.normalised(eps, layer.kind, normalise, dev)
         gain = (layer.gain_offset + w_ref).to(dev)
         if gain.dim() > 1:  # per-head gains: every head of a row sees the row

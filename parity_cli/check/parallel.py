@@ -31,7 +31,7 @@ def shardable(opts, device: str) -> bool:
     """Whether --jobs can split the layers over whole worker processes: every step of a layer is
     then our own code (the candidate a built-in that runs in-process on the CPU, the reference no
     plugin), and there is no converted copy whose layers the parent pairs. Otherwise the workers are supervised candidate
-    children, driven from the parent's threads (layer_check.run_layers)."""
+    children, driven from the parent's threads (check.layer.run_layers)."""
     from parity_cli.isolation.supervisor import reference_supervised, supervised
 
     return not supervised(opts.candidate, device, opts.isolation) and not opts.candidate_checkpoint and \
@@ -43,7 +43,7 @@ class Plan:
     """What every worker needs besides its share of layer names; decided once, in the parent."""
 
     path: str
-    opts: object  # api.CheckOptions (captured rows travel with the share that reads them)
+    opts: object  # options.CheckOptions (captured rows travel with the share that reads them)
     cand_dtype: str
     tol: object
     grad_tol: object
@@ -125,23 +125,24 @@ def _run_share(task):
     plan, share = task
     import torch
 
-    from parity_cli import api
+    from parity_cli import options
     from parity_cli.backends import implementations as impls
     from parity_cli.check.layer import Side, check_layer
-    from parity_cli.model.layers import discover_layers
     from parity_cli.isolation.runners import InProcessRunner
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.model.load import load
 
     opts = plan.opts
     torch.set_num_threads(opts.threads)
     key = (plan.path, opts.family, opts.eps)
     if key not in _STATE:
         _STATE.clear()
-        _STATE[key] = api.load(plan.path, opts.family, opts.eps)
+        _STATE[key] = load(plan.path, opts.family, opts.eps)
     ckpt, fam, eps = _STATE[key]
     layers = {layer.name: layer for layer in discover_layers(ckpt, fam, eps, opts.layers, names=set(share)).layers}
-    reference = Side(impls.resolve(opts.reference), opts.reference, getattr(torch, api.dtype_name(opts.reference_dtype)),
-                     api.reference_device(opts.reference_device, opts.device, api.is_oracle(opts)))
-    impl = impls.resolve(opts.candidate, api.candidate_args(opts))
+    reference = Side(impls.resolve(opts.reference), opts.reference, getattr(torch, options.dtype_name(opts.reference_dtype)),
+                     options.reference_device(opts.reference_device, opts.device, options.is_oracle(opts)))
+    impl = impls.resolve(opts.candidate, options.candidate_args(opts))
     candidate = Side(impl, opts.candidate, getattr(torch, plan.cand_dtype), opts.device, opts.candidate_eps,
                      InProcessRunner(impl, plan.timeout))
     return [check_layer(layers[name], reference, candidate, list(plan.strata), plan.tol, opts, grad_tol=plan.grad_tol)

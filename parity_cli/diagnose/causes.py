@@ -11,10 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from parity_cli.comparison import StratumResult, Tolerance
 from parity_cli.backends.implementations import mean_square, oracle_normalize
+from parity_cli.comparison import StratumResult, Tolerance
 from parity_cli.model.layers import NormLayer
-
 
 
 @dataclass
@@ -73,23 +72,6 @@ def _no_upcast(ctx: Context, x):
         h = h - h.mean(-1, keepdim=True)
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
     return y.to(torch.float64)
-
-
-def _offset_message(ctx, ev):
-    delta, expected = ev["offset_error"], ev["expected_offset"]
-    baked = ctx.layer.semantic_offset or 0.0
-    if baked and not expected:  # a converted file (GGUF Gemma) that stores the family's 1 + w itself
-        ev["stored_gain"] = f"{baked:g} + w"
-        if delta > 0:
-            return (f"every channel's gain is off by {delta:+g}: this file already stores {baked:g} + w (the "
-                    f"converter baked the family's +{baked:g} in), and the candidate adds {delta:g} again")
-        return (f"every channel's gain is off by {delta:+g}: this file stores {baked:g} + w, and the candidate "
-                f"takes {-delta:g} away")
-    if delta < 0:
-        what = "the +1 is missing: gain w where the family uses 1 + w" if expected else "the gain is w - 1"
-    else:
-        what = "the +1 is applied twice: gain 2 + w" if expected else "a +1 is added that this family does not use: gain 1 + w"
-    return f"every channel's gain is off by {delta:+g}: {what}"
 
 
 def _eps_zero(ctx: Context, x):

@@ -106,7 +106,7 @@ class Panel:
         self.strata = [merged] if merged is not None else self.originals
         self.bias = ctx.bias
 
-    def named(self, f: "Factors"):
+    def named(self, f: Factors):
         """(stratum, its normalised rows) for every compared stratum, merged batch or not."""
         if self.strata is self.originals:
             return list(zip(self.originals, self.normalised(f)))
@@ -848,8 +848,6 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
         out.append(("float32_accumulation", f"the candidate {what}: its error grows with the row length "
                     f"({ctx.layer.dim}) up to dim x 2^-24 relative", {"dim": ctx.layer.dim}))
     if f.gain == "offset":
-        from parity_cli.diagnose.causes import _offset_message
-
         ev = {"offset_error": f.gain_value, "expected_offset": ctx.layer.gain_offset}
         out.append(("weight_offset_mismatch", _offset_message(ctx, ev), ev))
     if f.gain == "scale":
@@ -916,3 +914,20 @@ def variant_name(f: Factors, expected: Factors, ctx) -> str:
     if f.gain == "channel":
         parts.append("fitted per-channel gain")
     return " + ".join(parts)
+
+
+def _offset_message(ctx, ev):
+    delta, expected = ev["offset_error"], ev["expected_offset"]
+    baked = ctx.layer.semantic_offset or 0.0
+    if baked and not expected:  # a converted file (GGUF Gemma) that stores the family's 1 + w itself
+        ev["stored_gain"] = f"{baked:g} + w"
+        if delta > 0:
+            return (f"every channel's gain is off by {delta:+g}: this file already stores {baked:g} + w (the "
+                    f"converter baked the family's +{baked:g} in), and the candidate adds {delta:g} again")
+        return (f"every channel's gain is off by {delta:+g}: this file stores {baked:g} + w, and the candidate "
+                f"takes {-delta:g} away")
+    if delta < 0:
+        what = "the +1 is missing: gain w where the family uses 1 + w" if expected else "the gain is w - 1"
+    else:
+        what = "the +1 is applied twice: gain 2 + w" if expected else "a +1 is added that this family does not use: gain 1 + w"
+    return f"every channel's gain is off by {delta:+g}: {what}"

@@ -45,7 +45,7 @@ class CandidateRun:
     outputs: list[Output] = field(default_factory=list)
     grads: list[tuple] = field(default_factory=list)  # per input: (dx, dweight or None, error)
     # building it raised InputError: the implementation says its setup is at fault (no kernel for
-    # the dtype, an argument it cannot take), not its math (layer_check.setup_failure)
+    # the dtype, an argument it cannot take), not its math (check.layer.setup_failure)
     setup: bool = False
 
     def output(self, k: int) -> Output:

@@ -768,13 +768,18 @@ def warm() -> None:
 def _import_parent_stages() -> None:
     """Everything the parent will import later, imported before any candidate code runs: a
     plugin that rewrites an installed module file then cannot get its code into the parent."""
-    import parity_cli.comparison  # noqa: F401
-    import parity_cli.diagnose.causes  # noqa: F401
-    import parity_cli.explain  # noqa: F401
-    import parity_cli.report.formats  # noqa: F401
-    import parity_cli.report.gate  # noqa: F401
-    import parity_cli.check.gradients  # noqa: F401
-    import parity_cli.check.results  # noqa: F401
+    import importlib
+
+    for name in PARENT_STAGES:
+        importlib.import_module(name)
+
+
+# by name: these stages sit above this one and import it (the layers contract), so the parent's
+# own modules are loaded here without an import statement that would run upwards
+PARENT_STAGES = ("parity_cli.comparison", "parity_cli.diagnose.causes", "parity_cli.diagnose.fit",
+                 "parity_cli.check.gradients", "parity_cli.check.layer", "parity_cli.check.results",
+                 "parity_cli.report.formats", "parity_cli.report.gate", "parity_cli.report.grouping",
+                 "parity_cli.report.terminal", "parity_cli.explain", "parity_cli.pipeline")
 
 
 def close_runners(runners) -> None:
@@ -794,3 +799,10 @@ def printed_note(runners) -> str | None:
     if not total:
         return None
     return f"the candidate wrote {total} byte(s) to stdout/stderr (captured, not shown); first line: {first!r}"
+
+
+def timeout_of(opts) -> float | None:
+    """Seconds per layer: the default when unset, none at all only when asked for (inf)."""
+    if opts.timeout is None:
+        return DEFAULT_TIMEOUT
+    return None if opts.timeout == float("inf") else float(opts.timeout)

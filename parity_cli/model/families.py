@@ -15,7 +15,7 @@ from parity_cli.errors import InputError
 from parity_cli.resources import configs_dir, load_toml
 
 KINDS = ("rms_norm", "layer_norm")
-# Numerics orders the `hf` implementation reproduces (implementations.py):
+# Numerics orders the `hf` implementation reproduces (parity_cli.backends.implementations):
 #   llama  - fp32 normalise, cast to the input dtype, multiply by the weight at its dtype
 #   gemma  - fp32 normalise and gain, cast to the input dtype last
 #   t5     - fp32 variance, cast to the weight dtype when it is half, multiply by the weight

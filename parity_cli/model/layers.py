@@ -9,9 +9,11 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-from parity_cli.sources.huggingface import Checkpoint, Eps, resolve_eps
 from parity_cli.errors import InputError
 from parity_cli.model.families import Family
+from parity_cli.model.load import resolve_eps
+from parity_cli.sources.huggingface import Checkpoint
+from parity_cli.sources.tensors import Eps
 
 # Names that look like a norm: anything matching none of the family's patterns is reported.
 NORM_HINT = re.compile(r"norm|(^|\.)ln_|LayerNorm", re.IGNORECASE)

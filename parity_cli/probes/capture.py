@@ -88,16 +88,17 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     """({layer name: float32 rows (k, dim)}, metadata) for the norm layers parity checks."""
     import torch
 
-    from parity_cli import api
     from parity_cli.backends.implementations import mean_square
+    from parity_cli.model.fingerprint import fingerprint
     from parity_cli.model.layers import discover_layers
-    from parity_cli.report.replay import fingerprint
+    from parity_cli.model.load import load
+    from parity_cli.options import check_device
 
     if not 3 <= rows_per_layer <= MAX_ROWS_PER_LAYER:
         raise InputError(f"--rows-per-layer must be between 3 and {MAX_ROWS_PER_LAYER}")
     if max_tokens < 1:
         raise InputError("--max-tokens must be at least 1")
-    ckpt, fam, eps = api.load(model_dir)
+    ckpt, fam, eps = load(model_dir)
     layers = discover_layers(ckpt, fam, eps).layers
     names = {layer.name: layer for layer in layers}
     try:
@@ -126,7 +127,7 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     except Exception as exc:
         raise InputError(f"{model_dir}: transformers cannot load the model ({cls.__name__}): "
                          f"{' '.join(str(exc).split())[:200]}") from None
-    model = model.to(api.check_device(device)).eval()
+    model = model.to(check_device(device)).eval()
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=True)["input_ids"][0][:max_tokens]
     if ids.numel() == 0:
         raise InputError("the text has no tokens")
@@ -182,7 +183,7 @@ def write(tensors: dict, meta: dict, out) -> None:
     """safetensors with the capture's settings and fingerprint as metadata, written atomically."""
     from safetensors.torch import save
 
-    from parity_cli.check.results import write_bytes
+    from parity_cli.outputs import write_bytes
 
     write_bytes(Path(out), save(tensors, metadata={"parity": json.dumps(meta)}))
 
@@ -192,8 +193,7 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
     import torch
     from safetensors import safe_open
 
-    from parity_cli.report.replay import fingerprint
-
+    from parity_cli.model.fingerprint import fingerprint
     from parity_cli.sources.jsonfile import parse, regular_file
 
     path = Path(path)
@@ -235,8 +235,8 @@ def q_summary(rows, eps: float, kind: str) -> dict:
     the 1 % attenuation budget (q/eps < 49.25, where sqrt(q / (q + eps)) < 0.99)."""
     import torch
 
-    from parity_cli.api import ONE_PERCENT_Q_OVER_EPS
     from parity_cli.backends.implementations import mean_square
+    from parity_cli.options import ONE_PERCENT_Q_OVER_EPS
 
     r = mean_square(rows, kind) / eps if eps > 0 else torch.full((rows.shape[0],), float("inf"), dtype=torch.float64)
     return {"rows": int(r.numel()), "min": float(r.min()), "p01": float(torch.quantile(r, 0.01)),

@@ -25,7 +25,7 @@ def check_target(path: str) -> None:
 
 def write_plot(report, path: str) -> None:
     """The plot alone, written as the report set is (all or nothing, through a link)."""
-    from parity_cli.check.results import write_files
+    from parity_cli.outputs import write_files
 
     write_files({path: render_plot(report, path)}, "plot")
 

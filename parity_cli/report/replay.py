@@ -31,25 +31,6 @@ def recorded_spec(spec: str) -> str:
     return spec
 
 
-def fingerprint(layers) -> dict:
-    """What a replay checks it has the same model: sha256 over each checked norm tensor's name,
-    dtype, shape and stored bytes (not the file: a re-saved or re-sharded copy matches)."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-    for layer in sorted(layers, key=lambda l: l.name):
-        for part, t in (("weight", layer.weight), ("bias", layer.bias)):
-            if t is None:
-                continue
-            t = t.detach().contiguous().cpu()
-            h.update(f"{layer.name}.{part}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return {"sha256": h.hexdigest(), "layers": len(layers),
-            "over": "each checked norm tensor's name, dtype, shape and stored bytes, in name order"}
-
-
 def options_from_report(data: dict, where: str, checkpoint: str | None = None, candidate: str | None = None,
                         candidate_checkpoint: str | None = None, reference: str | None = None,
                         trust: bool = False, timeout: float | None = None, isolation: str = "auto"):
@@ -59,8 +40,8 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
     recorded. A report is data: the code it names runs only when it is a built-in, when the
     user names it again, or under `trust` (--trust-report); how the candidate is supervised
     (isolation, timeout) is the caller's, never the file's."""
+    from parity_cli.options import CheckOptions
     from parity_cli.report import saved as saved_report
-    from parity_cli.api import CheckOptions
 
     saved_report.check(data, where)  # every field below has its schema type from here on
     cand, ref, probes, tol = data["candidate"], data["reference"], data["probes"], data["tolerance"]
@@ -124,8 +105,9 @@ def _refuse_code(spec: str, role: str, flag: str, where: str) -> None:
 def verify_fingerprint(data: dict, path: str, opts, where: str) -> str | None:
     """Refuse to replay a report on a different model; a report without a fingerprint (older
     versions) replays with a warning, returned."""
-    from parity_cli.api import load
+    from parity_cli.model.fingerprint import fingerprint
     from parity_cli.model.layers import discover_layers
+    from parity_cli.model.load import load
 
     recorded = (data["checkpoint"].get("fingerprint") or {}).get("sha256")
     if not recorded:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
+from parity_cli.check.results import least, unjfloat, worst
 from parity_cli.report import grouping
 from parity_cli.report.layout import Column, table, wrap
-from parity_cli.check.results import least, unjfloat, worst
 from parity_cli.text import printable, printable_tree
 
 TABLE_MAX_LAYERS = 16  # above this the per-layer table is --verbose only: the groups say it shorter

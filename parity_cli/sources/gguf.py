@@ -1,5 +1,5 @@
 """Stage 1 for llama.cpp files: a GGUF file, presented with the same interface as a Hugging
-Face checkpoint (checkpoint.Checkpoint).
+Face checkpoint (sources.huggingface.Checkpoint).
 
 Only the metadata and the norm tensors are touched (parity_cli.sources.gguf_reader: bounded, lazy,
 arrays skipped); quantized blocks are never decoded.
@@ -12,8 +12,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parity_cli.sources.huggingface import TensorInfo
 from parity_cli.errors import InputError
+from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, TensorInfo
 
 GGUF_MAGIC = b"GGUF"
 # GGUF types a norm weight may use, and the torch dtype they become.
@@ -79,7 +79,6 @@ class GGUFCheckpoint:
 
     def read(self, name: str):
         """F32/F16/BF16/F64 as stored; anything quantized is refused (never dequantized)."""
-        from parity_cli.sources.huggingface import MAX_NORM_ELEMENTS
         from parity_cli.sources.gguf_reader import check_extent, read_tensor
 
         t = self._tensors[name]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
-from parity_cli.model.families import Family
+from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, Eps, TensorInfo  # noqa: F401  (Eps: the readers' type)
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
 SAFETENSORS_DTYPES = {
@@ -30,28 +30,6 @@ SAFETENSORS_DTYPES = {
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 NORM_DTYPE_CODES = ("F64", "F32", "F16", "BF16")  # what a norm weight may be stored as
-MAX_NORM_ELEMENTS = 1 << 22  # 4M channels: 8x the widest real norm (Llama-3.1-405B's q/k would be 16k)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    file: Path
-    dtype: str  # torch dtype name, e.g. "bfloat16"
-    shape: tuple[int, ...]
-    offset: int | None = None  # absolute byte offset of the data in the file (safetensors)
-    nbytes: int | None = None
-    code: str = ""  # the dtype code as the file declares it (safetensors)
-
-
-@dataclass(frozen=True)
-class Eps:
-    """The eps a layer is built with, and where that value came from."""
-
-    value: float
-    source: str  # "config:rms_norm_eps", "family-default", "override", ...
-
-
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Parses and validates the header against the file size (catches truncated files)."""
     try:
@@ -204,19 +182,8 @@ def _load_json(path: Path, kind: str = "config") -> object:
     return load(path, "the config" if kind == "config" else "the index", kind)
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
-    if path.is_file():
-        from parity_cli.model.families import load_families
-        from parity_cli.sources.gguf import is_gguf, open_gguf
-
-        if is_gguf(path):
-            return open_gguf(path, load_families())
-        if path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
-            raise InputError(f"{path}: a pickle file; it is never unpickled, convert the checkpoint to safetensors")
-        raise InputError(f"{path}: not a checkpoint (expected a Hugging Face model directory or a .gguf file)")
+def open_directory(path: Path) -> Checkpoint:
+    """A Hugging Face model directory (parity_cli.model.load.open_checkpoint dispatches files)."""
     if not path.is_dir():
         raise InputError(f"{path}: not a checkpoint directory (expected a Hugging Face model directory)")
     config_path = path / "config.json"
@@ -266,32 +233,3 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             "convert the checkpoint to safetensors"
         )
     raise InputError(f"{path}: no model.safetensors or model.safetensors.index.json")
-
-
-def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None, semantics=None) -> Eps:
-    """The checkpoint's own eps wins over the family default; a defaulted eps is a warning.
-
-    `semantics` is a norm pattern's: an eps fixed by the model code (DeepSeek-V3's MLA norms)
-    is reported as its own source and is not affected by the config or an override."""
-    sem = semantics or family.semantics
-    if sem.eps is not None:
-        return Eps(float(sem.eps), sem.eps_source or "model-code")
-    if override is not None:
-        if not (math.isfinite(override) and override >= 0):
-            raise InputError(f"--eps must be a finite number >= 0, got {override}")
-        return Eps(float(override), "override")
-    for key in sem.eps_keys:
-        value, where = ckpt.config_value(key)
-        if value is None:
-            continue
-        try:
-            number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number) or number <= 0:
-            # eps = 0 is the bug this tool exists to catch, never a trained model's setting
-            config = ckpt.path if ckpt.format == "gguf" else ckpt.path / "config.json"
-            raise InputError(f"{config}: '{where}' must be a finite number > 0, got {value!r}")
-        return Eps(number, where if where.startswith("gguf:") else f"config:{where}")
-    inherited = sem.eps_keys == family.eps_keys and sem.eps_default == family.eps_default
-    return Eps(family.eps_default_for(ckpt.model_type) if inherited else sem.eps_default, "family-default")

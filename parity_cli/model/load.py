@@ -1,0 +1,65 @@
+"""A checkpoint as a model: whichever file it is, its family and its resolved eps. The one
+place a source is chosen, so that no reader imports another or the families above it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from parity_cli.errors import InputError
+from parity_cli.model.families import Family, family_by_name, family_for_model_type
+from parity_cli.sources.huggingface import Checkpoint, open_directory
+from parity_cli.sources.tensors import Eps
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or directory")
+    if path.is_file():
+        from parity_cli.model.families import load_families
+        from parity_cli.sources.gguf import is_gguf, open_gguf
+
+        if is_gguf(path):
+            return open_gguf(path, load_families())
+        if path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
+            raise InputError(f"{path}: a pickle file; it is never unpickled, convert the checkpoint to safetensors")
+        raise InputError(f"{path}: not a checkpoint (expected a Hugging Face model directory or a .gguf file)")
+    return open_directory(path)
+
+
+def load(path: str | Path, family: str | None = None, eps: float | None = None):
+    """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share)."""
+    ckpt = open_checkpoint(path)
+    where = str(path) if ckpt.format == "gguf" else str(Path(path) / "config.json")
+    fam = family_by_name(family) if family else family_for_model_type(ckpt.model_type, where)
+    return ckpt, fam, resolve_eps(ckpt, fam, eps)
+
+
+def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None, semantics=None) -> Eps:
+    """The checkpoint's own eps wins over the family default; a defaulted eps is a warning.
+
+    `semantics` is a norm pattern's: an eps fixed by the model code (DeepSeek-V3's MLA norms)
+    is reported as its own source and is not affected by the config or an override."""
+    sem = semantics or family.semantics
+    if sem.eps is not None:
+        return Eps(float(sem.eps), sem.eps_source or "model-code")
+    if override is not None:
+        if not (math.isfinite(override) and override >= 0):
+            raise InputError(f"--eps must be a finite number >= 0, got {override}")
+        return Eps(float(override), "override")
+    for key in sem.eps_keys:
+        value, where = ckpt.config_value(key)
+        if value is None:
+            continue
+        try:
+            number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number) or number <= 0:
+            # eps = 0 is the bug this tool exists to catch, never a trained model's setting
+            config = ckpt.path if ckpt.format == "gguf" else ckpt.path / "config.json"
+            raise InputError(f"{config}: '{where}' must be a finite number > 0, got {value!r}")
+        return Eps(number, where if where.startswith("gguf:") else f"config:{where}")
+    inherited = sem.eps_keys == family.eps_keys and sem.eps_default == family.eps_default
+    return Eps(family.eps_default_for(ckpt.model_type) if inherited else sem.eps_default, "family-default")
