@@ -1,6 +1,8 @@
 """Model families as data: what each family's norm layers compute and where their tensors are.
 
-One TOML file per family in configs/families/; adding a family is adding a file. A family
+One TOML file per family in configs/families/; adding a family is adding a file. The files in
+configs/families/derived/ are generated from each model's own transformers classes
+(tools/derive_families.py) and reviewed like code; a hand-written family claims its types first. A family
 states its defaults (kind, numerics order, gain offset, eps keys); a `[[norms]]` entry may
 override any of them for the tensors it matches (DeepSeek-V3's fixed-eps MLA norms, Gemma 3's
 LayerNorm vision tower)."""
@@ -64,6 +66,7 @@ class Family:
     hf_classes: dict = field(default_factory=dict)  # model_type -> module class
     gguf_architectures: dict = field(default_factory=dict)  # GGUF general.architecture -> model_type
     gguf_offset_baked: bool = False  # llama.cpp's converter stores offset + w: the gain is the stored value
+    derived_from: str | None = None  # "transformers 5.24.0: Qwen2ForCausalLM" for a generated family
 
     # The family-wide semantics, for tables and messages.
     @property
@@ -194,6 +197,7 @@ def _parse(path) -> Family:
         hf_classes={str(k): str(v) for k, v in data.get("hf_classes", {}).items()},
         gguf_architectures={str(k): str(v) for k, v in data.get("gguf", {}).get("architectures", {}).items()},
         gguf_offset_baked=bool(data.get("gguf", {}).get("offset_baked", False)),
+        derived_from=str(data["derived_from"]) if "derived_from" in data else None,
     )
 
 
@@ -201,7 +205,8 @@ def _parse(path) -> Family:
 def load_families() -> dict[str, Family]:
     families = {}
     owner: dict[str, str] = {}
-    for path in sorted((configs_dir() / "families").glob("*.toml")):
+    root = configs_dir() / "families"
+    for path in sorted(root.glob("*.toml")) + sorted((root / "derived").glob("*.toml")):
         family = _parse(path)
         if family.name in families:
             raise InputError(f"{path}: family '{family.name}' is already defined in {families[family.name].source}")
