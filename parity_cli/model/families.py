@@ -219,10 +219,16 @@ def load_families() -> dict[str, Family]:
 
 
 def family_by_name(name: str) -> Family:
+    """--family takes a family's name or any model_type it claims (`--family bert` is layer_norm:
+    the report's `family` then says which family that is)."""
     families = load_families()
-    if name not in families:
-        raise InputError(f"unknown family '{name}'; known families: {', '.join(sorted(families))}")
-    return families[name]
+    if name in families:
+        return families[name]
+    for family in families.values():
+        if name in family.model_types:
+            return family
+    raise InputError(f"unknown family '{name}' (neither a family nor a model_type one claims); known families: "
+                     f"{', '.join(sorted(families))}")
 
 
 def family_for_model_type(model_type: str | None, where: str) -> Family:
