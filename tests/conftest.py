@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,16 @@ def plugin(name: str) -> str:
     return f"{PLUGINS}:{name}"
 
 
+@pytest.fixture(autouse=True)
+def _restore_sys_path():
+    """A FILE.py candidate resolved in this process puts its directory on sys.path for good (so
+    that it can import its neighbours): a tmp_path's kernels.py must not shadow the `kernels`
+    package that transformers looks for in a later test."""
+    saved = list(sys.path)
+    yield
+    sys.path[:] = saved
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     """Factory: a synthetic HF checkpoint directory with the family's real tensor names."""
@@ -26,13 +37,75 @@ def ckpt(tmp_path):
     return make
 
 
-def run_parity(*args, cwd=None, env=None):
-    """The installed console entry as a user runs it (a real process: exit code, stderr)."""
-    import os
+def run_parity(*args, cwd=None, env=None, process=False):
+    """`parity ARGS` with the result interface of subprocess.run (.returncode, .stdout, .stderr).
 
+    By default main(argv) runs in this process (click's CliRunner: stdout and stderr captured
+    apart, `env` set and `cwd` entered for the call, both restored after it): a fresh interpreter
+    would cost a torch import (~4 s here) and the fork server's. `process=True` runs the real
+    `python -m parity_cli` instead; a caller passes it, with its reason, where the process itself
+    is what the test is about (PYTHONPATH, an interpreter exit, signals, a terminal)."""
+    argv = [str(a) for a in args]
     # a fixed width unless the test sets one: a CI runner's COLUMNS must not rewrap what tests read
-    return subprocess.run([sys.executable, "-m", "parity_cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "COLUMNS": "160", **(env or {})})
+    env = {"COLUMNS": "160", **(env or {})}
+    if process:
+        return subprocess.run([sys.executable, "-m", "parity_cli", *argv], capture_output=True, text=True,
+                              cwd=cwd, env={**os.environ, **env})
+    return _run_in_process(argv, cwd, env)
+
+
+def _run_in_process(argv, cwd, env):
+    """main(argv) here, with what a run may change in its process put back afterwards: the
+    working directory, os.environ, sys.path (a FILE.py plugin's directory is added to it), the
+    plugin modules it loaded, the signal handlers main installs (SIGTERM), torch's thread count
+    and the warnings filters."""
+    import signal
+    import warnings
+
+    import torch
+    from click.testing import CliRunner
+
+    from parity_cli.cli import main
+
+    saved = (os.getcwd(), dict(os.environ), list(sys.path), set(sys.modules), torch.get_num_threads(),
+             list(warnings.filters), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)})
+    code = 0
+    try:
+        with CliRunner().isolation(env=env) as (out, err, _):
+            if cwd is not None:
+                os.chdir(cwd)
+            try:
+                main(argv)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    finally:
+        old_cwd, old_env, old_path, old_modules, threads, filters, handlers = saved
+        os.chdir(old_cwd)
+        if dict(os.environ) != old_env:
+            os.environ.clear()
+            os.environ.update(old_env)
+        sys.path[:] = old_path
+        for name in set(sys.modules) - old_modules:
+            if _is_plugin_module(sys.modules.get(name)):
+                del sys.modules[name]
+        torch.set_num_threads(threads)
+        warnings.filters[:] = filters
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess(["parity", *argv], code, stdout, stderr)
+
+
+_LIBRARY = (str(Path(sys.prefix).resolve()), str(Path(sys.base_prefix).resolve()), str(ROOT / "parity_cli"))
+
+
+def _is_plugin_module(module) -> bool:
+    """A module a run loaded from outside the installed libraries and the package: a FILE.py
+    candidate and the neighbours it imports (tests/plugins, a test's tmp_path)."""
+    file = getattr(module, "__file__", None)
+    if module is None or file is None:
+        return getattr(module, "__name__", "").startswith("parity_plugin_")
+    return not str(Path(file).resolve()).startswith(_LIBRARY)
 
 
 def load_json(path):
@@ -50,7 +123,6 @@ def run_bounded(*args, timeout=60):
     import time
 
     start = time.monotonic()
-    import os
 
     r = subprocess.run([sys.executable, "-c", BOUNDED, sys.executable, "-m", "parity_cli", *map(str, args)],
                        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,

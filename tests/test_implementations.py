@@ -79,7 +79,7 @@ def test_unknown_candidate_arg_is_a_clear_error(ckpt):
 
 # --- entry points ----------------------------------------------------------------------------------------
 
-def test_entry_point_plugin_is_found_by_name(tmp_path, ckpt):
+def test_entry_point_plugin_is_found_by_name(tmp_path, ckpt, monkeypatch):
     pkg = tmp_path / "pkg"
     (pkg / "parity_ep_demo").mkdir(parents=True)
     (pkg / "parity_ep_demo" / "__init__.py").write_text(
@@ -95,7 +95,8 @@ def test_entry_point_plugin_is_found_by_name(tmp_path, ckpt):
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                               "--target", str(site), str(pkg)], capture_output=True, text=True)
     assert install.returncode == 0, install.stderr
-    env = {"PYTHONPATH": str(site)}
+    monkeypatch.syspath_prepend(str(site))  # what PYTHONPATH=site gives a new interpreter; entry points read sys.path
+    env = {"PYTHONPATH": str(site)}  # for the supervised child as well
     listed = run_parity("implementations", "--json", env=env)
     rows = {r["name"]: r for r in json.loads(listed.stdout)}
     assert "ep-rms" in rows and "parity_ep_demo:rms_norm" in rows["ep-rms"]["source"]
