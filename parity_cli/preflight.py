@@ -102,7 +102,17 @@ def checkpoint_input(path, family=None) -> None:
     if family:
         family_by_name(family)
     elif not gguf_file:
-        family_for_model_type(ckpt.model_type, str(path / "config.json"))
+        try:
+            family_for_model_type(ckpt.model_type, str(path / "config.json"))
+        except InputError:
+            # no family file: the family is derived from the model's own transformers classes
+            # (model.derive) after torch loads; without transformers that cannot happen, said now
+            if not isinstance(ckpt.model_type, str) or not ckpt.model_type or not _findable("transformers"):
+                raise
+            if ckpt.config.get("auto_map"):
+                raise InputError(f"{path / 'config.json'}: model_type '{ckpt.model_type}' has no family file and "
+                                 "asks for remote code (auto_map), which parity never runs; force a family with "
+                                 "--family") from None
 
 
 def onnx_input(path) -> None:

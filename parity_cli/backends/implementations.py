@@ -103,50 +103,10 @@ def _torch(layer: NormLayer, weight, bias, eps: float) -> Prepared:
 def _hf(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     """A transcription of the family's Hugging Face forward: its upcasts, cast order and the
     exact inverse square root, so that it is bitwise equal to the transformers module."""
-    import torch
-    import torch.nn.functional as F
+    from parity_cli.model.forms import hf_forward
 
-    if layer.order == "native":  # nn.LayerNorm runs at the parameter dtype
-        if layer.kind != "layer_norm":
-            raise InputError(f"hf: order 'native' is only defined for LayerNorm ({layer.name})")
-        return lambda x: F.layer_norm(x, (layer.dim,), weight, bias, eps)
-
-    def inv_sqrt(v):
-        return torch.pow(v, -0.5) if layer.inverse_sqrt == "pow" else torch.rsqrt(v)
-
-    def normalise(h):  # h is float32
-        if layer.kind == "layer_norm":
-            h = h - h.mean(-1, keepdim=True)
-        return h * inv_sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-
-    if layer.order == "llama":
-
-        def llama(x):
-            h = normalise(x.to(torch.float32))
-            return weight * h.to(x.dtype)
-
-        return llama
-    if layer.order == "gemma":
-
-        def gemma(x):
-            h = normalise(x.float())
-            h = h * (layer.gain_offset + weight.float()) if layer.gain_offset else weight.float() * h
-            if bias is not None:
-                h = h + bias.float()
-            return h.type_as(x)
-
-        return gemma
-    if layer.order == "t5":
-
-        def t5(x):
-            # x * rsqrt(fp32 variance) promotes to fp32 for half x; float64 x stays float64.
-            h = x * inv_sqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
-            if weight.dtype in (torch.float16, torch.bfloat16):
-                h = h.to(weight.dtype)
-            return weight * h
-
-        return t5
-    raise InputError(f"hf: no transcription for numerics order '{layer.order}'")
+    return hf_forward(layer.kind, layer.order, layer.gain_offset, layer.inverse_sqrt, layer.dim, weight, bias, eps,
+                      where=layer.name)
 
 
 def _import_class(path: str):

@@ -165,8 +165,11 @@ def _semantics(table: dict, base: Semantics | None, where: str) -> Semantics:
 
 
 def _parse(path) -> Family:
-    data = load_toml(path)
-    where = str(path)
+    return parse_family(load_toml(path), str(path))
+
+
+def parse_family(data: dict, where: str) -> Family:
+    """A family from its data: a configs/families file, or one derived from the model's classes."""
     for key, typ in (("name", str), ("model_types", list), ("norms", list)):
         if not isinstance(data.get(key), typ):
             raise InputError(f"{where}: missing or invalid key '{key}'")

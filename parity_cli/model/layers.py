@@ -137,7 +137,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
             gain_offset = 0.0  # llama.cpp stores 1 + w: adding 1 again would be the bug it guards against
         dim = info.shape[-1]
         layer_warnings = []
-        expected = config_dim(ckpt, pattern.dim)
+        expected = config_dim(ckpt, pattern.dim) if pattern.dim else None  # a derived family states none
         if expected is not None and dim > 8 * max(expected, 1):
             # a header may declare anything; a norm 8x wider than its config dimension is not a norm
             raise InputError(f"{getattr(info, 'file', ckpt.path)}: tensor '{tensor}' declares {dim} channels where config "

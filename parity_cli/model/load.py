@@ -32,8 +32,31 @@ def load(path: str | Path, family: str | None = None, eps: float | None = None):
     """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share)."""
     ckpt = open_checkpoint(path)
     where = str(path) if ckpt.format == "gguf" else str(Path(path) / "config.json")
-    fam = family_by_name(family) if family else family_for_model_type(ckpt.model_type, where)
+    fam = family_by_name(family) if family else _family(ckpt, where)
     return ckpt, fam, resolve_eps(ckpt, fam, eps)
+
+
+def _family(ckpt: Checkpoint, where: str) -> Family:
+    """The family file that claims the model_type; without one, the family derived from the
+    model's own transformers classes (model.derive), when transformers is installed."""
+    from parity_cli.model.families import load_families
+
+    claimed = any(ckpt.model_type in f.model_types for f in load_families().values())
+    if claimed or ckpt.format == "gguf" or not isinstance(ckpt.model_type, str) or not ckpt.model_type:
+        return family_for_model_type(ckpt.model_type, where)
+    return derived_family(ckpt.model_type, ckpt.config, where)
+
+
+def derived_family(model_type: str, config: dict, where: str) -> Family:
+    from parity_cli.model.derive import derive, family_data_for_parse
+    from parity_cli.model.families import parse_family
+
+    data = derive(model_type, config, where)
+    if not data["norms"]:
+        kinds = "; ".join(sorted({u["why"] for u in data["unsupported"]})) or "no norm module"
+        raise InputError(f"{where}: {data['derived_from']} has no norm parity can check yet ({kinds}); force a "
+                         "family with --family")
+    return parse_family(family_data_for_parse(data), f"{where} ({data['derived_from']})")
 
 
 def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None, semantics=None) -> Eps:

@@ -125,7 +125,9 @@ def render(d: dict, console, verbose: bool = False) -> None:
     width = console.width
     cand, ref, tol = d["candidate"], d["reference"], d["tolerance"]
     out = wrap(verdict_markup(d), width)
-    out += wrap(f"[bold]{_e(d['checkpoint']['path'])}[/]: family [bold]{_e(d['checkpoint']['family'])}[/], "
+    source = d['checkpoint'].get('family_source') or ''
+    derived = f" ({_e(source)})" if source.startswith('transformers') else ''
+    out += wrap(f"[bold]{_e(d['checkpoint']['path'])}[/]: family [bold]{_e(d['checkpoint']['family'])}[/]{derived}, "
                 f"eps {fmt(d['eps']['value'])} ({_e(d['eps']['source'])})", width)
     out += wrap(f"candidate [bold]{_e(cand['impl'])}[/] {_e(cand['dtype'])} on {_e(cand['device'])}, "
                 f"eps {fmt(cand['eps'])}; reference {_e(ref['impl'])} {_e(ref['dtype'])}, eps {fmt(ref['eps'])}", width)

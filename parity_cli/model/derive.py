@@ -1,0 +1,373 @@
+"""A family derived from the model's own transformers classes, for a model_type no family file
+claims (and, by tools/derive_families.py, the committed files of configs/families/derived/).
+
+Hand-writing one family per architecture cannot keep up with transformers, and choosing one by
+eye is a trap (Gemma 4's gain is w, not Gemma's 1 + w). The knowledge is in the classes:
+- the architecture is built from its config class, shrunk to a few layers and a narrow width,
+  never with remote code (a config with `auto_map` is refused);
+- every norm module's weight is given distinct values, the model is saved as transformers saves
+  it, and each stored tensor is found by its values: the names are exactly the checkpoint's,
+  after whatever key renames the class applies on save (Gemma 3's `language_model.model.`);
+- each norm class is run in float64 against parity's forms (RMSNorm w or 1 + w, LayerNorm with
+  or without bias) and at bfloat16 and float16 against the numerics orders (model.forms), bit
+  for bit;
+- every eps-like config key is given a distinct marker value before the build, so that each
+  module's eps names the key it came from (`vision_config.layer_norm_eps`), or none: then the
+  eps is fixed by the model code.
+Norms whose math parity cannot express yet (gated, GroupNorm, BatchNorm, LayerNorm 1 + w,
+weightless, ...) are listed as `unsupported`, with why, never guessed at."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from parity_cli.errors import InputError
+
+MAX_PARAMETERS = 60_000_000  # the shrunk model: a derivation never allocates a real model
+EPS_NAME = re.compile(r"(^|_)(eps|epsilon)$|_eps_|norm_eps|eps$")
+# sizes a shrunk config takes (only ever lowered); every other value keeps the class default
+SHRINK = {
+    "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "depth": 2, "num_decoder_layers": 2, "num_encoder_layers": 2, "text_layers": 2, "vision_layers": 2,
+    "hidden_size": 64, "d_model": 64, "n_embd": 64, "embed_dim": 64, "dim": 64, "projection_dim": 64,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+    "ffn_dim": 128, "d_ff": 128, "n_inner": 128, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "vocab_size": 256,
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "d_kv": 16, "max_position_embeddings": 512,
+}
+LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
+TIME_LIMIT = 30.0
+
+
+def _transformers(model_type: str, where: str):
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        raise InputError(f"{where}: model_type '{model_type}' has no family file, and deriving one from its "
+                         "transformers classes needs transformers: pip install transformers, or force a family "
+                         "with --family") from None
+    if model_type not in CONFIG_MAPPING:
+        raise InputError(f"{where}: model_type '{model_type}' is not known to transformers "
+                         f"{transformers.__version__} nor to any family file; force one with --family")
+    return transformers, CONFIG_MAPPING[model_type]
+
+
+def _configs(cfg, path=""):
+    """(dotted path, config) of the config and every sub-config under it."""
+    from transformers import PretrainedConfig
+
+    yield path, cfg
+    for key, value in sorted(vars(cfg).items()):
+        if isinstance(value, PretrainedConfig):
+            yield from _configs(value, f"{path}{key}.")
+
+
+def _mark_eps(cfg) -> dict[float, str]:
+    """Every eps-like float key gets a distinct marker value: marker -> its dotted key."""
+    markers = {}
+    for path, sub in _configs(cfg):
+        for key, value in sorted(vars(sub).items()):
+            if isinstance(value, float) and not isinstance(value, bool) and EPS_NAME.search(key):
+                marker = 1.0e-7 * (101 + len(markers))  # 1.01e-5, 1.02e-5, ...: no class default
+                setattr(sub, key, marker)
+                markers[marker] = path + key
+    return markers
+
+
+def _shrink(cfg) -> None:
+    """Few layers, narrow widths; one layer of each distinct kind a layer list names (a hybrid
+    model's attention layers have norms its linear-attention layers lack)."""
+    for _, sub in _configs(cfg):
+        for key, value in list(vars(sub).items()):
+            if key in SHRINK and type(value) is int and value > SHRINK[key]:
+                setattr(sub, key, SHRINK[key])
+        for key in LAYER_LISTS:
+            value = getattr(sub, key, None)
+            if isinstance(value, (list, str)) and len(value) > 2:
+                kinds = list(dict.fromkeys(value))
+                kept = (kinds * 2)[:max(2, len(kinds))]
+                setattr(sub, key, kept if isinstance(value, list) else "".join(kept))
+                if hasattr(sub, "num_hidden_layers"):
+                    sub.num_hidden_layers = len(kept)
+        vocab = getattr(sub, "vocab_size", None)
+        if type(vocab) is int:
+            for key, value in list(vars(sub).items()):
+                if key.endswith("token_id") and type(value) is int and value >= vocab:
+                    setattr(sub, key, vocab - 1)
+                elif key.endswith("token_id") and isinstance(value, list):
+                    setattr(sub, key, [min(v, vocab - 1) if type(v) is int else v for v in value])
+
+
+def _model_class(transformers, cfg, architectures):
+    for name in architectures or ():
+        cls = getattr(transformers, str(name), None)
+        if isinstance(cls, type):
+            return cls
+    from transformers.models.auto import modeling_auto as auto
+
+    # the class a checkpoint of the type is usually saved from: a whole multimodal or encoder-decoder
+    # model before a decoder-only head on it (WhisperForCausalLM has no encoder)
+    for mapping in ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
+                    "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING", "MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_MAPPING"):
+        try:
+            return getattr(auto, mapping)[type(cfg)]
+        except (KeyError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def _is_norm(module) -> bool:
+    import torch
+
+    if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm,
+                           torch.nn.modules.batchnorm._BatchNorm)):
+        return True
+    name = type(module).__name__
+    return bool(re.search(r"norm", name, re.IGNORECASE)) and not any(True for _ in module.children()) or \
+        bool(re.search(r"(RMS|Layer)Norm$", name))
+
+
+def _eps_of(module) -> float | None:
+    for attr in ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "norm_eps", "var_eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def classify(module, eps: float | None) -> dict:
+    """The form and numerics order of one norm module, or why parity cannot express it."""
+    import copy
+
+    import torch
+
+    from parity_cli.model.forms import hf_forward
+
+    weight = getattr(module, "weight", None)
+    bias = getattr(module, "bias", None)
+    if isinstance(module, torch.nn.GroupNorm):
+        return {"unsupported": "GroupNorm (statistics per group of channels)"}
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return {"unsupported": "BatchNorm (running statistics)"}
+    if not isinstance(weight, torch.nn.Parameter):
+        return {"unsupported": "no gain parameter (weightless norm)"}
+    if weight.dim() != 1:
+        return {"unsupported": f"gain of shape {list(weight.shape)}"}
+    if eps is None:
+        return {"unsupported": "no eps attribute"}
+    dim = weight.shape[0]
+    gen = torch.Generator().manual_seed(dim)
+    x = torch.randn(6, dim, generator=gen, dtype=torch.float64)
+    x[1] *= 1e-3  # eps shows here
+    x[2] += 3.0  # a mean that RMSNorm keeps and LayerNorm removes
+    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    try:
+        with torch.no_grad():
+            y = m64(x)
+    except Exception as exc:  # a gate input, a channels-first layout, another signature
+        return {"unsupported": f"forward(x) raises {type(exc).__name__}: {' '.join(str(exc).split())[:80]}"}
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return {"unsupported": "forward(x) does not return a tensor of the input's shape"}
+    w = weight.detach().to(torch.float64)
+    b = bias.detach().to(torch.float64) if isinstance(bias, torch.nn.Parameter) else None
+    centred = x - x.mean(-1, keepdim=True)
+    forms = {
+        ("rms_norm", 0.0): x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps),
+        ("layer_norm", 0.0): centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps),
+    }
+    found = None
+    scale = float(y.abs().max()) or 1.0
+    for (kind, _), h in forms.items():
+        for offset in (0.0, 1.0):
+            expect = h * (offset + w) + (b if b is not None else 0.0)
+            if float((expect - y).abs().max()) <= 1e-5 * scale:  # float32 inside a float64 module
+                found = (kind, offset)
+                break
+        if found:
+            break
+    if found is None:
+        return {"unsupported": "matches no RMSNorm/LayerNorm form with gain w or 1 + w (eps placement, a gate, "
+                               "another statistic)"}
+    kind, offset = found
+    if kind == "layer_norm" and offset:
+        return {"unsupported": "LayerNorm with gain 1 + w"}
+    if kind == "rms_norm" and b is not None and float(b.abs().max()) > 0:
+        return {"unsupported": "RMSNorm with a bias"}
+    out = {"kind": kind, "gain_offset": offset, "bias": b is not None}
+    native = kind == "layer_norm" and isinstance(module, torch.nn.LayerNorm)
+    candidates = [("native", "rsqrt")] if native else []
+    candidates += [(o, s) for o in ("llama", "gemma", "t5") for s in ("rsqrt", "pow")]
+    if kind == "layer_norm" and not native:
+        candidates.append(("native", "rsqrt"))
+    best = None
+    for order, inverse_sqrt in candidates:
+        exact = True
+        for dtype in (torch.bfloat16, torch.float16):
+            m = copy.deepcopy(module).to(dtype).eval()
+            xs = (x[[0, 2, 3, 4, 5]] * 0.5).to(dtype)
+            with torch.no_grad():
+                try:
+                    got = m(xs)
+                    want = hf_forward(kind, order, offset, inverse_sqrt, dim, m.weight,
+                                      getattr(m, "bias", None) if b is not None else None, eps)(xs)
+                except Exception:
+                    exact = False
+                    break
+            if got.dtype != want.dtype or not torch.equal(got, want):
+                exact = False
+                break
+        if exact:
+            best = (order, inverse_sqrt)
+            break
+    out["order"], out["inverse_sqrt"] = best or (("native" if native else "llama"), "rsqrt")
+    out["order_exact"] = best is not None
+    return out
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "{i}", name)
+
+
+def derive(model_type: str, config: dict | None = None, where: str = "config.json") -> dict:
+    """Family data (the configs/families TOML as a dict) for `model_type`, from its own classes:
+    `config` is the checkpoint's config.json (its towers, its architectures), or None for the
+    config class's defaults."""
+    import os
+    import tempfile
+    import time
+
+    transformers, config_class = _transformers(model_type, where)
+    if config is not None and config.get("auto_map"):
+        raise InputError(f"{where}: asks for remote code (auto_map); parity never runs it: force a family with "
+                         "--family")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    start = time.monotonic()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        defaults = config_class()
+        cfg = config_class.from_dict(dict(config)) if config is not None else config_class()
+    except Exception as exc:
+        raise InputError(f"{where}: transformers cannot read it as a {model_type} config: "
+                         f"{' '.join(str(exc).split())[:160]}") from None
+    default_eps = {path + key: value for path, sub in _configs(defaults) for key, value in vars(sub).items()
+                   if isinstance(value, float) and EPS_NAME.search(key)}
+    given_eps = {path + key: value for path, sub in _configs(cfg) for key, value in vars(sub).items()
+                 if isinstance(value, float) and EPS_NAME.search(key)}
+    markers = _mark_eps(cfg)
+    _shrink(cfg)
+    cls = _model_class(transformers, cfg, (config or {}).get("architectures"))
+    if cls is None:
+        raise InputError(f"{where}: transformers has no model class for model_type '{model_type}'; force a family "
+                         "with --family")
+    try:
+        with torch.device("meta"):
+            meta = cls._from_config(cfg)
+        count = sum(p.numel() for p in meta.parameters())
+        del meta
+        if count > MAX_PARAMETERS:
+            raise InputError(f"{where}: deriving {model_type}'s family would build {count:,} parameters even "
+                             "shrunk; refused (force a family with --family)")
+        torch.manual_seed(0)
+        model = cls._from_config(cfg).eval()
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"{where}: cannot build {cls.__name__} to derive its family: {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]}; force a family with --family") from None
+    if time.monotonic() - start > TIME_LIMIT:
+        raise InputError(f"{where}: deriving {model_type}'s family took over {TIME_LIMIT:.0f} s; refused "
+                         "(force a family with --family)")
+    norms = []
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not name or not _is_norm(module):
+                continue
+            for pname in ("weight", "bias"):
+                p = getattr(module, pname, None)
+                if isinstance(p, torch.nn.Parameter) and p.is_floating_point():
+                    p.copy_(torch.rand(p.shape, generator=gen) + (0.5 if pname == "weight" else -0.5))
+            norms.append((name, module))
+    stored = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        from safetensors import safe_open
+
+        for file in sorted(os.listdir(tmp)):
+            if file.endswith(".safetensors"):
+                with safe_open(os.path.join(tmp, file), "pt") as fh:
+                    for key in fh.keys():
+                        t = fh.get_tensor(key)
+                        if t.dim() == 1 and t.is_floating_point():
+                            stored.setdefault((t.numel(), t.to(torch.float32).numpy().tobytes()), key)
+    version = f"transformers {transformers.__version__}: {cls.__name__}"
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    entries, unsupported, seen = [], [], set()
+    for name, module in norms:
+        eps = _eps_of(module)
+        sem = classify(module, eps)
+        weight = getattr(module, "weight", None)
+        key = None
+        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 1:
+            key = stored.get((weight.numel(), weight.detach().to(torch.float32).numpy().tobytes()))
+        tensor = key[: -len(".weight")] if key and key.endswith(".weight") else (key or name)
+        pattern = _pattern(tensor)
+        hf_class = f"{type(module).__module__}.{type(module).__qualname__}"
+        if "unsupported" in sem or key is None:
+            why = sem.get("unsupported") or "its weight is not stored under a name of its own (tied or shared)"
+            if pattern not in seen:
+                seen.add(pattern)
+                unsupported.append({"name": pattern, "class": hf_class, "why": why})
+            continue
+        if pattern in seen:
+            continue
+        seen.add(pattern)
+        source = markers.get(eps)
+        entry = {"name": pattern, "dim": "", "kind": sem["kind"], "order": sem["order"],
+                 "gain_offset": sem["gain_offset"], "inverse_sqrt": sem["inverse_sqrt"], "hf_class": hf_class}
+        if source is not None:
+            entry["eps_keys"] = [source]
+            entry["eps_default"] = float(default_eps.get(source, given_eps.get(source, eps)))
+        else:  # no config key carries it: the model code fixes it
+            entry["eps_keys"] = []
+            entry["eps_default"] = eps
+            entry["eps"] = eps
+            entry["eps_source"] = f"model-code ({type(module).__name__})"
+        if not sem["order_exact"]:
+            entry["order_exact"] = False
+        if prefix:  # saved from the base model or from a head on it: with or without its prefix
+            bare = pattern[len(prefix) + 1:] if pattern.startswith(prefix + ".") else pattern
+            entry["name"] = "{root}" + bare
+            entry["roots"] = [prefix + ".", ""]
+        entries.append(entry)
+    if not math.isfinite(time.monotonic() - start):
+        raise AssertionError
+    return {"name": model_type, "description": f"derived from {version}", "derived_from": version,
+            "model_types": [model_type], "norms": entries, "unsupported": unsupported}
+
+
+def family_data_for_parse(data: dict) -> dict:
+    """The derived dict in the shape families._parse reads. Each norm states its own semantics in
+    full; the family-wide keys (the header's eps) are those of the norms most of the model has
+    that read their eps from the config: the language model's, not a vision tower's fixed 1e-5."""
+    if not data["norms"]:
+        return data
+    from collections import Counter
+
+    keyed = [n for n in data["norms"] if n["eps_keys"]] or data["norms"]
+    common = Counter(tuple(n["eps_keys"]) for n in keyed).most_common(1)[0][0]
+    first = next(n for n in keyed if tuple(n["eps_keys"]) == common)
+    out = dict(data)
+    for key in ("kind", "order", "gain_offset", "eps_keys", "eps_default", "hf_class", "eps", "eps_source"):
+        if key in first:
+            out[key] = first[key]
+    out["roots"] = [""]
+    return out

@@ -1,0 +1,60 @@
+"""The numerics orders of the Hugging Face norm classes (families.ORDERS), written once: the `hf`
+built-in runs them, and a family derived from a model's own classes is classified against them.
+
+Each is a transcription of the class's forward: its upcasts, cast order and inverse square root,
+so that it is bitwise equal to the module at every dtype."""
+
+from __future__ import annotations
+
+from parity_cli.errors import InputError
+
+
+def hf_forward(kind: str, order: str, gain_offset: float, inverse_sqrt: str, dim: int, weight, bias, eps: float,
+               where: str = "the norm"):
+    """A function of the input batch computing the norm as the family's class does."""
+    import torch
+    import torch.nn.functional as F
+
+    if order == "native":  # nn.LayerNorm runs at the parameter dtype
+        if kind != "layer_norm":
+            raise InputError(f"hf: order 'native' is only defined for LayerNorm ({where})")
+        return lambda x: F.layer_norm(x, (dim,), weight, bias, eps)
+
+    def inv_sqrt(v):
+        return torch.pow(v, -0.5) if inverse_sqrt == "pow" else torch.rsqrt(v)
+
+    def normalise(h):  # h is float32
+        if kind == "layer_norm":
+            h = h - h.mean(-1, keepdim=True)
+        return h * inv_sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+    if order == "llama":
+
+        def llama(x):
+            h = normalise(x.to(torch.float32))
+            return weight * h.to(x.dtype)
+
+        return llama
+    if order == "gemma":
+
+        def gemma(x):
+            h = normalise(x.float())
+            h = h * (gain_offset + weight.float()) if gain_offset else weight.float() * h
+            if bias is not None:
+                h = h + bias.float()
+            return h.type_as(x)
+
+        return gemma
+    if order == "t5":
+
+        def t5(x):
+            # x * rsqrt(fp32 variance) promotes to fp32 for half x; float64 x stays float64.
+            h = x * inv_sqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+            if weight.dtype in (torch.float16, torch.bfloat16):
+                h = h.to(weight.dtype)
+            return weight * h
+
+        return t5
+    raise InputError(f"hf: no transcription for numerics order '{order}'")
+
+
