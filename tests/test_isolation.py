@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from parity_cli import api
-from tests.conftest import load_json
+from tests.conftest import load_json, run_parity
 from tests.test_cli import validate
 
 MISBEHAVE = Path(__file__).resolve().parent / "plugins" / "misbehave.py"
@@ -34,10 +34,11 @@ def llama(tmp_path_factory):
                             eps=1e-6, seed=5)
 
 
-def check_cli(path, tmp_path, *args, timeout=180):
+def check_cli(path, tmp_path, *args, process=False):
+    """`parity check PATH --json r.json -q ARGS`: in this process unless `process` (see run_parity).
+    The candidate's own child is a real process either way: the supervisor forks it."""
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "-m", "parity_cli", "check", str(path), "--json", str(out), "-q", *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout)
+    r = run_parity("check", path, "--json", out, "-q", *args, process=process)
     data = load_json(out) if out.exists() else None
     if data is not None:
         validate(data)
@@ -165,7 +166,8 @@ def test_printing_forking_and_chdir_do_not_disturb_the_run(llama, tmp_path):
 
 
 def test_a_candidate_that_stops_the_fork_server_does_not_stall_the_next_layer(llama, tmp_path):
-    r, data = check_cli(llama, tmp_path, "--candidate", bad("stops_its_parent"), timeout=120)
+    # a process of its own: the candidate SIGSTOPs the fork server, which in this process all later tests share
+    r, data = check_cli(llama, tmp_path, "--candidate", bad("stops_its_parent"), process=True)
     assert r.returncode == 1, r.stderr
     assert [l["status"] for l in data["layers"]] == ["error"] * 3
     assert all("exited with code 1" in l["error"] for l in data["layers"])

@@ -82,7 +82,8 @@ def test_nothing_is_cut_at_any_width(ckpt, width):
 
 def test_columns_is_honoured_on_a_pipe_and_160_is_the_default(gemma):
     wide = run_parity("check", gemma, "--candidate", TWO_FAULTS, env={"COLUMNS": "160"})
-    default = run_parity("check", gemma, "--candidate", TWO_FAULTS, env={"COLUMNS": ""})
+    # a real process: its fds are the pipes (no terminal to size from), where pytest -s would lend its own
+    default = run_parity("check", gemma, "--candidate", TWO_FAULTS, env={"COLUMNS": ""}, process=True)
     assert wide.stdout == default.stdout  # a pipe without COLUMNS: 160
     assert 80 < max(len(line) for line in wide.stdout.splitlines()) <= 160
 
