@@ -37,7 +37,8 @@ SHRINK = {
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "vocab_size": 256,
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "d_kv": 16, "max_position_embeddings": 512,
+    "d_kv": 16, "max_position_embeddings": 512, "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,
+    "audio_vocab_size": 128, "vision_vocab_size": 128, "text_vocab_size": 256,
 }
 LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
 TIME_LIMIT = 30.0
@@ -95,11 +96,13 @@ def _shrink(cfg) -> None:
                 if hasattr(sub, "num_hidden_layers"):
                     sub.num_hidden_layers = len(kept)
         vocab = getattr(sub, "vocab_size", None)
-        if type(vocab) is int:
+        if type(vocab) is int:  # token ids the shrunk vocabulary must still hold (a padding index)
             for key, value in list(vars(sub).items()):
-                if key.endswith("token_id") and type(value) is int and value >= vocab:
+                if not (key.endswith("token_id") or key.endswith("token_index")):
+                    continue
+                if type(value) is int and value >= vocab:
                     setattr(sub, key, vocab - 1)
-                elif key.endswith("token_id") and isinstance(value, list):
+                elif isinstance(value, list):
                     setattr(sub, key, [min(v, vocab - 1) if type(v) is int else v for v in value])
 
 
@@ -352,6 +355,36 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
         raise AssertionError
     return {"name": model_type, "description": f"derived from {version}", "derived_from": version,
             "model_types": [model_type], "norms": entries, "unsupported": unsupported}
+
+
+def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> str:
+    """A tiny random-weight checkpoint of `model_type` as transformers saves it (the class a
+    derivation builds, shrunk the same way), norm gains drawn from U(0.1, 0.6) and biases from
+    U(-0.2, 0.2) so that a gain convention matters. The zoo sweep and the tests use it; returns
+    the class name."""
+    import torch
+
+    transformers, config_class = _transformers(model_type, "write_tiny_checkpoint")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    cfg = config_class()
+    _shrink(cfg)
+    cls = _model_class(transformers, cfg, None)
+    cfg.architectures = [cls.__name__]
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, module in model.named_modules():
+            if _is_norm(module):
+                for pname, lo, hi in (("weight", 0.1, 0.6), ("bias", -0.2, 0.2)):
+                    p = getattr(module, pname, None)
+                    if isinstance(p, torch.nn.Parameter) and p.is_floating_point():
+                        p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return cls.__name__
 
 
 def family_data_for_parse(data: dict) -> dict:
