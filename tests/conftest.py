@@ -16,6 +16,15 @@ def plugin(name: str) -> str:
     return f"{PLUGINS}:{name}"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets one torch thread: the workers already fill the CPUs,
+    and a second intra-op thread per worker spins against the other (see BENCHMARKS.md)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _restore_sys_path():
     """A FILE.py candidate resolved in this process puts its directory on sys.path for good (so
@@ -112,22 +121,42 @@ def load_json(path):
     return json.loads(Path(path).read_text())
 
 
-BOUNDED = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
 RSS_LIMIT_KB = 700 * 1024  # torch itself is ~230 MB: a few hundred MB more would mean something was allocated
+_BOUNDED = []  # this worker's tests/bounded.py server, started at the first run_bounded
+
+
+def _bounded_server():
+    if not _BOUNDED or _BOUNDED[0].poll() is not None:
+        import atexit
+
+        server = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "bounded.py")],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        atexit.register(server.kill)
+        _BOUNDED[:] = [server]
+    return _BOUNDED[0]
 
 
 def run_bounded(*args, timeout=60):
-    """`parity ARGS` as a user runs it, for hostile inputs: asserts the peak RSS stayed under
-    RSS_LIMIT_KB and returns (result, seconds)."""
+    """`parity ARGS` as a user runs it, for hostile inputs, in a process of its own (forked by
+    tests/bounded.py, torch imported there once): asserts the peak RSS stayed under
+    RSS_LIMIT_KB and returns (result, seconds); a run past `timeout` raises TimeoutExpired."""
+    import tempfile
     import time
 
-    start = time.monotonic()
-
-    r = subprocess.run([sys.executable, "-c", BOUNDED, sys.executable, "-m", "parity_cli", *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "COLUMNS": "160"})
-    *lines, rss = r.stderr.rstrip("\n").split("\n")
-    r.stderr = "\n".join(lines) + ("\n" if lines else "")
-    assert int(rss) < RSS_LIMIT_KB, (args, f"peak RSS {int(rss) // 1024} MiB")
-    return r, time.monotonic() - start
+    argv = [str(a) for a in args]
+    server = _bounded_server()
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        out.touch()
+        err.touch()
+        start = time.monotonic()
+        server.stdin.write(json.dumps({"argv": argv, "env": {**os.environ, "COLUMNS": "160"}, "cwd": os.getcwd(),
+                                       "timeout": timeout, "out": str(out), "err": str(err)}) + "\n")
+        server.stdin.flush()
+        answer = json.loads(server.stdout.readline())
+        took = time.monotonic() - start
+        r = subprocess.CompletedProcess(["parity", *argv], answer["code"], out.read_text(), err.read_text())
+    if answer["timed_out"]:
+        raise subprocess.TimeoutExpired(r.args, timeout, r.stdout, r.stderr)
+    assert answer["maxrss_kb"] < RSS_LIMIT_KB, (args, f"peak RSS {answer['maxrss_kb'] // 1024} MiB")
+    return r, took

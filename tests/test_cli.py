@@ -157,7 +157,7 @@ def test_demo_shows_a_pass_and_a_fail():
 
 
 def test_module_entry_point_and_version():
-    r = run_parity("--version")
+    r = run_parity("--version", process=True)  # `python -m parity_cli` itself: the module entry point
     assert r.returncode == 0 and "parity" in r.stdout
 
 
