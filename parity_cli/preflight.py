@@ -107,8 +107,12 @@ def checkpoint_input(path, family=None) -> None:
         except InputError:
             # no family file: the family is derived from the model's own transformers classes
             # (model.derive) after torch loads; without transformers that cannot happen, said now
-            if not isinstance(ckpt.model_type, str) or not ckpt.model_type or not _findable("transformers"):
+            if not isinstance(ckpt.model_type, str) or not ckpt.model_type:
                 raise
+            if not _findable("transformers"):
+                from parity_cli.model.derive import needs_transformers
+
+                raise InputError(needs_transformers(ckpt.model_type, str(path / "config.json"))) from None
             if ckpt.config.get("auto_map"):
                 raise InputError(f"{path / 'config.json'}: model_type '{ckpt.model_type}' has no family file and "
                                  "asks for remote code (auto_map), which parity never runs; force a family with "

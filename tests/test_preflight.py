@@ -111,11 +111,30 @@ def test_every_bad_layout_is_refused_as_open_checkpoint_refuses_it(tmp_path, goo
     assert "not a checkpoint" in refused(layouts["text file"])
 
 
-def test_unknown_model_type_is_refused_before_torch(tmp_path, ckpt):
+def test_a_type_no_family_claims_without_transformers_is_refused_before_torch(tmp_path, ckpt, monkeypatch):
+    """Without transformers no family can be derived: said before torch, with both ways out."""
     path = ckpt("llama", layers=1, config_extra={"model_type": "not_a_model"})
+    hide(monkeypatch, "transformers")
     message = refused(path)
-    assert message.startswith(f"{path / 'config.json'}: model_type 'not_a_model' is not a known family")
+    assert message.startswith(f"{path / 'config.json'}: model_type 'not_a_model' has no family file")
+    assert "pip install transformers" in message and "--family" in message and "llama" in message
     preflight.check_inputs(path, family="llama")  # --family is the way out the message names
+
+
+def test_a_type_transformers_does_not_know_is_one_line_naming_the_way_out(ckpt):
+    """With transformers the type can only be looked up after torch loads (transformers imports
+    it): the load refuses it, in one line naming --family and the families to force."""
+    from parity_cli import api
+
+    path = ckpt("llama", layers=1, config_extra={"model_type": "not_a_model"})
+    pytest.importorskip("transformers")
+    preflight.check_inputs(path)  # findable: whether transformers knows the type is the load's to say
+    with pytest.raises(InputError) as info:
+        api.load(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path / 'config.json'}: model_type 'not_a_model' is not known to transformers")
+    assert "--family" in message and "llama" in message.split("known:")[1]
 
 
 def test_gguf_without_the_gguf_package(tmp_path, monkeypatch):
@@ -169,7 +188,7 @@ def test_device_syntax_agrees_with_torch():
 
 def test_unknown_family(good):
     message = refused(good, family="lama")
-    assert message.startswith("unknown family 'lama'; known families:")
+    assert message.startswith("unknown family 'lama' (neither a family nor a model_type one claims); known families:")
     assert "llama" in message.split("known families:")[1].split(", ")
 
 

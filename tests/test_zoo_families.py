@@ -41,7 +41,7 @@ def _configs_with(tmp_path, monkeypatch, *derived):
     for name in derived:
         (root / "families" / "derived" / f"{name}.toml").write_text(DERIVED.format(name=name))
     monkeypatch.setattr(families, "configs_dir", lambda: root)
-    families.load_families.cache_clear()
+    families.clear_caches()
     return root
 
 
@@ -55,7 +55,7 @@ def test_a_generated_family_loads_beside_the_hand_written_ones(tmp_path, monkeyp
         assert fam.match("model.layers.3.input_layernorm") and fam.match("layers.3.input_layernorm")
         assert families.family_by_name("llama").derived_from is None
     finally:
-        families.load_families.cache_clear()
+        families.clear_caches()
 
 
 def test_a_generated_family_may_not_claim_a_hand_written_type(tmp_path, monkeypatch):
@@ -69,4 +69,4 @@ def test_a_generated_family_may_not_claim_a_hand_written_type(tmp_path, monkeypa
         with pytest.raises(InputError, match="already"):
             families.load_families()
     finally:
-        families.load_families.cache_clear()
+        families.clear_caches()

@@ -204,12 +204,39 @@ def parse_family(data: dict, where: str) -> Family:
     )
 
 
-@cache
 def load_families() -> dict[str, Family]:
+    """Every family, hand-written and generated, each name and model_type claimed once."""
+    return _load(True)
+
+
+def clear_caches() -> None:
+    """Forget every family read (a test that points configs_dir elsewhere)."""
+    for f in (_load, _derived_stems, _derived):
+        f.cache_clear()
+
+
+def known_families() -> str:
+    """The families a user can force, as a message names them: the hand-written ones by name and
+    the generated ones counted (there are hundreds; `parity inspect --family TYPE` takes any
+    model_type one claims)."""
+    written = sorted(_written())
+    derived = len(_derived_stems())
+    more = f", and {derived} derived from transformers classes (configs/families/derived/)" if derived else ""
+    return ", ".join(written) + more
+
+
+def _written() -> dict[str, Family]:
+    return _load(False)
+
+
+@cache
+def _load(derived: bool) -> dict[str, Family]:
+    """Hand-written families (configs/families/*.toml), or those and the generated ones."""
     families = {}
     owner: dict[str, str] = {}
     root = configs_dir() / "families"
-    for path in sorted(root.glob("*.toml")) + sorted((root / "derived").glob("*.toml")):
+    paths = sorted(root.glob("*.toml")) + (sorted((root / "derived").glob("*.toml")) if derived else [])
+    for path in paths:
         family = _parse(path)
         if family.name in families:
             raise InputError(f"{path}: family '{family.name}' is already defined in {families[family.name].source}")
@@ -221,26 +248,47 @@ def load_families() -> dict[str, Family]:
     return families
 
 
+@cache
+def _derived_stems() -> frozenset[str]:
+    return frozenset(p.stem for p in (configs_dir() / "families" / "derived").glob("*.toml"))
+
+
+@cache
+def _derived(model_type: str) -> Family | None:
+    """A generated file is named by the one model_type it claims: a lookup parses that file only
+    (all of them take most of a second, more than the preflight's budget)."""
+    if model_type not in _derived_stems():
+        return None
+    family = _parse(configs_dir() / "families" / "derived" / f"{model_type}.toml")
+    return family if model_type in family.model_types else None
+
+
+def find_family(name) -> Family | None:
+    """The family named `name`, or claiming it as a model_type; hand-written ones first."""
+    if not isinstance(name, str) or not name:
+        return None
+    written = _written()
+    if name in written:
+        return written[name]
+    for family in written.values():
+        if name in family.model_types:
+            return family
+    return _derived(name)
+
+
 def family_by_name(name: str) -> Family:
     """--family takes a family's name or any model_type it claims (`--family bert` is layer_norm:
     the report's `family` then says which family that is)."""
-    families = load_families()
-    if name in families:
-        return families[name]
-    for family in families.values():
-        if name in family.model_types:
-            return family
-    raise InputError(f"unknown family '{name}' (neither a family nor a model_type one claims); known families: "
-                     f"{', '.join(sorted(families))}")
+    family = find_family(name)
+    if family is None:
+        raise InputError(f"unknown family '{name}' (neither a family nor a model_type one claims); known families: "
+                         f"{known_families()}")
+    return family
 
 
 def family_for_model_type(model_type: str | None, where: str) -> Family:
-    families = load_families()
-    for family in families.values():
-        if model_type in family.model_types:
-            return family
-    known = ", ".join(f"{f.name} ({', '.join(f.model_types)})" for f in families.values())
-    raise InputError(
-        f"{where}: model_type '{model_type}' is not a known family; known: {known}; "
-        "use --family to force one"
-    )
+    family = find_family(model_type)
+    if family is None:
+        raise InputError(f"{where}: model_type '{model_type}' is not a known family; force one with --family "
+                         f"(known: {known_families()})")
+    return family

@@ -39,9 +39,9 @@ def load(path: str | Path, family: str | None = None, eps: float | None = None):
 def _family(ckpt: Checkpoint, where: str) -> Family:
     """The family file that claims the model_type; without one, the family derived from the
     model's own transformers classes (model.derive), when transformers is installed."""
-    from parity_cli.model.families import load_families
+    from parity_cli.model.families import find_family
 
-    claimed = any(ckpt.model_type in f.model_types for f in load_families().values())
+    claimed = find_family(ckpt.model_type) is not None
     if claimed or ckpt.format == "gguf" or not isinstance(ckpt.model_type, str) or not ckpt.model_type:
         return family_for_model_type(ckpt.model_type, where)
     return derived_family(ckpt.model_type, ckpt.config, where)
