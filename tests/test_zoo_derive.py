@@ -90,7 +90,7 @@ def _without_generated(tmp_path, monkeypatch):
     shutil.copytree(configs_dir(), root)
     shutil.rmtree(root / "families" / "derived", ignore_errors=True)
     monkeypatch.setattr(families, "configs_dir", lambda: root)
-    families.load_families.cache_clear()
+    families.clear_caches()
 
 
 def test_a_type_no_file_claims_is_derived_at_run_time_and_checked(tmp_path, monkeypatch):
@@ -99,7 +99,7 @@ def test_a_type_no_file_claims_is_derived_at_run_time_and_checked(tmp_path, monk
     try:
         _without_generated(tmp_path, monkeypatch)
         path = tmp_path / "smollm3"
-        assert write_tiny_checkpoint("smollm3", path) == "SmolLM3ForCausalLM"
+        assert write_tiny_checkpoint("smollm3", path)["class"] == "SmolLM3ForCausalLM"
         report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"])
         ck = report.header["checkpoint"]
         assert ck["family"] == "smollm3" and ck["family_source"].endswith(": SmolLM3ForCausalLM")
@@ -110,7 +110,7 @@ def test_a_type_no_file_claims_is_derived_at_run_time_and_checked(tmp_path, monk
         bad = api.check(path, candidate="torch", candidate_eps=eps * 100, strata=["zero", "tiny", "normal"])
         assert not bad.passed
     finally:
-        families.load_families.cache_clear()
+        families.clear_caches()
 
 
 def test_remote_code_and_unknown_types_are_one_line(tmp_path, monkeypatch):
@@ -129,4 +129,4 @@ def test_remote_code_and_unknown_types_are_one_line(tmp_path, monkeypatch):
             api.check(path)
         assert api.check(path, family="llama", strata=["normal"]).passed  # the way out
     finally:
-        families.load_families.cache_clear()
+        families.clear_caches()

@@ -23,6 +23,7 @@ import math
 import re
 
 from parity_cli.errors import InputError
+from parity_cli.model.families import known_families
 
 MAX_PARAMETERS = 60_000_000  # the shrunk model: a derivation never allocates a real model
 EPS_NAME = re.compile(r"(^|_)(eps|epsilon)$|_eps_|norm_eps|eps$")
@@ -44,17 +45,23 @@ LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_overri
 TIME_LIMIT = 30.0
 
 
+def needs_transformers(model_type, where: str) -> str:
+    """The one line for a type no family file claims on a machine without transformers."""
+    return (f"{where}: model_type '{model_type}' has no family file, and deriving one from its transformers "
+            f"classes needs transformers: pip install transformers, or force a family with --family "
+            f"(known: {known_families()})")
+
+
 def _transformers(model_type: str, where: str):
     try:
         import transformers
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     except ImportError:
-        raise InputError(f"{where}: model_type '{model_type}' has no family file, and deriving one from its "
-                         "transformers classes needs transformers: pip install transformers, or force a family "
-                         "with --family") from None
+        raise InputError(needs_transformers(model_type, where)) from None
     if model_type not in CONFIG_MAPPING:
         raise InputError(f"{where}: model_type '{model_type}' is not known to transformers "
-                         f"{transformers.__version__} nor to any family file; force one with --family")
+                         f"{transformers.__version__} nor to any family file; force one with --family "
+                         f"(known: {known_families()})")
     return transformers, CONFIG_MAPPING[model_type]
 
 
@@ -232,6 +239,35 @@ def classify(module, eps: float | None) -> dict:
     return out
 
 
+def _saved_by_value(model, out) -> dict:
+    """Saves the model as transformers does and indexes each stored 1-D tensor by its values:
+    a norm's weight, given distinct values, is then found under the name the file really has."""
+    import os
+
+    import torch
+    from safetensors import safe_open
+
+    model.save_pretrained(str(out), safe_serialization=True)
+    stored = {}
+    for file in sorted(os.listdir(out)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(out, file), "pt") as fh:
+                for key in fh.keys():
+                    t = fh.get_tensor(key)
+                    if t.dim() == 1 and t.is_floating_point():
+                        stored.setdefault((t.numel(), t.to(torch.float32).numpy().tobytes()), key)
+    return stored
+
+
+def stored_key(stored: dict, module) -> str | None:
+    import torch
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+        return None
+    return stored.get((weight.numel(), weight.detach().to(torch.float32).numpy().tobytes()))
+
+
 def _pattern(name: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "{i}", name)
 
@@ -240,7 +276,6 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
     """Family data (the configs/families TOML as a dict) for `model_type`, from its own classes:
     `config` is the checkpoint's config.json (its towers, its architectures), or None for the
     config class's defaults."""
-    import os
     import tempfile
     import time
 
@@ -299,28 +334,15 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
                 if isinstance(p, torch.nn.Parameter) and p.is_floating_point():
                     p.copy_(torch.rand(p.shape, generator=gen) + (0.5 if pname == "weight" else -0.5))
             norms.append((name, module))
-    stored = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        from safetensors import safe_open
-
-        for file in sorted(os.listdir(tmp)):
-            if file.endswith(".safetensors"):
-                with safe_open(os.path.join(tmp, file), "pt") as fh:
-                    for key in fh.keys():
-                        t = fh.get_tensor(key)
-                        if t.dim() == 1 and t.is_floating_point():
-                            stored.setdefault((t.numel(), t.to(torch.float32).numpy().tobytes()), key)
+        stored = _saved_by_value(model, tmp)
     version = f"transformers {transformers.__version__}: {cls.__name__}"
     prefix = getattr(model, "base_model_prefix", "") or ""
     entries, unsupported, seen = [], [], set()
     for name, module in norms:
         eps = _eps_of(module)
         sem = classify(module, eps)
-        weight = getattr(module, "weight", None)
-        key = None
-        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 1:
-            key = stored.get((weight.numel(), weight.detach().to(torch.float32).numpy().tobytes()))
+        key = stored_key(stored, module)
         tensor = key[: -len(".weight")] if key and key.endswith(".weight") else (key or name)
         pattern = _pattern(tensor)
         hf_class = f"{type(module).__module__}.{type(module).__qualname__}"
@@ -357,11 +379,11 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
             "model_types": [model_type], "norms": entries, "unsupported": unsupported}
 
 
-def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> str:
+def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
     """A tiny random-weight checkpoint of `model_type` as transformers saves it (the class a
     derivation builds, shrunk the same way), norm gains drawn from U(0.1, 0.6) and biases from
-    U(-0.2, 0.2) so that a gain convention matters. The zoo sweep and the tests use it; returns
-    the class name."""
+    U(-0.2, 0.2) so that a gain convention matters. Returns what the zoo sweep compares against:
+    the class, and every norm module with its stored weight name, its class and its eps."""
     import torch
 
     transformers, config_class = _transformers(model_type, "write_tiny_checkpoint")
@@ -372,19 +394,27 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> str:
     cfg = config_class()
     _shrink(cfg)
     cls = _model_class(transformers, cfg, None)
+    if cls is None:
+        raise InputError(f"transformers has no model class for model_type '{model_type}'")
     cfg.architectures = [cls.__name__]
     torch.manual_seed(seed)
     model = cls._from_config(cfg).eval()
     gen = torch.Generator().manual_seed(seed)
+    norms = []
     with torch.no_grad():
-        for _, module in model.named_modules():
-            if _is_norm(module):
+        for name, module in model.named_modules():
+            if name and _is_norm(module):
+                norms.append((name, module))
                 for pname, lo, hi in (("weight", 0.1, 0.6), ("bias", -0.2, 0.2)):
                     p = getattr(module, pname, None)
                     if isinstance(p, torch.nn.Parameter) and p.is_floating_point():
                         p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return cls.__name__
+    stored = _saved_by_value(model, out)
+    return {"class": cls.__name__, "norms": [
+        {"module": name, "stored": stored_key(stored, module), "class": type(module).__name__,
+         "eps": _eps_of(module), "plain": isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+         or bool(re.search(r"(RMS|Layer)Norm$", type(module).__name__))}
+        for name, module in norms]}
 
 
 def family_data_for_parse(data: dict) -> dict:
