@@ -95,13 +95,23 @@ def _shrink(cfg) -> None:
             if key in SHRINK and type(value) is int and value > SHRINK[key]:
                 setattr(sub, key, SHRINK[key])
         for key in LAYER_LISTS:
-            value = getattr(sub, key, None)
+            value = vars(sub).get(key)
             if isinstance(value, (list, str)) and len(value) > 2:
                 kinds = list(dict.fromkeys(value))
                 kept = (kinds * 2)[:max(2, len(kinds))]
                 setattr(sub, key, kept if isinstance(value, list) else "".join(kept))
-                if hasattr(sub, "num_hidden_layers"):
+                if "num_hidden_layers" in vars(sub):
                     sub.num_hidden_layers = len(kept)
+                spec = vars(sub).get("_heterogeneity_spec")
+                overrides = dict(getattr(spec, "per_layer_overrides", None) or {})
+                if spec is not None:
+                    # Gemma 4's per-layer overrides (a full-attention layer's head_dim), by original
+                    # index: each kept layer takes those of the first original layer of its kind
+                    first = [list(value).index(kind) for kind in kept]
+                    sub.per_layer_config = {k: overrides[i] for k, i in enumerate(first) if i in overrides} or None
+        heads, width = vars(sub).get("num_attention_heads"), vars(sub).get("hidden_size")
+        if vars(sub).get("head_dim", 0) is None and type(heads) is int and type(width) is int and heads:
+            sub.head_dim = width // heads  # None means "hidden_size // heads" to most classes, a crash to some
         vocab = getattr(sub, "vocab_size", None)
         if type(vocab) is int:  # token ids the shrunk vocabulary must still hold (a padding index)
             for key, value in list(vars(sub).items()):
@@ -111,6 +121,54 @@ def _shrink(cfg) -> None:
                     setattr(sub, key, vocab - 1)
                 elif isinstance(value, list):
                     setattr(sub, key, [min(v, vocab - 1) if type(v) is int else v for v in value])
+
+
+# sizes a second, harder shrink lowers when the first leaves the model over MAX_PARAMETERS (an
+# entity vocabulary, a latent array, a vision tower's own widths): any int of these names over 64
+_HARD = re.compile(r"(size|dim|dims|channels|latents|width|embd|features|n_words|vocab|length)$")
+
+
+def _shrink_hard(cfg) -> None:
+    for _, sub in _configs(cfg):
+        for key, value in list(vars(sub).items()):
+            if not _HARD.search(key) or key.endswith("token_id"):
+                continue
+            floor = 256 if ("vocab" in key or key == "n_words") else 64
+            if type(value) is int and value > floor:
+                setattr(sub, key, floor)
+            elif isinstance(value, list) and value and all(type(v) is int for v in value) and max(value) > floor:
+                setattr(sub, key, [min(v, floor) for v in value])
+
+
+def _parameters(cls, cfg) -> int:
+    import torch
+
+    with torch.device("meta"):
+        meta = cls._from_config(cfg)
+    return sum(p.numel() for p in meta.parameters())
+
+
+def _build(cls, cfg, where: str, model_type: str, seed: int = 0):
+    """The shrunk model, for real (counted on the meta device first): a second, harder shrink where
+    the first leaves it over MAX_PARAMETERS; refused where that fails too."""
+    import copy
+
+    import torch
+
+    count = _parameters(cls, cfg)
+    if count > MAX_PARAMETERS:
+        harder = copy.deepcopy(cfg)
+        _shrink_hard(harder)
+        try:
+            fewer = _parameters(cls, harder)
+        except Exception:
+            fewer = count
+        if fewer > MAX_PARAMETERS:
+            raise InputError(f"{where}: deriving {model_type}'s family would build {count:,} parameters even "
+                             "shrunk; refused (force a family with --family)")
+        cfg = harder
+    torch.manual_seed(seed)
+    return cls._from_config(cfg).eval(), cfg
 
 
 def _model_class(transformers, cfg, architectures):
@@ -150,13 +208,25 @@ def _eps_of(module) -> float | None:
     return None
 
 
+def _second_input(module) -> str | None:
+    """The name of a tensor input forward takes beside x (a gate z, a residual): a shrunk model
+    may make such a norm look plain (one group, the gate left out), a real one is not."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    return next((n for n in names if re.search(r"gate|^z$|residual|cond|scale|shift", n)), None)
+
+
 def classify(module, eps: float | None) -> dict:
     """The form and numerics order of one norm module, or why parity cannot express it."""
     import copy
 
     import torch
 
-    from parity_cli.model.forms import hf_forward
 
     weight = getattr(module, "weight", None)
     bias = getattr(module, "bias", None)
@@ -164,6 +234,13 @@ def classify(module, eps: float | None) -> dict:
         return {"unsupported": "GroupNorm (statistics per group of channels)"}
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
         return {"unsupported": "BatchNorm (running statistics)"}
+    gated = _second_input(module)
+    if gated:
+        return {"unsupported": f"gated norm (forward takes a second input, {gated})"}
+    grouped = next((a for a in ("group_size", "n_groups", "num_groups", "ngroups") if isinstance(
+        getattr(module, a, None), int) and not isinstance(getattr(module, a), bool)), None)
+    if grouped:
+        return {"unsupported": f"statistics per group of channels ({grouped} = {getattr(module, grouped)})"}
     if not isinstance(weight, torch.nn.Parameter):
         return {"unsupported": "no gain parameter (weightless norm)"}
     if weight.dim() != 1:
@@ -215,11 +292,33 @@ def classify(module, eps: float | None) -> dict:
     if kind == "layer_norm" and not native:
         candidates.append(("native", "rsqrt"))
     best = None
+    # bit for bit at float32 too where one candidate is (rsqrt and pow(., -0.5) part there, rarely
+    # after a cast to bf16/fp16); else at the half types alone
+    for dtypes in ((torch.bfloat16, torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
+        best = _exact_order(module, kind, offset, b, x, eps, dim, candidates, dtypes)
+        if best:
+            break
+    out["order"], out["inverse_sqrt"] = best or (("native" if native else "llama"), "rsqrt")
+    out["order_exact"] = best is not None
+    return out
+
+
+def _exact_order(module, kind, offset, b, x, eps, dim, candidates, dtypes):
+    """The first (order, inverse_sqrt) whose transcription equals the module bit for bit at every
+    dtype of `dtypes`."""
+    import copy
+
+    import torch
+
+    from parity_cli.model.forms import hf_forward
+
+    rows = torch.randn(64, dim, generator=torch.Generator().manual_seed(dim + 1), dtype=torch.float64)
+    rows = torch.cat([x[[0, 2, 3, 4, 5]], rows * torch.logspace(-2, 1, 64, dtype=torch.float64)[:, None]]) * 0.5
     for order, inverse_sqrt in candidates:
         exact = True
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in dtypes:
             m = copy.deepcopy(module).to(dtype).eval()
-            xs = (x[[0, 2, 3, 4, 5]] * 0.5).to(dtype)
+            xs = rows.to(dtype)
             with torch.no_grad():
                 try:
                     got = m(xs)
@@ -232,11 +331,8 @@ def classify(module, eps: float | None) -> dict:
                 exact = False
                 break
         if exact:
-            best = (order, inverse_sqrt)
-            break
-    out["order"], out["inverse_sqrt"] = best or (("native" if native else "llama"), "rsqrt")
-    out["order_exact"] = best is not None
-    return out
+            return order, inverse_sqrt
+    return None
 
 
 def _saved_by_value(model, out) -> dict:
@@ -248,14 +344,16 @@ def _saved_by_value(model, out) -> dict:
     from safetensors import safe_open
 
     model.save_pretrained(str(out), safe_serialization=True)
-    stored = {}
+    stored, keys = {}, []
     for file in sorted(os.listdir(out)):
         if file.endswith(".safetensors"):
             with safe_open(os.path.join(out, file), "pt") as fh:
                 for key in fh.keys():
+                    keys.append(key)
                     t = fh.get_tensor(key)
                     if t.dim() == 1 and t.is_floating_point():
                         stored.setdefault((t.numel(), t.to(torch.float32).numpy().tobytes()), key)
+    stored[None] = keys  # every stored name: a pattern must claim none of the other tensors
     return stored
 
 
@@ -268,8 +366,14 @@ def stored_key(stored: dict, module) -> str | None:
     return stored.get((weight.numel(), weight.detach().to(torch.float32).numpy().tobytes()))
 
 
-def _pattern(name: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "{i}", name)
+def _pattern(name: str, others=()) -> str:
+    """The name with its indices as {i}, where that claims no tensor but norms' own: Sequential
+    positions (`enc_output.1` beside the Linear `enc_output.0`) stay as they are."""
+    pattern = re.sub(r"(?<=\.)\d+(?=\.|$)", "{i}", name)
+    if pattern == name or not others:
+        return pattern
+    regex = re.compile(re.escape(pattern).replace(re.escape("{i}"), r"\d+"))
+    return name if any(regex.fullmatch(other) for other in others) else pattern
 
 
 def derive(model_type: str, config: dict | None = None, where: str = "config.json") -> dict:
@@ -306,15 +410,7 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
         raise InputError(f"{where}: transformers has no model class for model_type '{model_type}'; force a family "
                          "with --family")
     try:
-        with torch.device("meta"):
-            meta = cls._from_config(cfg)
-        count = sum(p.numel() for p in meta.parameters())
-        del meta
-        if count > MAX_PARAMETERS:
-            raise InputError(f"{where}: deriving {model_type}'s family would build {count:,} parameters even "
-                             "shrunk; refused (force a family with --family)")
-        torch.manual_seed(0)
-        model = cls._from_config(cfg).eval()
+        model, cfg = _build(cls, cfg, where, model_type)
     except InputError:
         raise
     except Exception as exc:
@@ -336,6 +432,9 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
             norms.append((name, module))
     with tempfile.TemporaryDirectory() as tmp:
         stored = _saved_by_value(model, tmp)
+    norm_keys = {stored_key(stored, module) for _, module in norms} - {None}
+    others = {k.rsplit(".", 1)[0] for k in stored[None]
+              if k not in norm_keys and k.rsplit(".", 1)[0] + ".weight" not in norm_keys}
     version = f"transformers {transformers.__version__}: {cls.__name__}"
     prefix = getattr(model, "base_model_prefix", "") or ""
     entries, unsupported, seen = [], [], set()
@@ -344,7 +443,7 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
         sem = classify(module, eps)
         key = stored_key(stored, module)
         tensor = key[: -len(".weight")] if key and key.endswith(".weight") else (key or name)
-        pattern = _pattern(tensor)
+        pattern = _pattern(tensor, others)
         hf_class = f"{type(module).__module__}.{type(module).__qualname__}"
         if "unsupported" in sem or key is None:
             why = sem.get("unsupported") or "its weight is not stored under a name of its own (tied or shared)"
@@ -383,7 +482,8 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
     """A tiny random-weight checkpoint of `model_type` as transformers saves it (the class a
     derivation builds, shrunk the same way), norm gains drawn from U(0.1, 0.6) and biases from
     U(-0.2, 0.2) so that a gain convention matters. Returns what the zoo sweep compares against:
-    the class, and every norm module with its stored weight name, its class and its eps."""
+    the class, and every norm module with its stored weight name, its class, its eps, and why
+    parity cannot express it (None where it can: classify's verdict on the module itself)."""
     import torch
 
     transformers, config_class = _transformers(model_type, "write_tiny_checkpoint")
@@ -397,8 +497,7 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
     if cls is None:
         raise InputError(f"transformers has no model class for model_type '{model_type}'")
     cfg.architectures = [cls.__name__]
-    torch.manual_seed(seed)
-    model = cls._from_config(cfg).eval()
+    model, cfg = _build(cls, cfg, "write_tiny_checkpoint", model_type, seed)
     gen = torch.Generator().manual_seed(seed)
     norms = []
     with torch.no_grad():
@@ -413,7 +512,8 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
     return {"class": cls.__name__, "norms": [
         {"module": name, "stored": stored_key(stored, module), "class": type(module).__name__,
          "eps": _eps_of(module), "plain": isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
-         or bool(re.search(r"(RMS|Layer)Norm$", type(module).__name__))}
+         or bool(re.search(r"(RMS|Layer)Norm$", type(module).__name__)),
+         "unsupported": classify(module, _eps_of(module)).get("unsupported")}
         for name, module in norms]}
 
 
