@@ -119,6 +119,19 @@ def _import_class(path: str):
         raise InputError(f"transformers: {module} has no class {attr} (installed version too old?)") from None
 
 
+_EPS_KEYS = ("eps", "layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
+
+
+def _takes_config(cls) -> bool:
+    import inspect
+
+    try:
+        params = list(inspect.signature(cls.__init__).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0] == "config"
+
+
 def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     """The real module class of the checkpoint's family (transformers, or torch.nn.LayerNorm)."""
     import torch
@@ -129,6 +142,10 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     size = layer.shape if weight.dim() > 1 else layer.dim
     if cls is torch.nn.LayerNorm:
         module = cls(size, eps=eps, bias=bias is not None)
+    elif _takes_config(cls):  # CpmAntLayerNorm(config): the config holds the width and eps
+        import types
+
+        module = cls(types.SimpleNamespace(hidden_size=size, **{k: eps for k in _EPS_KEYS}))
     else:
         module = cls(size, eps=eps)
     module = module.to(device=weight.device, dtype=weight.dtype)
