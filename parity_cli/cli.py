@@ -415,21 +415,24 @@ def inspect(checkpoint, family, eps, json_path):
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
-def families(as_json):
+@click.option("--all", "every", is_flag=True,
+              help="Also the families derived from transformers classes (configs/families/derived/, hundreds).")
+def families(as_json, every):
     """Supported model families and the semantics the reference reproduces for each."""
     import json
 
-    from parity_cli.model.families import load_families
+    from parity_cli.model.families import load_families, written_families
 
+    listed = load_families() if every else written_families()
     rows = []
-    for fam in load_families().values():
+    for fam in listed.values():
         exceptions = sorted({p.name for p in fam.norms if p.semantics != fam.semantics})
         rows.append({
             "family": fam.name, "model_types": list(fam.model_types), "kind": fam.kind, "order": fam.order,
             "gain": "w" if not fam.gain_offset else f"{fam.gain_offset:g} + w", "inverse_sqrt": fam.semantics.inverse_sqrt,
             "eps_keys": list(fam.eps_keys), "eps_default": fam.eps_default,
             "eps_defaults": fam.eps_defaults, "norms": [p.name for p in fam.norms], "exceptions": exceptions,
-            "description": fam.description, "source": fam.source,
+            "description": fam.description, "source": fam.source, "derived_from": fam.derived_from,
         })
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -449,6 +452,10 @@ def families(as_json):
     console = _console()
     for line in table(columns, cells, console.width):
         console.print(line, soft_wrap=True)
+    derived = len(load_families()) - len(written_families())
+    if derived and not every:
+        console.print(f"and {derived} families derived from the model types' own transformers classes "
+                      "(configs/families/derived/): parity families --all", soft_wrap=True)
     return EXIT_PASS
 
 

@@ -104,7 +104,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         if gain is not None and gain["min"] <= 0:
             nonpositive.append((layer.name, gain["min"]))
         layers.append({
-            "name": layer.name, "kind": layer.kind, "dim": layer.dim, "shape": list(layer.shape),
+            "name": layer.name, "kind": layer.kind, "dim": layer.dim, "tower": layer.tower, "shape": list(layer.shape),
             "order": layer.order, "bias": layer.bias is not None,
             "eps": {"value": layer.eps.value, "source": layer.eps.source},
             "weight": stats, "gain": gain, "gain_offset": layer.gain_offset,
@@ -372,6 +372,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             "format": ckpt.format,
             "family": fam.name,
             "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
+            "family_forced": bool(opts.family),
             "model_type": ckpt.model_type,
             "files": [f.name for f in ckpt.files],
             "unmatched": found.unmatched,

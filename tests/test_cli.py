@@ -223,6 +223,11 @@ def test_families_command_lists_every_family():
     assert "model.layers.{i}.self_attn.q_a_layernorm".replace("model.", "{root}") in rows["llama"]["exceptions"]
     table = run_parity("families")
     assert table.returncode == 0 and "cohere" in table.stdout and "layer_norm" in table.stdout
+    # the generated ones are counted, and listed on request with the classes they came from
+    assert "families derived from" in table.stdout and "qwen2_5_vl" not in table.stdout
+    every = {row["family"]: row for row in json.loads(run_parity("families", "--json", "--all").stdout)}
+    assert set(rows) < set(every) and all(rows[f]["derived_from"] is None for f in rows)
+    assert every["qwen2_5_vl"]["derived_from"].endswith("Qwen2_5_VLForConditionalGeneration")
 
 
 def test_inspect_lists_unmatched_and_per_head_shapes(ckpt, tmp_path):

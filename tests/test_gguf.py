@@ -132,13 +132,13 @@ def test_f16_norm_losing_precision_is_found(pair):
 
 
 def test_unknown_architecture_and_corrupt_gguf_are_input_errors(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "mamba")
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "rwkv6")  # no family, hand-written or derived
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     r = run_parity("inspect", tmp_path / "x.gguf")
-    assert r.returncode == 2 and "mamba" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert r.returncode == 2 and "rwkv6" in r.stderr and len(r.stderr.splitlines()) == 1
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 7)
     r = run_parity("inspect", tmp_path / "bad.gguf")
     assert r.returncode == 2 and "bad.gguf" in r.stderr and len(r.stderr.splitlines()) == 1
@@ -177,3 +177,57 @@ def test_a_module_adding_its_own_one_to_a_gguf_gemma_is_told_the_file_stores_it(
     (diag,) = report.layers[0].diagnoses
     assert diag.code == "weight_offset_mismatch" and diag.evidence["offset_error"] == 1.0
     assert "this file already stores 1 + w" in diag.message and "does not use" not in diag.message
+
+
+def _tiny_gguf(hf, out, arch, eps):
+    """The norm tensors of a tiny transformers checkpoint as llama.cpp names them (gguf-py's own
+    map for `arch`), F32, with the rms eps in the metadata as its converter writes it."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    config = json.loads((hf / "config.json").read_text())
+    arch_enum = next(e for e, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_layer_norm_rms_eps(eps)
+    written = 0
+    for name, t in load_file(hf / "model.safetensors").items():
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and t.dim() == 1 and "norm" in base:
+            w.add_tensor(names.get_name(base) + ".weight", t.float().numpy().astype(np.float32))
+            written += 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+def test_a_gguf_of_an_architecture_only_a_derived_family_knows(tmp_path):
+    """granite has no hand-written family: its GGUF reads as its HF checkpoint does, through the
+    family generated from GraniteForCausalLM (gguf-py's names mapped back to the HF ones), and a
+    conversion that changed eps is caught."""
+    pytest.importorskip("transformers")
+    import json
+
+    from parity_cli.model.derive import write_tiny_checkpoint
+
+    hf = tmp_path / "granite"
+    write_tiny_checkpoint("granite", hf)
+    eps = json.loads((hf / "config.json").read_text())["rms_norm_eps"]
+    n = _tiny_gguf(hf, tmp_path / "granite.gguf", "granite", eps)
+    info = api.inspect(tmp_path / "granite.gguf")
+    assert info["checkpoint"]["family"] == "granite"
+    assert {layer["name"] for layer in info["layers"]} == {layer["name"] for layer in api.inspect(hf)["layers"]}
+    assert len(info["layers"]) == n == 5  # 2 layers x (input, post_attention) + model.norm
+    assert info["eps"]["value"] == f32(eps) and info["eps"]["source"].startswith("gguf:granite.attention.")
+    assert api.check(hf, candidate_checkpoint=tmp_path / "granite.gguf", candidate="torch",
+                     dtype="float32").passed
+    _tiny_gguf(hf, tmp_path / "wrong.gguf", "granite", eps * 10)
+    bad = api.check(hf, candidate_checkpoint=tmp_path / "wrong.gguf", candidate="torch", dtype="float32")
+    assert not bad.passed

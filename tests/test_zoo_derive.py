@@ -130,3 +130,165 @@ def test_remote_code_and_unknown_types_are_one_line(tmp_path, monkeypatch):
         assert api.check(path, family="llama", strata=["normal"]).passed  # the way out
     finally:
         families.clear_caches()
+
+
+def test_a_forced_family_without_its_eps_key_says_the_eps_is_assumed(tmp_path):
+    """lxmert's LayerNorms use eps 1e-12 from the model code; its config has no layer_norm_eps.
+    Forced to `layer_norm`, the family's 1e-5 is a guess: said on the verdict line and recorded
+    as forced. Its generated family reads the module's own 1e-12, and says nothing of the kind."""
+    from parity_cli.report.terminal import quiet_line
+
+    path = tmp_path / "lxmert"
+    truth = write_tiny_checkpoint("lxmert", path)
+    assert {n["eps"] for n in truth["norms"]} == {1e-12}
+    assert "layer_norm_eps" not in json.loads((path / "config.json").read_text())
+    forced = api.check(path, family="layer_norm", candidate="oracle", strata=["normal"])
+    d = forced.to_dict()
+    assert d["eps"] == {"value": 1e-5, "source": "family-default"} and d["checkpoint"]["family_forced"] is True
+    line = quiet_line(d)
+    assert line.startswith("PASS: ") and "eps 1e-5 is forced family layer_norm's default, assumed" in line
+    own = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"]).to_dict()
+    assert own["checkpoint"]["family"] == "lxmert" and own["checkpoint"]["family_forced"] is False
+    assert {layer["eps"]["value"] for layer in own["layers"]} == {1e-12}
+    assert own["summary"]["verdict"] == "pass" and "assumed" not in quiet_line(own)
+
+
+def test_layers_are_grouped_by_tower_each_with_its_own_eps(tmp_path):
+    """Gemma 3 as transformers 5.24 saves it: 13 language RMSNorms (2 layers x 6 + the final norm)
+    read text_config's eps, the SigLIP tower's 6 LayerNorms (2 layers x 2, post_layernorm, the
+    pooling head's) vision_config's, and the projector's RMSNorm is a tower of its own. Each eps
+    key is given its own value here, so a layer reading another tower's eps shows."""
+    from parity_cli.report.terminal import towers_line
+
+    path = tmp_path / "gemma3"
+    write_tiny_checkpoint("gemma3", path)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["rms_norm_eps"] = 3e-6
+    config["vision_config"]["layer_norm_eps"] = 7e-6
+    (path / "config.json").write_text(json.dumps(config))
+    info = api.inspect(path)
+    by_tower = {}
+    for layer in info["layers"]:
+        by_tower.setdefault(layer["tower"], set()).add((layer["kind"], layer["eps"]["value"]))
+    counts = {t: sum(1 for layer in info["layers"] if layer["tower"] == t) for t in by_tower}
+    assert counts == {"language": 13, "vision": 6, "projector": 1}
+    assert by_tower == {"language": {("rms_norm", 3e-6)}, "vision": {("layer_norm", 7e-6)},
+                        "projector": {("rms_norm", 7e-6)}}
+    assert towers_line(info["layers"]) == "towers: language 13, projector 1, vision 6"
+    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"]).to_dict()
+    assert report["summary"]["verdict"] == "pass"
+    assert {layer["tower"] for layer in report["layers"]} == {"language", "vision", "projector"}
+
+
+def test_a_model_of_one_stack_has_no_tower_line(tmp_path):
+    from parity_cli.report.terminal import towers_line
+
+    path = tmp_path / "qwen2"
+    write_tiny_checkpoint("qwen2", path)
+    info = api.inspect(path)
+    assert {layer["tower"] for layer in info["layers"]} == {"main"} and towers_line(info["layers"]) == ""
+
+
+def test_a_gated_norm_that_a_shrunk_model_makes_look_plain_is_not_guessed():
+    """Zamba2's Mamba norm is rms_norm(x * silu(gate)) per group of channels. Called without the
+    gate on one group it computes a plain RMSNorm, so only its signature and its group size say
+    what it is; parity lists it, and checks the plain norms beside it."""
+    from transformers.models.zamba2.modeling_zamba2 import Zamba2RMSNormGated
+
+    from parity_cli.model.derive import classify
+
+    norm = Zamba2RMSNormGated(64, group_size=64, eps=1e-5)
+    x = torch.randn(3, 64, dtype=torch.float64)
+    with torch.no_grad():  # the shrunk model's view of it: exactly an RMSNorm with gain w
+        plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert torch.allclose(norm.to(torch.float64)(x), plain)
+    assert "gate" in classify(norm, 1e-5)["unsupported"]
+    data = derive("zamba2")
+    assert not any(n["name"].endswith("mamba.norm") for n in data["norms"])
+    assert any("mamba" in u["name"] and "gate" in u["why"] for u in data["unsupported"])
+    assert "layers.{i}.input_layernorm" in _by_name(data)
+
+
+def test_a_sequential_position_is_not_a_layer_index():
+    """RT-DETR's enc_output is Sequential(Linear, LayerNorm): `enc_output.{i}` would claim the
+    Linear's 2-D weight as a norm. The pattern keeps the position; the whole model then checks."""
+    data = _by_name(derive("rt_detr"))
+    assert "enc_output.1" in data and "enc_output.{i}" not in data
+
+
+def test_a_model_the_first_shrink_leaves_large_is_shrunk_harder():
+    """XLM's embedding width (emb_dim 2048) is not a name the first shrink knows: over 100 M
+    parameters. The second shrink lowers every size-like int, and the family is derived."""
+    data = derive("xlm")
+    assert data["norms"] and {n["kind"] for n in data["norms"]} == {"layer_norm"}
+
+
+def test_gemma4_per_layer_overrides_follow_the_shrunk_layers(tmp_path):
+    """Gemma 4 keeps per-layer overrides by layer index (a full-attention layer's head_dim). A tiny
+    checkpoint of 2 layers must not keep the indices of 30, or transformers cannot read its config:
+    it is written, read back, and its own class passes against the oracle."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "gemma4" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no gemma4")
+    from transformers import AutoConfig
+
+    path = tmp_path / "gemma4"
+    write_tiny_checkpoint("gemma4", path)
+    config = AutoConfig.from_pretrained(path)  # raised on out-of-range per_layer_config keys
+    assert config.text_config.num_hidden_layers == 2
+    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"])
+    assert report.passed and {layer.eps["value"] for layer in report.layers} and len(report.layers) >= 10
+
+
+def test_a_norm_class_built_from_a_config_runs_as_the_candidate(tmp_path):
+    """CpmAntLayerNorm(config) takes its width and eps from a config, not (dim, eps=)."""
+    path = tmp_path / "cpmant"
+    write_tiny_checkpoint("cpmant", path)
+    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"])
+    assert report.passed and not any(layer.error for layer in report.layers)
+    bad = api.check(path, candidate="transformers", candidate_eps=1e-2, strata=["tiny"])
+    assert not bad.passed  # the eps given reaches the class through its config
+
+
+@pytest.mark.parametrize("value", [5, "text", [1e-6], True])
+def test_a_sub_config_of_the_wrong_type_is_one_line(tmp_path, value):
+    """Qwen2.5-VL's language norms read text_config.rms_norm_eps: a text_config that is not an
+    object is bad input naming the key, never a silent family default."""
+    path = tmp_path / "qwen2_5_vl"
+    if not path.exists():
+        write_tiny_checkpoint("qwen2_5_vl", path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "text_config": value}))
+    with pytest.raises(InputError) as info:
+        api.check(path, strata=["normal"])
+    message = str(info.value)
+    assert message.startswith(f"{path / 'config.json'}: 'text_config' is a") and "not an object" in message
+    assert "\n" not in message
+
+
+def test_gemma3n_audio_tower_eps_as_its_own_classes_build_it():
+    """gemma3n's audio conformer, built from its own config class with a marker eps: every
+    Gemma3nRMSNorm in it is claimed by the gemma3n family under model.audio_tower., and the eps
+    the family gives each (the config's, or the class default 1e-6 where the model code passes
+    none) is the module's own."""
+    from transformers import Gemma3nAudioConfig
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nAudioEncoder, Gemma3nRMSNorm
+
+    from parity_cli.model.families import family_by_name
+
+    marker = 3.7e-5
+    config = Gemma3nAudioConfig(rms_norm_eps=marker, hidden_size=64, conf_num_hidden_layers=2,
+                                conf_num_attention_heads=4)
+    encoder = Gemma3nAudioEncoder(config)
+    family = family_by_name("gemma3n")
+    norms = [(name, m) for name, m in encoder.named_modules() if type(m) is Gemma3nRMSNorm and m.with_scale]
+    assert len(norms) == 2 * 9
+    for name, module in norms:
+        pattern = family.match(f"model.audio_tower.{name}")
+        assert pattern is not None, name
+        sem = pattern.semantics
+        expected = sem.eps if sem.eps is not None else (marker if sem.eps_keys == ("audio_config.rms_norm_eps",)
+                                                         else None)
+        assert expected == module.eps, (name, module.eps, sem)
+    assert {m.eps for _, m in norms} == {1e-6, marker}  # both kinds are there

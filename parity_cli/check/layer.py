@@ -210,7 +210,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         name=layer.name, kind=layer.kind, dim=layer.dim,
         eps={"value": eps, "source": layer.eps.source},
         weight=stats, strata=results, error=layer_error, warnings=warnings, grad=grads,
-        shape=list(layer.shape), findings=weight_findings,
+        shape=list(layer.shape), findings=weight_findings, tower=layer.tower,
     )
     result.setup_error = layer_error if run.setup else None  # read by setup_failure, never written out
     if cand_layer is not layer or candidate.eps is not None:
@@ -347,7 +347,7 @@ def missing_layer(layer):
 
     return LayerResult(name=layer.name, kind=layer.kind, dim=layer.dim,
                        eps={"value": layer.eps.value, "source": layer.eps.source},
-                       weight=weight_stats(layer.weight), strata=[], shape=list(layer.shape))
+                       weight=weight_stats(layer.weight), strata=[], shape=list(layer.shape), tower=layer.tower)
 
 
 def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata, tol, opts, grad_tol,

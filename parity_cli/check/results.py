@@ -60,6 +60,7 @@ class LayerResult:
     candidate_eps: dict | None = None  # where the candidate's eps differs in origin (--candidate-checkpoint)
     findings: list[dict] = field(default_factory=list)  # checkpoint-vs-checkpoint differences; each fails
     captured: dict | None = None  # --activations: where real rows sit on q/eps, and what the faults do to them
+    tower: str = "main"  # the part of a multimodal model the norm serves (model.layers.tower_of)
 
     @property
     def status(self) -> str:
@@ -152,6 +153,7 @@ def _layer_dict(layer: LayerResult) -> dict:
         "name": layer.name,
         "kind": layer.kind,
         "dim": layer.dim,
+        "tower": layer.tower,
         "status": layer.status,
         "error": layer.error or next((f"{s.name}: {s.error}" for s in layer.strata if s.error), None),
         "eps": layer.eps,

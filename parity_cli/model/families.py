@@ -225,8 +225,12 @@ def known_families() -> str:
     return ", ".join(written) + more
 
 
-def _written() -> dict[str, Family]:
+def written_families() -> dict[str, Family]:
+    """The hand-written families (configs/families/*.toml), which claim their types first."""
     return _load(False)
+
+
+_written = written_families
 
 
 @cache

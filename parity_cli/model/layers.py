@@ -36,6 +36,7 @@ class NormLayer:
     tensor: str = ""  # the weight tensor's full name
     semantic_offset: float | None = None  # the family's offset when gain_offset differs (GGUF Gemma: baked in)
     program: bytes | None = None  # an exported graph's own subgraph for this norm (onnx_checkpoint)
+    tower: str = "main"  # language, vision, audio, projector, ... (tower_of): a multimodal model's parts
 
     @property
     def stored_dtype(self) -> str:
@@ -45,6 +46,35 @@ class NormLayer:
     def shape(self) -> tuple[int, ...]:
         """Leading axes (heads) broadcast over; the norm runs over the last one."""
         return tuple(self.weight.shape)
+
+
+# a tower by what the name says, the first that matches (a projector sits between towers, so before them)
+_TOWER_NAMES = (
+    ("projector", r"multi_modal_projector|mm_projector|projector|connector|vision_language_adapter|aligner"),
+    ("vision", r"vision_tower|vision_model|vision_encoder|visual|vision|image_encoder|vit|img_encoder"),
+    ("audio", r"audio_tower|audio_model|audio_encoder|audio|speech_encoder|acoustic|conformer"),
+    ("language", r"language_model|text_model|text_encoder|text_decoder|llm|lm"),
+)
+_SUBCONFIG = {"text": "language", "vision": "vision", "audio": "audio", "speech": "audio", "projector": "projector"}
+
+
+def tower_of(name: str, eps_source: str = "") -> str:
+    """Which part of a multimodal model a norm serves: a projector by its name (Gemma 3's reads
+    the vision config's eps), else the sub-config its eps is read from
+    (`config:vision_config.layer_norm_eps` is the vision tower's), else the first name segment
+    that says (`model.visual.blocks.0.norm1`), else `main` (the model's one stack)."""
+    parts = name.split(".")
+
+    def said(pattern):
+        return any(re.fullmatch(pattern, part) for part in parts)
+
+    if said(_TOWER_NAMES[0][1]):
+        return "projector"
+    match = re.match(r"(?:config|gguf):([a-z0-9_]+)_config\.", eps_source or "")
+    if match:
+        sub = match.group(1)
+        return _SUBCONFIG.get(sub, next((t for t, pat in _TOWER_NAMES if re.fullmatch(pat, sub)), sub))
+    return next((tower for tower, pattern in _TOWER_NAMES if said(pattern)), "main")
 
 
 @dataclass
@@ -174,6 +204,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                 hf_class=family.hf_class_for(pattern, ckpt.model_type),
                 tensor=tensor,
                 semantic_offset=sem.gain_offset,
+                tower=tower_of(name, layer_eps.source),
             )
         )
     return Discovery(layers=layers, unmatched=sorted(unmatched), warnings=warnings)

@@ -17,11 +17,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
     if path.is_file():
-        from parity_cli.model.families import load_families
+        from parity_cli.model.families import find_family, written_families
         from parity_cli.sources.gguf import is_gguf, open_gguf
 
         if is_gguf(path):
-            return open_gguf(path, load_families())
+            return open_gguf(path, written_families(), derived=find_family)
         if path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
             raise InputError(f"{path}: a pickle file; it is never unpickled, convert the checkpoint to safetensors")
         raise InputError(f"{path}: not a checkpoint (expected a Hugging Face model directory or a .gguf file)")

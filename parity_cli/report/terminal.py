@@ -54,7 +54,23 @@ def _all(n: int) -> str:
 
 
 def verdict(d: dict) -> tuple[bool, str]:
-    """(passed, the sentence after PASS/FAIL), from the gate when the run had one."""
+    """(passed, the sentence after PASS/FAIL), from the gate when the run had one; an eps the
+    config does not hold is said on the verdict line itself (lxmert forced to `layer_norm` would
+    otherwise pass against 1e-5 where its modules use 1e-12)."""
+    passed, what = _verdict(d)
+    return passed, what + assumed_eps(d)
+
+
+def assumed_eps(d: dict) -> str:
+    eps, ck = d.get("eps") or {}, d.get("checkpoint") or {}
+    if eps.get("source") != "family-default":
+        return ""
+    forced = "forced " if ck.get("family_forced") else ""
+    return (f" (eps {fmt(eps.get('value'))} is {forced}family {ck.get('family')}'s default, assumed: "
+            "the config has no eps key it reads)")
+
+
+def _verdict(d: dict) -> tuple[bool, str]:
     s = d["summary"]
     gate = d.get("gate") or {}
     passed = gate.get("verdict", s["verdict"]) == "pass"
@@ -135,6 +151,9 @@ def render(d: dict, console, verbose: bool = False) -> None:
             f"pass: |cand - ref| <= atol + rtol*|ref|, atol {fmt(tol['atol'])}, rtol {fmt(tol['rtol'])}")
     out += wrap(f"{rule}; strata {_e(', '.join(d['probes']['strata']))}" + (" +grad" if d["probes"].get("grad") else ""),
                 width)
+    towers = towers_line(d["layers"])
+    if towers:
+        out += wrap(towers, width)
     conv = cand.get("checkpoint")
     if conv:
         out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({_e(conv['format'])}, family {_e(conv['family'])}), "
@@ -155,6 +174,19 @@ def render(d: dict, console, verbose: bool = False) -> None:
     _render_warnings(d, console)
     _render_baseline(d, console)
     _print(console, wrap(verdict_markup(d), width))  # the last line, what a CI log shows
+
+
+def towers_line(layers: list[dict]) -> str:
+    """A multimodal model's layers by tower, with how many fail in each (a vision tower that fails
+    alone is a finding of its own); nothing for a model of one stack."""
+    from collections import Counter
+
+    counts = Counter(layer.get("tower", "main") for layer in layers)
+    if len(counts) < 2:
+        return ""
+    bad = Counter(layer.get("tower", "main") for layer in layers if layer.get("status", "pass") != "pass")
+    return "towers: " + ", ".join(f"{_e(t)} {n}" + (f" ({bad[t]} failing)" if bad[t] else "")
+                                  for t, n in counts.items())
 
 
 def _render_groups(d: dict, console, verbose: bool) -> None:
@@ -409,6 +441,9 @@ def render_inspect(info: dict, console, verbose: bool = False) -> None:
     _print(console, wrap(f"[bold]{_e(ck['path'])}[/]: family [bold]{_e(ck['family'])}[/] (model_type "
                          f"{_e(ck['model_type'])}), eps {fmt(info['eps']['value'])} ({_e(info['eps']['source'])}), "
                          f"{len(info['layers'])} norm layers", width))
+    towers = towers_line(info["layers"])
+    if towers:
+        _print(console, wrap(towers, width))
     columns = [Column("layer"), Column("kind"), Column("dim", "dim", right=True), Column("dtype"),
                Column("eps", "eps"), Column("w range", "w", right=True), Column("gain range", "gain", right=True),
                Column("non-finite", "non-finite", right=True), Column("rms for A<0.99", "A<0.99 below rms")]

@@ -97,7 +97,10 @@ class GGUFCheckpoint:
         return None, None
 
 
-def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
+def open_gguf(path: Path, families: dict, derived=None) -> GGUFCheckpoint:
+    """`families` the hand-written ones (their [gguf] tables map architectures); `derived` looks up a
+    generated family by model_type, for an architecture none maps: llama.cpp names most of them as
+    transformers does (granite, exaone4, smollm3)."""
     try:
         import gguf
     except ImportError:
@@ -113,6 +116,16 @@ def open_gguf(path: Path, families: dict) -> GGUFCheckpoint:
         if arch in fam.gguf_architectures:
             family, model_type = fam, fam.gguf_architectures[arch]
             break
+    if family is None and derived is not None:
+        family = derived(arch)
+        if family is not None:
+            model_type = arch
+            if family.gain_offset or any(p.semantics.gain_offset for p in family.norms):
+                # llama.cpp's converter bakes the +1 into the gemma family's weights; for another
+                # architecture with a 1 + w gain nothing records whether it did
+                raise InputError(f"{path}: GGUF architecture '{arch}' has a family derived from transformers with a "
+                                 "1 + w gain, and whether its converter stored w or 1 + w is not known; force a "
+                                 "family with --family")
     if family is None:
         known = sorted(a for f in families.values() for a in f.gguf_architectures)
         raise InputError(f"{path}: GGUF architecture '{arch}' is not a known family; known: {', '.join(known)}")

@@ -147,17 +147,34 @@ class Checkpoint:
         text_config, where multimodal configs keep the decoder's settings."""
         if "." in key:
             node: object = self.config
+            walked = []
             for part in key.split("."):
-                if not isinstance(node, dict) or part not in node:
+                if node is None:  # "vision_config": null, a model saved without that tower
                     return None, None
+                if not isinstance(node, dict):  # a sub-config that is not one: never a silent default
+                    raise InputError(f"{self._config_file()}: '{'.'.join(walked)}' is {_kind(node)}, not an object "
+                                     f"(reading {key})")
+                if part not in node:
+                    return None, None
+                walked.append(part)
                 node = node[part]
             return node, key
         if key in self.config:
             return self.config[key], key
         text = self.config.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise InputError(f"{self._config_file()}: 'text_config' is {_kind(text)}, not an object (reading {key})")
         if isinstance(text, dict) and key in text:
             return text[key], f"text_config.{key}"
         return None, None
+
+    def _config_file(self):
+        return self.path / "config.json" if self.path.is_dir() else self.path
+
+
+def _kind(value) -> str:
+    return {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else f"a {type(value).__name__}")
 
 
 def _inside(path: Path, root: Path) -> bool:
