@@ -92,6 +92,13 @@ def test_quick_start_test_command():
     assert test[-1] == ["python", "-m", "pytest", "-q"]
 
 
+def test_quick_start_states_how_long_the_tests_take():
+    """A newcomer knows what to expect before running them: a time, next to the test command."""
+    text = section("Quick start")
+    after = text[text.index("python -m pytest -q"):]
+    assert re.search(r"\btake about [\d.]+ minutes\b.*\(\d+ s measured", after, re.S), after[:400]
+
+
 # what .ci/run may add after the README's test command: the architecture and lint checks,
 # which the tests also run (tests/test_architecture.py), so a README user misses nothing
 LINT_STEPS = [["lint-imports"], ["ruff", "check", "."]]

@@ -100,7 +100,7 @@ def test_a_type_no_file_claims_is_derived_at_run_time_and_checked(tmp_path, monk
         _without_generated(tmp_path, monkeypatch)
         path = tmp_path / "smollm3"
         assert write_tiny_checkpoint("smollm3", path)["class"] == "SmolLM3ForCausalLM"
-        report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"])
+        report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"])  # supervised
         ck = report.header["checkpoint"]
         assert ck["family"] == "smollm3" and ck["family_source"].endswith(": SmolLM3ForCausalLM")
         assert report.passed and len(report.layers) == 5  # 2 layers x 2 norms + the final norm
@@ -147,7 +147,7 @@ def test_a_forced_family_without_its_eps_key_says_the_eps_is_assumed(tmp_path):
     assert d["eps"] == {"value": 1e-5, "source": "family-default"} and d["checkpoint"]["family_forced"] is True
     line = quiet_line(d)
     assert line.startswith("PASS: ") and "eps 1e-5 is forced family layer_norm's default, assumed" in line
-    own = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"]).to_dict()
+    own = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"], isolation="none").to_dict()
     assert own["checkpoint"]["family"] == "lxmert" and own["checkpoint"]["family_forced"] is False
     assert {layer["eps"]["value"] for layer in own["layers"]} == {1e-12}
     assert own["summary"]["verdict"] == "pass" and "assumed" not in quiet_line(own)
@@ -175,7 +175,7 @@ def test_layers_are_grouped_by_tower_each_with_its_own_eps(tmp_path):
     assert by_tower == {"language": {("rms_norm", 3e-6)}, "vision": {("layer_norm", 7e-6)},
                         "projector": {("rms_norm", 7e-6)}}
     assert towers_line(info["layers"]) == "towers: language 13, projector 1, vision 6"
-    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"]).to_dict()
+    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"], isolation="none").to_dict()
     assert report["summary"]["verdict"] == "pass"
     assert {layer["tower"] for layer in report["layers"]} == {"language", "vision", "projector"}
 
@@ -237,7 +237,7 @@ def test_gemma4_per_layer_overrides_follow_the_shrunk_layers(tmp_path):
     write_tiny_checkpoint("gemma4", path)
     config = AutoConfig.from_pretrained(path)  # raised on out-of-range per_layer_config keys
     assert config.text_config.num_hidden_layers == 2
-    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"])
+    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"], isolation="none")
     assert report.passed and {layer.eps["value"] for layer in report.layers} and len(report.layers) >= 10
 
 
@@ -245,9 +245,9 @@ def test_a_norm_class_built_from_a_config_runs_as_the_candidate(tmp_path):
     """CpmAntLayerNorm(config) takes its width and eps from a config, not (dim, eps=)."""
     path = tmp_path / "cpmant"
     write_tiny_checkpoint("cpmant", path)
-    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"])
+    report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"], isolation="none")
     assert report.passed and not any(layer.error for layer in report.layers)
-    bad = api.check(path, candidate="transformers", candidate_eps=1e-2, strata=["tiny"])
+    bad = api.check(path, candidate="transformers", candidate_eps=1e-2, strata=["tiny"], isolation="none")
     assert not bad.passed  # the eps given reaches the class through its config
 
 
