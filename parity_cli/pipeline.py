@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from pathlib import Path
 
@@ -191,7 +192,7 @@ def effective(opts: CheckOptions) -> CheckOptions:
     return dataclasses.replace(opts, candidate="onnxruntime" if onnx_copy else "torch")
 
 
-def converted(opts: CheckOptions, reference_layers) -> tuple:
+def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     """--candidate-checkpoint: (its layers under the reference's names, the report's description
     of it, the dtype its norms compute in or None). GGUF and HF copies go through discovery like
     the reference; an .onnx graph through model.onnx_layers."""
@@ -199,6 +200,7 @@ def converted(opts: CheckOptions, reference_layers) -> tuple:
 
     from parity_cli.model.layers import discover_layers
     from parity_cli.model.onnx_layers import candidate_layers
+    from parity_cli.sources.gguf import MMPROJ
     from parity_cli.sources.onnx_graph import is_onnx
 
     if is_onnx(opts.candidate_checkpoint):
@@ -208,16 +210,42 @@ def converted(opts: CheckOptions, reference_layers) -> tuple:
                      "eps": info["eps"], "layers": len(layers), "unmatched": [], "onnx": info}
         dtype = info["dtype"]
     else:
-        ckpt2, fam2, eps2 = load(opts.candidate_checkpoint)
+        ckpt2, fam2, eps2 = load(opts.candidate_checkpoint, model=model)
         found2 = discover_layers(ckpt2, fam2, eps2)
         layers = found2.layers
         described = {"path": recorded_path(ckpt2.path), "format": ckpt2.format, "family": fam2.name,
                      "model_type": ckpt2.model_type, "eps": {"value": eps2.value, "source": eps2.source},
                      "layers": len(found2.layers), "unmatched": found2.unmatched}
+        if getattr(ckpt2, "architecture", None) == MMPROJ:
+            described["mmproj"] = True  # the model's towers only: its language model is another file
+        if ckpt2.format == "gguf":
+            layers = _as_named(layers, reference_layers, fam2)
         dtype = None
     if opts.layers:  # a --layers run compares those layers, and reports no others as extra
         layers = [l for l in layers if fnmatch.fnmatchcase(l.name, opts.layers)]
     return layers, described, dtype
+
+
+def _as_named(layers, reference_layers, family):
+    """A GGUF copy's layers under the reference's names where only the layout differs: gguf-py
+    maps back to the published names (vision_tower.vision_model.encoder.layers.0.layer_norm1), a
+    checkpoint saved by transformers 5.x has others (vision_tower.encoder.layers.0.layer_norm1).
+    Two names are one layer when the same norm pattern claims both, with the same indices."""
+    import re
+
+    def key(name):
+        pattern = family.match(name)
+        return (pattern.name, tuple(re.findall(r"(?<=\.)\d+(?=\.|$)", name))) if pattern else None
+
+    names = {layer.name for layer in reference_layers}
+    by_key: dict = {}
+    for layer in reference_layers:
+        by_key.setdefault(key(layer.name), []).append(layer.name)
+    out = []
+    for layer in layers:
+        same = by_key.get(key(layer.name), []) if layer.name not in names else []
+        out.append(dataclasses.replace(layer, name=same[0]) if len(same) == 1 else layer)
+    return out
 
 
 # what `parity capture` writes in a capture's metadata, and so what a report repeats of it
@@ -293,7 +321,10 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     if opts.candidate_checkpoint:
         from parity_cli.model.pairing import pair
 
-        copy_layers, conversion, copy_dtype = converted(opts, found.layers)
+        copy_layers, conversion, copy_dtype = converted(opts, found.layers, (fam, ckpt.model_type))
+        if conversion.get("mmproj"):  # compared with the towers it holds, not the language model
+            found = dataclasses.replace(found, layers=[layer for layer in found.layers
+                                                       if layer.tower not in ("language", "main")])
         if conversion["format"] == "onnx" and opts.candidate == "onnxruntime":
             # the graph's own subgraphs run: its eps, its form, its dtype; nothing here would change them
             for flag, given in (("--candidate-eps", opts.candidate_eps is not None),

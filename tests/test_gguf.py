@@ -231,3 +231,85 @@ def test_a_gguf_of_an_architecture_only_a_derived_family_knows(tmp_path):
     _tiny_gguf(hf, tmp_path / "wrong.gguf", "granite", eps * 10)
     bad = api.check(hf, candidate_checkpoint=tmp_path / "wrong.gguf", candidate="torch", dtype="float32")
     assert not bad.passed
+
+
+def _mmproj(hf, out, eps, baked=True):
+    """A miniature of llama.cpp's Gemma 3 mmproj conversion (convert_hf_to_gguf.py's
+    Gemma3VisionModel): general.architecture 'clip', the vision tower and projector only, names
+    from the published layout (vision_tower.vision_model.) through gguf-py's MMPROJ map, eps as
+    clip.vision.attention.layer_norm_epsilon, and 1 added to soft_emb_norm alone."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    config = json.loads((hf / "config.json").read_text())["vision_config"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, config["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), "clip")
+    w.add_uint32(gguf.Keys.ClipVision.EMBEDDING_LENGTH, config["hidden_size"])
+    w.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, eps)
+    for name, t in load_file(hf / "model.safetensors").items():
+        if t.dim() != 1 or not name.startswith(("vision_tower.", "multi_modal_projector.")):
+            continue
+        name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        base, suffix = name.rsplit(".", 1)
+        mapped = names.get_name(base)
+        if mapped is None:
+            continue
+        data = t.float().numpy().astype(np.float32)
+        if "soft_emb_norm" in name and baked:
+            data = data + 1
+        w.add_tensor(f"{mapped}.{suffix}", data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _gemma3_without_head(tmp_path):
+    """A tiny Gemma 3 as its classes save it, without the SigLIP pooling head (Gemma 3 does not
+    use it; llama.cpp's converter skips it)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from parity_cli.model.derive import write_tiny_checkpoint
+
+    hf = tmp_path / "gemma3"
+    write_tiny_checkpoint("gemma3", hf)
+    tensors = {k: v for k, v in load_file(hf / "model.safetensors").items() if ".head." not in k}
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    config["vision_config"]["vision_use_head"] = False
+    (hf / "config.json").write_text(json.dumps(config))
+    return hf, config["vision_config"]["layer_norm_eps"]
+
+
+def test_an_mmproj_is_checked_against_the_towers_it_holds(tmp_path):
+    """An mmproj holds the vision tower and projector of the model, not its language model: read
+    as that model (the reference's family picks among gguf-py's names), compared tower by tower,
+    its eps from clip.vision.*; a faithful one passes, and one whose converter wrote another eps or
+    forgot the projector's + 1 is caught."""
+    pytest.importorskip("transformers")
+    hf, eps = _gemma3_without_head(tmp_path)
+    _mmproj(hf, tmp_path / "mmproj.gguf", eps)
+    report = api.check(hf, candidate_checkpoint=tmp_path / "mmproj.gguf", candidate="torch", dtype="float32")
+    d = report.to_dict()
+    assert {layer["tower"] for layer in d["layers"]} == {"vision", "projector"}
+    assert len(d["layers"]) == 2 * 2 + 1 + 1  # 2 blocks x 2 LayerNorms, post_layernorm, mm_soft_emb_norm
+    assert report.passed, [(layer.name, layer.findings) for layer in report.layers if not layer.passed]
+    _mmproj(hf, tmp_path / "eps.gguf", eps * 10)
+    assert not api.check(hf, candidate_checkpoint=tmp_path / "eps.gguf", candidate="torch", dtype="float32").passed
+    _mmproj(hf, tmp_path / "unbaked.gguf", eps, baked=False)
+    bad = api.check(hf, candidate_checkpoint=tmp_path / "unbaked.gguf", candidate="torch", dtype="float32")
+    assert [layer.name for layer in bad.layers if not layer.passed] == ["multi_modal_projector.mm_soft_emb_norm"]
+
+
+def test_an_mmproj_alone_names_what_it_needs(tmp_path):
+    pytest.importorskip("transformers")
+    hf, eps = _gemma3_without_head(tmp_path)
+    _mmproj(hf, tmp_path / "mmproj.gguf", eps)
+    r = run_parity("inspect", tmp_path / "mmproj.gguf")
+    assert r.returncode == 2 and "mmproj" in r.stderr and "--candidate-checkpoint" in r.stderr
+    info = api.inspect(tmp_path / "mmproj.gguf", family="gemma3")
+    assert len(info["layers"]) == 6 and {layer["eps"]["value"] for layer in info["layers"]} == {f32(eps)}

@@ -12,7 +12,8 @@ from parity_cli.sources.huggingface import Checkpoint, open_directory
 from parity_cli.sources.tensors import Eps
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, model=None) -> Checkpoint:
+    """`model` (family, model_type): what an mmproj GGUF is read as (sources.gguf)."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
@@ -21,18 +22,22 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         from parity_cli.sources.gguf import is_gguf, open_gguf
 
         if is_gguf(path):
-            return open_gguf(path, written_families(), derived=find_family)
+            return open_gguf(path, written_families(), derived=find_family, model=model)
         if path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
             raise InputError(f"{path}: a pickle file; it is never unpickled, convert the checkpoint to safetensors")
         raise InputError(f"{path}: not a checkpoint (expected a Hugging Face model directory or a .gguf file)")
     return open_directory(path)
 
 
-def load(path: str | Path, family: str | None = None, eps: float | None = None):
-    """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share)."""
-    ckpt = open_checkpoint(path)
+def load(path: str | Path, family: str | None = None, eps: float | None = None, model=None):
+    """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share); `model`
+    (family, model_type) is the model an mmproj holds the towers of (--candidate-checkpoint's)."""
+    forced = family_by_name(family) if family else None
+    if forced is not None and model is None:
+        model = (forced, family if family in forced.model_types else forced.model_types[0])
+    ckpt = open_checkpoint(path, model)
     where = str(path) if ckpt.format == "gguf" else str(Path(path) / "config.json")
-    fam = family_by_name(family) if family else _family(ckpt, where)
+    fam = forced or _family(ckpt, where)
     return ckpt, fam, resolve_eps(ckpt, fam, eps)
 
 

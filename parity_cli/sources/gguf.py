@@ -97,12 +97,19 @@ class GGUFCheckpoint:
         return None, None
 
 
-def open_gguf(path: Path, families: dict, derived=None) -> GGUFCheckpoint:
+MMPROJ = "clip"  # general.architecture of llama.cpp's multimodal projector files (mmproj-*.gguf)
+# an mmproj's eps and widths per tower, and the config keys of the HF model they stand for
+MMPROJ_KEYS = {"vision_config.": ("clip.vision.attention.layer_norm_epsilon", "clip.vision.embedding_length"),
+               "audio_config.": ("clip.audio.attention.layer_norm_epsilon", "clip.audio.embedding_length")}
+
+
+def open_gguf(path: Path, families: dict, derived=None, model=None) -> GGUFCheckpoint:
     """`families` the hand-written ones (their [gguf] tables map architectures); `derived` looks up a
     generated family by model_type, for an architecture none maps: llama.cpp names most of them as
-    transformers does (granite, exaone4, smollm3)."""
+    transformers does (granite, exaone4, smollm3). `model` (family, model_type) is the model an
+    mmproj file is read as: it holds that model's vision and audio towers, under no name of its own."""
     try:
-        import gguf
+        import gguf  # noqa: F401  (the name map below; said here, before the file is read)
     except ImportError:
         raise InputError(f"{path}: reading GGUF needs the gguf package: pip install gguf") from None
     from parity_cli.sources.gguf_reader import read_gguf
@@ -111,6 +118,8 @@ def open_gguf(path: Path, families: dict, derived=None) -> GGUFCheckpoint:
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str):
         raise InputError(f"{path}: GGUF without general.architecture")
+    if arch == MMPROJ:
+        return _open_mmproj(path, reader, model)
     family, model_type = None, None
     for fam in families.values():
         if arch in fam.gguf_architectures:
@@ -161,12 +170,22 @@ def open_gguf(path: Path, families: dict, derived=None) -> GGUFCheckpoint:
                 sources[hf_key] = f"gguf:{key.format(arch=arch)} (float32 of {float32_decimal(value)})"
             break
 
-    # GGUF names -> Hugging Face names, by inverting gguf-py's own map for this architecture,
-    # built for the blocks the file holds (blk.N), not the block_count it declares
+    tensors, gguf_names = _hf_names(path, reader, arch, family)
+    return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=arch,
+                          _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names)
+
+
+def _hf_names(path: Path, reader, arch: str, family) -> tuple[dict, dict]:
+    """Each tensor under its Hugging Face name (the one of gguf-py's candidates the family claims):
+    gguf-py's own map for this architecture inverted, built for the blocks the file holds (blk.N),
+    not the block_count it declares."""
     import re
 
+    import gguf
+
     arch_enum = next((e for e, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), None)
-    present = [int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d{1,7})\.", t.name))]
+    # blk.N, or v.blk.N / a.blk.N in an mmproj
+    present = [int(m.group(1)) for t in reader.tensors if (m := re.match(r"(?:[va]\.)?blk\.(\d{1,7})\.", t.name))]
     blocks = max(present) + 1 if present else 1
     if blocks > len(reader.tensors):  # every block holds a tensor: a larger index is declared, not present
         raise InputError(f"{path}: corrupt GGUF: a tensor of block {blocks - 1} among only {len(reader.tensors)} "
@@ -188,5 +207,32 @@ def open_gguf(path: Path, families: dict, derived=None) -> GGUFCheckpoint:
                              f"{name}; refused")
         tensors[name] = t
         gguf_names[hf or base] = base
-    return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=arch,
+    return tensors, gguf_names
+
+
+def _open_mmproj(path: Path, reader, model) -> GGUFCheckpoint:
+    """An mmproj: a model's vision (and audio) towers and projector, read as that model's (its
+    family's patterns pick among gguf-py's HF names), eps from clip.vision / clip.audio."""
+    if model is None:
+        raise InputError(f"{path}: a multimodal projector (mmproj) holds the towers of a model it does not name; "
+                         "check it against that model (parity check HF_DIR --candidate-checkpoint "
+                         f"{path.name}), or give --family")
+    family, model_type = model
+    config: dict = {"model_type": model_type}
+    sources: dict = {}
+    keys = {k for sem in [family.semantics, *(p.semantics for p in family.norms)] for k in sem.eps_keys}
+    for prefix, (eps_key, width_key) in MMPROJ_KEYS.items():
+        value = reader.metadata.get(eps_key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise InputError(f"{path}: GGUF metadata {eps_key} is not a number")
+        for hf_key in sorted(k for k in keys if k.startswith(prefix)):
+            if value is not None:
+                config[hf_key] = value
+                sources[hf_key] = f"gguf:{eps_key} (float32 of {float32_decimal(value)})"
+        width = _field(reader, width_key)
+        if isinstance(width, int) and not isinstance(width, bool):  # keys as config_value is asked them
+            config[prefix + "hidden_size"] = width
+            sources[prefix + "hidden_size"] = f"gguf:{width_key}"
+    tensors, gguf_names = _hf_names(path, reader, MMPROJ, family)
+    return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=MMPROJ,
                           _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names)
