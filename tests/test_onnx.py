@@ -450,3 +450,25 @@ def test_two_norms_under_one_name_are_both_checked(ckpt, tmp_path):
     hostile = _save(tmp_path, "extra.onnx", nodes + [helper.make_node("Identity", ["h9"], ["y"])], inits, opset=23)
     report = api.check(src, candidate_checkpoint=str(hostile))
     assert not report.passed and report.findings  # the extra norm is a finding, not silently gone
+
+
+def test_an_export_of_a_model_only_a_derived_family_knows(tmp_path):
+    """Qwen2.5-VL has no hand-written family: its export is paired with the layers its generated
+    family finds, language and vision towers each under its own eps key, and an export whose one
+    vision norm was built with another eps is that layer."""
+    pytest.importorskip("transformers")
+    from onnx_exports import export
+
+    from parity_cli.model.derive import write_tiny_checkpoint
+
+    hf = tmp_path / "qwen2_5_vl"
+    write_tiny_checkpoint("qwen2_5_vl", hf)
+    export(hf, tmp_path / "good.onnx")
+    good = api.check(hf, candidate_checkpoint=tmp_path / "good.onnx").to_dict()
+    assert good["summary"]["verdict"] == "pass" and good["candidate"]["checkpoint"]["findings"] == 0
+    assert {layer["tower"] for layer in good["layers"]} == {"language", "vision"}
+    layers = {layer["name"]: layer for layer in api.inspect(hf)["layers"]}
+    vision = next(name for name, layer in layers.items() if layer["tower"] == "vision")
+    export(hf, tmp_path / "bad.onnx", eps={vision: layers[vision]["eps"]["value"] * 100})
+    bad = api.check(hf, candidate_checkpoint=tmp_path / "bad.onnx")
+    assert [layer.name for layer in bad.layers if not layer.passed] == [vision]
