@@ -421,7 +421,7 @@ def families(as_json, every):
     """Supported model families and the semantics the reference reproduces for each."""
     import json
 
-    from parity_cli.model.families import load_families, written_families
+    from parity_cli.model.families import derived_count, load_families, written_families
 
     listed = load_families() if every else written_families()
     rows = []
@@ -452,7 +452,7 @@ def families(as_json, every):
     console = _console()
     for line in table(columns, cells, console.width):
         console.print(line, soft_wrap=True)
-    derived = len(load_families()) - len(written_families())
+    derived = derived_count()
     if derived and not every:
         console.print(f"and {derived} families derived from the model types' own transformers classes "
                       "(configs/families/derived/): parity families --all", soft_wrap=True)

@@ -241,10 +241,14 @@ def _as_named(layers, reference_layers, family):
     by_key: dict = {}
     for layer in reference_layers:
         by_key.setdefault(key(layer.name), []).append(layer.name)
+    taken = {layer.name for layer in layers}  # a name the copy has already is never given twice
     out = []
     for layer in layers:
         same = by_key.get(key(layer.name), []) if layer.name not in names else []
-        out.append(dataclasses.replace(layer, name=same[0]) if len(same) == 1 else layer)
+        if len(same) == 1 and same[0] not in taken:
+            taken.add(same[0])
+            layer = dataclasses.replace(layer, name=same[0])
+        out.append(layer)
     return out
 
 
@@ -323,8 +327,9 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
 
         copy_layers, conversion, copy_dtype = converted(opts, found.layers, (fam, ckpt.model_type))
         if conversion.get("mmproj"):  # compared with the towers it holds, not the language model
+            held = {layer.name for layer in copy_layers}
             found = dataclasses.replace(found, layers=[layer for layer in found.layers
-                                                       if layer.tower not in ("language", "main")])
+                                                       if layer.tower not in ("language", "main") or layer.name in held])
         if conversion["format"] == "onnx" and opts.candidate == "onnxruntime":
             # the graph's own subgraphs run: its eps, its form, its dtype; nothing here would change them
             for flag, given in (("--candidate-eps", opts.candidate_eps is not None),

@@ -10,7 +10,9 @@ HAIRLINE_KEYS = {"gain_llama", "fp32_math", "eps_f16", "eps_lost", "mean_sum"}  
 
 # family -> (model_type, gain offset, kind)
 FAMILIES = {"llama": ("llama", 0.0, "rms_norm"), "gemma": ("gemma3", 1.0, "rms_norm"),
-            "layer_norm": ("bert", 0.0, "layer_norm")}
+            "layer_norm": ("bert", 0.0, "layer_norm"),
+            # issue 26: Nemotron's LayerNorm1P, a LayerNorm with gain 1 + w (a derived family)
+            "layer_norm_1p": ("nemotron", 1.0, "layer_norm")}
 
 
 def codes_for(faults: str, family: str, eps: float) -> set:
@@ -58,7 +60,7 @@ LISTED = {("llama", "float32", 1e-6, "fp32_seq", 640): "float32 math",
 # (family, dtype, checkpoint eps, planted faults, hidden size)
 PANEL = [
     # correct implementations: no false alarm
-    *[(fam, dt, 1e-6 if fam != "layer_norm" else 1e-12, "", 64)
+    *[(fam, dt, {"layer_norm": 1e-12, "layer_norm_1p": 1e-5}.get(fam, 1e-6), "", 64)
       for fam in FAMILIES for dt in ("float32", "bfloat16", "float16")],
     # single faults
     ("llama", "float32", 1e-6, "eps=1e-05", 64),
@@ -107,6 +109,13 @@ PANEL = [
     # eps 1e-12 held as float16 is 0 (NaN on zero rows); tinygrad's float32 mean on constant rows
     ("layer_norm", "float16", 1e-12, "eps_lost", 64),
     ("layer_norm", "float32", 1e-12, "mean_sum", 64),
+    # issue 26: LayerNorm1P's + 1 forgotten or added twice, its eps (norm_eps) replaced, and both
+    ("layer_norm_1p", "bfloat16", 1e-5, "no_offset", 64),
+    ("layer_norm_1p", "float32", 1e-5, "offset_twice", 64),
+    ("layer_norm_1p", "float32", 1e-5, "eps=0.001", 64),
+    ("layer_norm_1p", "bfloat16", 1e-5, "eps=0.001,no_offset", 64),
+    # the gain's own rounding allowance (a 1 + w formed at bfloat16) hides no 5 % gain error
+    ("layer_norm_1p", "bfloat16", 1e-5, "scale=1.05", 64),
 ]
 
 

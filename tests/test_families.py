@@ -29,12 +29,14 @@ EXPECTED_LAYERS = {
     "cohere": 3 * L + 1,  # input_layernorm, q_norm, k_norm
     "t5": 2 * L + 3 * L + 2,  # encoder blocks 2 sub-layers, decoder 3, two final norms
     "gpt2": 2 * L + 1, "gpt_neox": 2 * L + 1, "falcon": L + 1, "phi": 3 * L + 1, "bert": 2 * L + 2,
+    "nemotron": 2 * L + 1,  # input_layernorm, post_attention_layernorm (LayerNorm1P); norm
 }
 FAMILY = {
     **{m: "llama" for m in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi3", "qwen3", "qwen3_moe", "deepseek_v3")},
     **{m: "gemma" for m in ("gemma", "gemma2", "gemma3", "gemma3_text")},
     "gemma3n_text": "gemma3n", "olmo2": "olmo2", "cohere": "cohere", "t5": "t5",
     **{m: "layer_norm" for m in ("gpt2", "gpt_neox", "falcon", "phi", "bert")},
+    "nemotron": "nemotron",  # derived from its own classes (configs/families/derived/)
 }
 
 
@@ -164,7 +166,8 @@ def _hf_module(model_type, layer_name, size, eps, bias):
     if nn_layer_norm:
         return torch.nn.LayerNorm(size, eps=eps, bias=bias)
     name = {"gemma3_text": "gemma3", "gemma3n_text": "gemma3n"}.get(model_type, model_type)
-    classes = {"t5": "T5LayerNorm", "cohere": "CohereLayerNorm", "gemma3n": "Gemma3nRMSNorm"}
+    classes = {"t5": "T5LayerNorm", "cohere": "CohereLayerNorm", "gemma3n": "Gemma3nRMSNorm",
+               "nemotron": "NemotronLayerNorm1P"}
     default = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "olmo2": "Olmo2",
                "phi3": "Phi3"}.get(name, name.capitalize()) + "RMSNorm"
     module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")

@@ -313,3 +313,43 @@ def test_an_mmproj_alone_names_what_it_needs(tmp_path):
     assert r.returncode == 2 and "mmproj" in r.stderr and "--candidate-checkpoint" in r.stderr
     info = api.inspect(tmp_path / "mmproj.gguf", family="gemma3")
     assert len(info["layers"]) == 6 and {layer["eps"]["value"] for layer in info["layers"]} == {f32(eps)}
+
+
+def test_an_mmproj_eps_is_checked_where_the_model_code_fixes_the_towers_eps(tmp_path):
+    """Qwen2.5-VL's vision norms are built with eps 1e-6 in code, no config key: the mmproj's one
+    vision eps (clip.vision.attention.layer_norm_epsilon), which llama.cpp uses for each of them,
+    is compared with it all the same."""
+    pytest.importorskip("transformers")
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from parity_cli.model.derive import write_tiny_checkpoint
+
+    hf = tmp_path / "qwen2_5_vl"
+    write_tiny_checkpoint("qwen2_5_vl", hf)
+    vision = json.loads((hf / "config.json").read_text())["vision_config"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["depth"])
+
+    def write(out, eps):
+        w = gguf.GGUFWriter(str(out), "clip")
+        w.add_uint32(gguf.Keys.ClipVision.EMBEDDING_LENGTH, vision["hidden_size"])
+        w.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, eps)
+        for name, t in load_file(hf / "model.safetensors").items():
+            base, suffix = name.rsplit(".", 1)
+            mapped = names.get_name(base.replace("model.visual.", "visual.", 1))
+            if t.dim() == 1 and "visual" in name and mapped:
+                w.add_tensor(f"{mapped}.{suffix}", t.float().numpy().astype(np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write(tmp_path / "good.gguf", 1e-6)
+    good = api.check(hf, candidate_checkpoint=tmp_path / "good.gguf", candidate="torch", dtype="float32")
+    assert good.passed and {layer.tower for layer in good.layers} == {"vision"} and len(good.layers) == 5
+    write(tmp_path / "bad.gguf", 1e-2)
+    bad = api.check(hf, candidate_checkpoint=tmp_path / "bad.gguf", candidate="torch", dtype="float32")
+    assert not bad.passed
+    assert all("checkpoint_eps_mismatch" in {f["code"] for f in layer.findings} for layer in bad.layers)

@@ -292,3 +292,44 @@ def test_gemma3n_audio_tower_eps_as_its_own_classes_build_it():
                                                          else None)
         assert expected == module.eps, (name, module.eps, sem)
     assert {m.eps for _, m in norms} == {1e-6, marker}  # both kinds are there
+
+
+def test_a_tower_is_named_by_the_innermost_sub_config_its_eps_comes_from():
+    """pi0 keeps PaliGemma's towers under vlm_config: its SigLIP norms read
+    vlm_config.vision_config.layer_norm_eps, its language norms vlm_config.text_config's."""
+    from parity_cli.model.layers import tower_of
+
+    assert tower_of("paligemma_with_expert.x.encoder.layers.0.layer_norm1",
+                    "config:vlm_config.vision_config.layer_norm_eps") == "vision"
+    assert tower_of("paligemma_with_expert.x.layers.0.input_layernorm", "config:vlm_config.text_config.rms_norm_eps") \
+        == "language"
+    # a name that says its tower wins over where its eps comes from (Gemma 3's projector reads the vision eps)
+    assert tower_of("multi_modal_projector.mm_soft_emb_norm", "config:vision_config.layer_norm_eps") == "projector"
+    assert tower_of("model.visual.blocks.0.norm1", "config:text_config.rms_norm_eps") == "vision"
+
+
+def test_a_config_model_type_is_never_a_family_name(ckpt):
+    """`--family layer_norm` forces the family; a config saying model_type "layer_norm" is no model."""
+    path = ckpt("bert", layers=1, config_extra={"model_type": "layer_norm"})
+    with pytest.raises(InputError, match="model_type 'layer_norm'"):
+        api.load(path)
+    assert api.load(path, family="layer_norm")[1].name == "layer_norm"
+
+
+def test_two_copy_layers_are_never_given_one_name():
+    """A GGUF layer is renamed to the reference's only where no copy layer has that name already:
+    a duplicate would hide one of them from the pairing."""
+    from parity_cli.model.families import family_by_name
+    from parity_cli.model.layers import NormLayer
+    from parity_cli.pipeline import _as_named
+    from parity_cli.sources.tensors import Eps
+
+    def layer(name):
+        return NormLayer(name=name, kind="rms_norm", dim=4, order="gemma", gain_offset=0.0, eps=Eps(1e-6, "x"),
+                         weight=torch.ones(4))
+
+    fam = family_by_name("gemma")
+    reference = [layer("model.language_model.norm")]
+    copy = _as_named([layer("model.language_model.norm"), layer("model.norm")], reference, fam)
+    assert sorted(c.name for c in copy) == ["model.language_model.norm", "model.norm"]
+    assert [c.name for c in _as_named([layer("model.norm")], reference, fam)] == ["model.language_model.norm"]

@@ -41,7 +41,7 @@ SHRINK = {
     "d_kv": 16, "max_position_embeddings": 512, "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16,
     "audio_vocab_size": 128, "vision_vocab_size": 128, "text_vocab_size": 256,
 }
-LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
+LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern", "mlp_layer_types")
 TIME_LIMIT = 30.0
 
 
@@ -94,24 +94,29 @@ def _shrink(cfg) -> None:
         for key, value in list(vars(sub).items()):
             if key in SHRINK and type(value) is int and value > SHRINK[key]:
                 setattr(sub, key, SHRINK[key])
-        for key in LAYER_LISTS:
-            value = vars(sub).get(key)
-            if isinstance(value, (list, str)) and len(value) > 2:
-                kinds = list(dict.fromkeys(value))
-                kept = (kinds * 2)[:max(2, len(kinds))]
+        lists = {key: vars(sub)[key] for key in LAYER_LISTS
+                 if isinstance(vars(sub).get(key), (list, str)) and len(vars(sub)[key]) > 2}
+        if lists:  # one length for all of them (layer_types and mlp_layer_types must agree)
+            n = max(max(2, len(dict.fromkeys(value))) for value in lists.values())
+            primary = next(iter(lists.values()))
+            for key, value in lists.items():
+                kept = (list(dict.fromkeys(value)) * n)[:n]
                 setattr(sub, key, kept if isinstance(value, list) else "".join(kept))
-                if "num_hidden_layers" in vars(sub):
-                    sub.num_hidden_layers = len(kept)
-                spec = vars(sub).get("_heterogeneity_spec")
+            if "num_hidden_layers" in vars(sub):
+                sub.num_hidden_layers = n
+            spec = vars(sub).get("_heterogeneity_spec")
+            if spec is not None:
+                # Gemma 4's per-layer overrides (a full-attention layer's head_dim), by original
+                # index: each kept layer takes those of the first original layer of its kind
                 overrides = dict(getattr(spec, "per_layer_overrides", None) or {})
-                if spec is not None:
-                    # Gemma 4's per-layer overrides (a full-attention layer's head_dim), by original
-                    # index: each kept layer takes those of the first original layer of its kind
-                    first = [list(value).index(kind) for kind in kept]
-                    sub.per_layer_config = {k: overrides[i] for k, i in enumerate(first) if i in overrides} or None
+                kinds = list(dict.fromkeys(primary))
+                first = [list(primary).index(kind) for kind in (kinds * n)[:n]]
+                sub.per_layer_config = {k: overrides[i] for k, i in enumerate(first) if i in overrides} or None
         heads, width = vars(sub).get("num_attention_heads"), vars(sub).get("hidden_size")
         if vars(sub).get("head_dim", 0) is None and type(heads) is int and type(width) is int and heads:
             sub.head_dim = width // heads  # None means "hidden_size // heads" to most classes, a crash to some
+        if "num_key_value_heads" in vars(sub) and vars(sub)["num_key_value_heads"] is None and type(heads) is int:
+            sub.num_key_value_heads = heads  # None means multi-head attention, where a class reads it at all
         vocab = getattr(sub, "vocab_size", None)
         if type(vocab) is int:  # token ids the shrunk vocabulary must still hold (a padding index)
             for key, value in list(vars(sub).items()):
@@ -208,6 +213,26 @@ def _eps_of(module) -> float | None:
     return None
 
 
+def _affine_only(module, weight, bias) -> str | None:
+    """MobileBERT's NoNorm is `w * x + b`: named like a norm, with no statistic and no eps. Said
+    as what it is, never guessed at as a norm."""
+    import copy
+
+    import torch
+
+    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 3 + 1
+    try:
+        with torch.no_grad():
+            y = copy.deepcopy(module).to(torch.float64)(x)
+    except Exception:
+        return None
+    w = weight.detach().to(torch.float64)
+    b = bias.detach().to(torch.float64) if isinstance(bias, torch.nn.Parameter) else 0.0
+    if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y, x * w + b, rtol=1e-12, atol=1e-12):
+        return "not a normalisation (w * x + b: no statistic, no eps)"
+    return None
+
+
 def _second_input(module) -> str | None:
     """The name of a tensor input forward takes beside x (a gate z, a residual): a shrunk model
     may make such a norm look plain (one group, the gate left out), a real one is not."""
@@ -246,7 +271,7 @@ def classify(module, eps: float | None) -> dict:
     if weight.dim() != 1:
         return {"unsupported": f"gain of shape {list(weight.shape)}"}
     if eps is None:
-        return {"unsupported": "no eps attribute"}
+        return {"unsupported": _affine_only(module, weight, bias) or "no eps attribute"}
     dim = weight.shape[0]
     gen = torch.Generator().manual_seed(dim)
     x = torch.randn(6, dim, generator=gen, dtype=torch.float64)
@@ -281,8 +306,6 @@ def classify(module, eps: float | None) -> dict:
         return {"unsupported": "matches no RMSNorm/LayerNorm form with gain w or 1 + w (eps placement, a gate, "
                                "another statistic)"}
     kind, offset = found
-    if kind == "layer_norm" and offset:
-        return {"unsupported": "LayerNorm with gain 1 + w"}
     if kind == "rms_norm" and b is not None and float(b.abs().max()) > 0:
         return {"unsupported": "RMSNorm with a bias"}
     out = {"kind": kind, "gain_offset": offset, "bias": b is not None}

@@ -267,12 +267,14 @@ def _derived(model_type: str) -> Family | None:
     return family if model_type in family.model_types else None
 
 
-def find_family(name) -> Family | None:
-    """The family named `name`, or claiming it as a model_type; hand-written ones first."""
+def find_family(name, by_name: bool = True) -> Family | None:
+    """The family named `name` (where `by_name`: --family's), or claiming it as a model_type;
+    hand-written ones first. A config's model_type is looked up as a type only: `layer_norm`
+    there is no model."""
     if not isinstance(name, str) or not name:
         return None
     written = _written()
-    if name in written:
+    if by_name and name in written:
         return written[name]
     for family in written.values():
         if name in family.model_types:
@@ -290,8 +292,13 @@ def family_by_name(name: str) -> Family:
     return family
 
 
+def derived_count() -> int:
+    """How many generated families there are, without parsing one."""
+    return len(_derived_stems())
+
+
 def family_for_model_type(model_type: str | None, where: str) -> Family:
-    family = find_family(model_type)
+    family = find_family(model_type, by_name=False)
     if family is None:
         raise InputError(f"{where}: model_type '{model_type}' is not a known family; force one with --family "
                          f"(known: {known_families()})")

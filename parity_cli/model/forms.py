@@ -18,7 +18,9 @@ def hf_forward(kind: str, order: str, gain_offset: float, inverse_sqrt: str, dim
     if order == "native":  # nn.LayerNorm runs at the parameter dtype
         if kind != "layer_norm":
             raise InputError(f"hf: order 'native' is only defined for LayerNorm ({where})")
-        return lambda x: F.layer_norm(x, (dim,), weight, bias, eps)
+        # Nemotron's LayerNorm1P: F.layer_norm with the gain 1 + w, that sum at the weight's dtype
+        gain = weight + gain_offset if gain_offset else weight
+        return lambda x: F.layer_norm(x, (dim,), gain, bias, eps)
 
     def inv_sqrt(v):
         return torch.pow(v, -0.5) if inverse_sqrt == "pow" else torch.rsqrt(v)

@@ -59,22 +59,20 @@ _SUBCONFIG = {"text": "language", "vision": "vision", "audio": "audio", "speech"
 
 
 def tower_of(name: str, eps_source: str = "") -> str:
-    """Which part of a multimodal model a norm serves: a projector by its name (Gemma 3's reads
-    the vision config's eps), else the sub-config its eps is read from
-    (`config:vision_config.layer_norm_eps` is the vision tower's), else the first name segment
-    that says (`model.visual.blocks.0.norm1`), else `main` (the model's one stack)."""
+    """Which part of a multimodal model a norm serves: the first name segment that says
+    (`multi_modal_projector`, `model.visual`, `audio_tower`, `language_model`; a projector first,
+    since Gemma 3's reads the vision config's eps), else the innermost sub-config its eps is read
+    from (`config:vlm_config.vision_config.layer_norm_eps` is the vision tower's), else `main`
+    (the model's one stack)."""
     parts = name.split(".")
-
-    def said(pattern):
-        return any(re.fullmatch(pattern, part) for part in parts)
-
-    if said(_TOWER_NAMES[0][1]):
-        return "projector"
-    match = re.match(r"(?:config|gguf):([a-z0-9_]+)_config\.", eps_source or "")
-    if match:
-        sub = match.group(1)
+    for tower, pattern in _TOWER_NAMES:
+        if any(re.fullmatch(pattern, part) for part in parts):
+            return tower
+    subs = re.findall(r"([a-z0-9_]+?)_config\.", (eps_source or "").partition(":")[2])
+    if subs:
+        sub = subs[-1]
         return _SUBCONFIG.get(sub, next((t for t, pat in _TOWER_NAMES if re.fullmatch(pat, sub)), sub))
-    return next((tower for tower, pattern in _TOWER_NAMES if said(pattern)), "main")
+    return "main"
 
 
 @dataclass
@@ -175,6 +173,9 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         if expected is not None and expected != dim:
             layer_warnings.append(f"weight has {dim} channels but config {pattern.dim} = {expected}")
         layer_eps = resolve_eps(ckpt, family, override, sem)
+        tower_eps = getattr(ckpt, "tower_eps", None)  # an mmproj: one eps per tower, as the runtime reads it
+        if tower_eps and override is None and tower_of(name, layer_eps.source) in tower_eps:
+            layer_eps = tower_eps[tower_of(name, layer_eps.source)]
         if layer_eps.source == "family-default" and sem.eps_keys != family.eps_keys:
             # the family-wide eps warning does not cover a norm with its own eps key
             layer_warnings.append(f"eps is not in the config (looked for {', '.join(sem.eps_keys)}); "

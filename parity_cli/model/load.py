@@ -22,7 +22,8 @@ def open_checkpoint(path: str | Path, model=None) -> Checkpoint:
         from parity_cli.sources.gguf import is_gguf, open_gguf
 
         if is_gguf(path):
-            return open_gguf(path, written_families(), derived=find_family, model=model)
+            return open_gguf(path, written_families(), derived=lambda arch: find_family(arch, by_name=False),
+                             model=model)
         if path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
             raise InputError(f"{path}: a pickle file; it is never unpickled, convert the checkpoint to safetensors")
         raise InputError(f"{path}: not a checkpoint (expected a Hugging Face model directory or a .gguf file)")
@@ -46,7 +47,7 @@ def _family(ckpt: Checkpoint, where: str) -> Family:
     model's own transformers classes (model.derive), when transformers is installed."""
     from parity_cli.model.families import find_family
 
-    claimed = find_family(ckpt.model_type) is not None
+    claimed = find_family(ckpt.model_type, by_name=False) is not None
     if claimed or ckpt.format == "gguf" or not isinstance(ckpt.model_type, str) or not ckpt.model_type:
         return family_for_model_type(ckpt.model_type, where)
     return derived_family(ckpt.model_type, ckpt.config, where)

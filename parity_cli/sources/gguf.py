@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
-from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, TensorInfo
+from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, Eps, TensorInfo
 
 GGUF_MAGIC = b"GGUF"
 # GGUF types a norm weight may use, and the torch dtype they become.
@@ -60,6 +60,9 @@ class GGUFCheckpoint:
     _tensors: dict = field(repr=False)  # HF-style name -> gguf_reader.GGUFTensor
     _sources: dict = field(default_factory=dict, repr=False)  # config key -> GGUF metadata key
     gguf_names: dict = field(default_factory=dict, repr=False)  # HF-style name -> GGUF name
+    # an mmproj's one eps per tower (tower -> Eps): what llama.cpp's clip code uses for each of that
+    # tower's norms, whatever eps the model's classes fix (Qwen2.5-VL's vision norms: 1e-6 in code)
+    tower_eps: dict = field(default_factory=dict, repr=False)
 
     @property
     def model_type(self) -> str | None:
@@ -221,10 +224,15 @@ def _open_mmproj(path: Path, reader, model) -> GGUFCheckpoint:
     config: dict = {"model_type": model_type}
     sources: dict = {}
     keys = {k for sem in [family.semantics, *(p.semantics for p in family.norms)] for k in sem.eps_keys}
+    tower_eps = {}
     for prefix, (eps_key, width_key) in MMPROJ_KEYS.items():
         value = reader.metadata.get(eps_key)
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise InputError(f"{path}: GGUF metadata {eps_key} is not a number")
+        if value is not None:
+            eps = Eps(float(value), f"gguf:{eps_key} (float32 of {float32_decimal(value)})")
+            towers = ("vision", "projector") if prefix == "vision_config." else ("audio",)
+            tower_eps.update({t: eps for t in towers if t not in tower_eps})
         for hf_key in sorted(k for k in keys if k.startswith(prefix)):
             if value is not None:
                 config[hf_key] = value
@@ -235,4 +243,5 @@ def _open_mmproj(path: Path, reader, model) -> GGUFCheckpoint:
             sources[prefix + "hidden_size"] = f"gguf:{width_key}"
     tensors, gguf_names = _hf_names(path, reader, MMPROJ, family)
     return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=MMPROJ,
-                          _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names)
+                          _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names,
+                          tower_eps=tower_eps)

@@ -77,6 +77,8 @@ LAYOUTS = {
                     ("{root}encoder.layer.{i}.output.LayerNorm", "hidden")),
                    final=(("{root}embeddings.LayerNorm", "hidden"), ("cls.predictions.transform.LayerNorm", "hidden")),
                    root="bert.", eps_key="layer_norm_eps", bias=True),
+    # Nemotron's LayerNorm1P: a LayerNorm with bias whose gain is 1 + w (stored w around 0)
+    "nemotron": Layout(_LLAMA, eps_key="norm_eps", bias=True, zero_centred=True),
 }
 LAYOUTS["gemma3"] = LAYOUTS["gemma3_text"]
 
