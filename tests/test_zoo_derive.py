@@ -333,3 +333,17 @@ def test_two_copy_layers_are_never_given_one_name():
     copy = _as_named([layer("model.language_model.norm"), layer("model.norm")], reference, fam)
     assert sorted(c.name for c in copy) == ["model.language_model.norm", "model.norm"]
     assert [c.name for c in _as_named([layer("model.norm")], reference, fam)] == ["model.language_model.norm"]
+
+
+@pytest.mark.parametrize("name,tower", [
+    ("model.embed_audio.hard_embedding_norm", "audio"),  # gemma3n's audio embedder
+    ("audio_embed.encoder.layers.0.norm", "audio"),  # phi4_multimodal
+    ("model.vision_tower.vision_model.post_layernorm", "vision"),  # llava
+    ("vpm.encoder.layers.0.layer_norm1", "vision"),  # minicpmv's vision model
+    ("model.language_model.layers.0.input_layernorm", "language"),
+    ("model.layers.0.input_layernorm", "main"),
+])
+def test_a_tower_segment_named_after_its_modality_says_so(name, tower):
+    from parity_cli.model.layers import tower_of
+
+    assert tower_of(name, "") == tower

@@ -51,8 +51,8 @@ class NormLayer:
 # a tower by what the name says, the first that matches (a projector sits between towers, so before them)
 _TOWER_NAMES = (
     ("projector", r"multi_modal_projector|mm_projector|projector|connector|vision_language_adapter|aligner"),
-    ("vision", r"vision_tower|vision_model|vision_encoder|visual|vision|image_encoder|vit|img_encoder"),
-    ("audio", r"audio_tower|audio_model|audio_encoder|audio|speech_encoder|acoustic|conformer"),
+    ("vision", r".*vision.*|visual|image_encoder|vit|img_encoder|vpm"),
+    ("audio", r".*audio.*|speech_encoder|acoustic|conformer"),
     ("language", r"language_model|text_model|text_encoder|text_decoder|llm|lm"),
 )
 _SUBCONFIG = {"text": "language", "vision": "vision", "audio": "audio", "speech": "audio", "projector": "projector"}
