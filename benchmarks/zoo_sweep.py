@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,35 +89,12 @@ def sweep_one(model_type: str, tmp: str) -> dict:
     return row
 
 
-CHILD = r"""
-import json, signal, sys, tempfile, warnings
-warnings.filterwarnings("ignore")
-sys.path.insert(0, sys.argv[1])
-from zoo_sweep import sweep_one
+def sweep_type(model_type: str) -> dict:
+    """sweep_one in a directory of its own (tools/per_type.py runs it in a child)."""
+    import tempfile
 
-def alarm(signum, frame):
-    raise TimeoutError("over the time limit")
-
-signal.signal(signal.SIGALRM, alarm)
-for model_type in sys.argv[3:]:
-    signal.alarm(int(sys.argv[2]))
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            row = sweep_one(model_type, tmp)
-    except BaseException as exc:
-        row = {"model_type": model_type, "outcome": "timeout" if isinstance(exc, TimeoutError) else "error",
-               "error": (type(exc).__name__ + ": " + " ".join(str(exc).split()))[:200]}
-    signal.alarm(0)
-    print("@@" + json.dumps(row), flush=True)
-"""
-
-
-def _chunk(types, timeout):
-    run = subprocess.run([sys.executable, "-c", CHILD, str(Path(__file__).parent), str(int(timeout)), *types], capture_output=True, text=True)
-    rows = [json.loads(line[2:]) for line in run.stdout.splitlines() if line.startswith("@@")]
-    seen = {r["model_type"] for r in rows}
-    err = (run.stderr.strip().splitlines() or ["?"])[-1][:200]
-    return rows + [{"model_type": t, "outcome": "error", "error": f"worker died: {err}"} for t in types if t not in seen]
+    with tempfile.TemporaryDirectory() as tmp:
+        return sweep_one(model_type, tmp)
 
 
 def fully_correct(row) -> bool:
@@ -224,12 +199,13 @@ def main(argv=None) -> int:
         rest = sorted(set(types) - set(MOST_DEPLOYED) - set(OTHERS))
         types = [t for t in MOST_DEPLOYED + OTHERS if t in CONFIG_MAPPING_NAMES] + \
             random.Random(args.seed).sample(rest, min(args.sample, len(rest)))
-    size = max(1, min(25, len(types) // max(1, args.jobs)))
-    chunks = [types[k:k + size] for k in range(0, len(types), size)]
+    sys.path.insert(0, str(ROOT / "tools"))
+    from per_type import run
+
     rows = []
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for chunk in pool.map(lambda c: _chunk(c, args.timeout), chunks):
-            rows += chunk
+    for row in run(__file__, "sweep_type", types, args.timeout, args.jobs, chunk=25):
+        rows.append(row)
+        if len(rows) % 25 == 0 or len(rows) == len(types):
             print(f"{len(rows)}/{len(types)}", flush=True)
     Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     Path(args.out).write_text(coverage(rows, f"transformers {transformers.__version__}"))

@@ -69,3 +69,28 @@ def test_a_missed_norm_fails_the_row():
     for bad in ({"found": 2}, {"eps_wrong": ["model.norm"]}, {"pass_float64": False}, {"pass_float32": None},
                 {"expressible": 0, "found": 0}, {"outcome": "not recognised"}):
         assert not zoo.fully_correct({**good, **bad}), bad
+
+
+def test_a_type_that_hangs_raises_or_kills_its_child_costs_only_itself(tmp_path):
+    """tools/per_type.py: a hung type ends its child at its alarm (the rest of the chunk goes to a
+    fresh one), a raising type is its own error, a type that kills its process loses nothing else."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from per_type import run
+
+    script = tmp_path / "target.py"
+    script.write_text("import os, time\n\n"
+                      "def one(t):\n"
+                      "    if t == 'hang':\n        time.sleep(60)\n"
+                      "    if t == 'bad':\n        raise ValueError('planted')\n"
+                      "    if t == 'die':\n        os._exit(9)\n"
+                      "    return {'model_type': t, 'outcome': 'ok', 'pid': os.getpid()}\n")
+    types = ["a", "hang", "b", "bad", "c", "die", "d"]
+    rows = {r["model_type"]: r for r in run(str(script), "one", types, timeout=1, jobs=1, chunk=len(types))}
+    assert list(rows) == types
+    assert {t: rows[t]["outcome"] for t in types} == {"a": "ok", "hang": "timeout", "b": "ok", "bad": "error",
+                                                       "c": "ok", "die": "error", "d": "ok"}
+    assert "planted" in rows["bad"]["error"] and "died" in rows["die"]["error"]
+    # the hang and the death each ended a child: three children in all, each type after them in a new one
+    assert rows["a"]["pid"] != rows["b"]["pid"] == rows["c"]["pid"] != rows["d"]["pid"]

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,38 +58,12 @@ def to_toml(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-CHILD = """
-import json, signal, sys, warnings
-warnings.filterwarnings("ignore")
-from parity_cli.model.derive import derive
+def derive_one(model_type: str) -> dict:
+    """One type's outcome, with its derived data (tools/per_type.py runs it in a child)."""
+    from parity_cli.model.derive import derive
 
-def alarm(signum, frame):
-    raise TimeoutError("over the time limit")
-
-signal.signal(signal.SIGALRM, alarm)
-for model_type in sys.argv[2:]:
-    signal.alarm(int(sys.argv[1]))
-    try:
-        data = derive(model_type, None, "transformers default config")
-        result = {"model_type": model_type, "outcome": "derived" if data["norms"] else "nothing expressible",
-                  "data": data}
-    except BaseException as exc:
-        result = {"model_type": model_type, "outcome": "timeout" if isinstance(exc, TimeoutError) else "error",
-                  "error": (type(exc).__name__ + ": " + " ".join(str(exc).split()))[:300]}
-    signal.alarm(0)
-    print("@@" + json.dumps(result), flush=True)
-"""
-
-
-def _chunk(types: list[str], timeout: float) -> list[dict]:
-    """Types derived one after another in one child (torch and transformers import once); a
-    type over its time is stopped by an alarm, a child that dies loses only its own chunk."""
-    run = subprocess.run([sys.executable, "-c", CHILD, str(int(timeout)), *types], capture_output=True, text=True)
-    done = [json.loads(line[2:]) for line in run.stdout.splitlines() if line.startswith("@@")]
-    seen = {r["model_type"] for r in done}
-    err = (run.stderr.strip().splitlines() or ["?"])[-1][:300]
-    return done + [{"model_type": t, "outcome": "error", "error": f"the worker died: {err}"}
-                   for t in types if t not in seen]
+    data = derive(model_type, None, "transformers default config")
+    return {"model_type": model_type, "outcome": "derived" if data["norms"] else "nothing expressible", "data": data}
 
 
 def main(argv=None) -> int:
@@ -115,28 +87,27 @@ def main(argv=None) -> int:
     for mt in sorted(claimed):  # a type a hand-written family took over keeps no generated file
         if (OUT / f"{mt}.toml").exists():
             (OUT / f"{mt}.toml").unlink()
-    size = max(1, min(40, len(todo) // max(1, args.jobs)))
-    chunks = [todo[k:k + size] for k in range(0, len(todo), size)]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = (r for chunk in pool.map(lambda c: _chunk(c, args.timeout), chunks) for r in chunk)
-        for k, result in enumerate(results, 1):
-            mt = result["model_type"]
-            data = result.pop("data", None)
-            target = OUT / f"{mt}.toml"
-            if result["outcome"] == "derived":
-                target.write_text(to_toml(data))
-                result.update(norms=len(data["norms"]), unsupported=[u["why"] for u in data["unsupported"]],
-                              derived_from=data["derived_from"],
-                              inexact_order=sum(1 for n in data["norms"] if n.get("order_exact") is False))
-            else:
-                if target.exists():
-                    target.unlink()
-                if data is not None:
-                    result.update(unsupported=[u["why"] for u in data["unsupported"]])
-            summary[mt] = result
-            print(f"[{k}/{len(todo)}] {mt}: {result['outcome']}", flush=True)
-            if k % 20 == 0:  # a long run keeps what it has
-                SUMMARY.write_text(json.dumps(dict(sorted(summary.items())), indent=1) + "\n")
+    sys.path.insert(0, str(ROOT / "tools"))
+    from per_type import run
+
+    for k, result in enumerate(run(__file__, "derive_one", todo, args.timeout, args.jobs), 1):
+        mt = result["model_type"]
+        data = result.pop("data", None)
+        target = OUT / f"{mt}.toml"
+        if result["outcome"] == "derived":
+            target.write_text(to_toml(data))
+            result.update(norms=len(data["norms"]), unsupported=[u["why"] for u in data["unsupported"]],
+                          derived_from=data["derived_from"],
+                          inexact_order=sum(1 for n in data["norms"] if n.get("order_exact") is False))
+        else:
+            if target.exists():
+                target.unlink()
+            if data is not None:
+                result.update(unsupported=[u["why"] for u in data["unsupported"]])
+        summary[mt] = result
+        print(f"[{k}/{len(todo)}] {mt}: {result['outcome']}", flush=True)
+        if k % 20 == 0:  # a long run keeps what it has
+            SUMMARY.write_text(json.dumps(dict(sorted(summary.items())), indent=1) + "\n")
     for mt in sorted(claimed & set(types)):
         summary[mt] = {"model_type": mt, "outcome": "hand-written"}
     SUMMARY.write_text(json.dumps(dict(sorted(summary.items())), indent=1) + "\n")
