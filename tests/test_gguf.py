@@ -7,6 +7,7 @@ import pytest
 from conftest import load_json, plugin, run_parity
 
 from parity_cli import api
+from parity_cli.errors import InputError
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (the gguf extra)")
 from parity_cli.sources.synthetic import hf_to_gguf  # noqa: E402
@@ -247,7 +248,9 @@ def _mmproj(hf, out, eps, baked=True):
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, config["num_hidden_layers"])
     w = gguf.GGUFWriter(str(out), "clip")
     w.add_uint32(gguf.Keys.ClipVision.EMBEDDING_LENGTH, config["hidden_size"])
-    w.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, eps)
+    # a lying file's eps may be of any type
+    add = {str: w.add_string, list: w.add_array}.get(type(eps), w.add_float32)
+    add(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, eps)
     for name, t in load_file(hf / "model.safetensors").items():
         if t.dim() != 1 or not name.startswith(("vision_tower.", "multi_modal_projector.")):
             continue
@@ -353,3 +356,24 @@ def test_an_mmproj_eps_is_checked_where_the_model_code_fixes_the_towers_eps(tmp_
     bad = api.check(hf, candidate_checkpoint=tmp_path / "bad.gguf", candidate="torch", dtype="float32")
     assert not bad.passed
     assert all("checkpoint_eps_mismatch" in {f["code"] for f in layer.findings} for layer in bad.layers)
+    # no config key to pass through here: the tower's eps is refused where it is no eps
+    for value in (float("nan"), -1e-6):
+        write(tmp_path / "nan.gguf", value)
+        with pytest.raises(InputError, match="layer_norm_epsilon must be a finite number > 0"):
+            api.check(hf, candidate_checkpoint=tmp_path / "nan.gguf", candidate="torch", dtype="float32")
+
+
+@pytest.mark.parametrize("eps,said", [(float("nan"), "finite number > 0"), (-1e-6, "finite number > 0"),
+                                      (0.0, "finite number > 0"), (float("inf"), "finite number > 0"),
+                                      ("1e-6", "a str, not a number"), ([1e-6], "an array, not a number")])
+def test_an_mmproj_eps_that_is_no_eps_is_one_line(tmp_path, eps, said):
+    """An mmproj's tower eps is used for every norm of that tower, without a config key to pass
+    through: NaN, 0, a negative or infinite value, a string or an array is refused, naming the key."""
+    pytest.importorskip("transformers")
+    hf, _ = _gemma3_without_head(tmp_path)
+    _mmproj(hf, tmp_path / "mmproj.gguf", eps)
+    out = tmp_path / "r.json"
+    r = run_parity("check", hf, "--candidate-checkpoint", tmp_path / "mmproj.gguf", "--json", out)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "clip.vision.attention.layer_norm_epsilon" in r.stderr and said in r.stderr
+    assert not out.exists()

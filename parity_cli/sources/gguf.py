@@ -8,6 +8,7 @@ report reads the same across formats."""
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,15 @@ def _field(gf, key: str):
 
     value = gf.metadata.get(key)
     return None if isinstance(value, Array) else value
+
+
+def _number(gf, key: str, path) -> float | int | None:
+    """A numeric metadata value, or None where absent; anything else is one line naming the key."""
+    value = gf.metadata.get(key)
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        kind = "an array" if type(value).__name__ == "Array" else f"a {type(value).__name__}"
+        raise InputError(f"{path}: GGUF metadata {key} is {kind}, not a number")
+    return value
 
 
 @dataclass
@@ -163,10 +173,7 @@ def open_gguf(path: Path, families: dict, derived=None, model=None) -> GGUFCheck
     if family.kind == "layer_norm":
         eps_gguf.reverse()
     for key in eps_gguf:
-        value = reader.metadata.get(key.format(arch=arch))
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            kind = "an array" if type(value).__name__ == "Array" else f"a {type(value).__name__}"
-            raise InputError(f"{path}: GGUF metadata {key.format(arch=arch)} is {kind}, not a number")
+        value = _number(reader, key.format(arch=arch), path)
         if value is not None:
             for hf_key in family.eps_keys:  # what the family's eps lookup asks for
                 config[hf_key] = value
@@ -226,17 +233,15 @@ def _open_mmproj(path: Path, reader, model) -> GGUFCheckpoint:
     keys = {k for sem in [family.semantics, *(p.semantics for p in family.norms)] for k in sem.eps_keys}
     tower_eps = {}
     for prefix, (eps_key, width_key) in MMPROJ_KEYS.items():
-        value = reader.metadata.get(eps_key)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise InputError(f"{path}: GGUF metadata {eps_key} is not a number")
+        value = _number(reader, eps_key, path)
         if value is not None:
+            if not (math.isfinite(value) and value > 0):  # what resolve_eps refuses of a config's eps
+                raise InputError(f"{path}: GGUF metadata {eps_key} must be a finite number > 0, got {value!r}")
             eps = Eps(float(value), f"gguf:{eps_key} (float32 of {float32_decimal(value)})")
-            towers = ("vision", "projector") if prefix == "vision_config." else ("audio",)
-            tower_eps.update({t: eps for t in towers if t not in tower_eps})
-        for hf_key in sorted(k for k in keys if k.startswith(prefix)):
-            if value is not None:
-                config[hf_key] = value
-                sources[hf_key] = f"gguf:{eps_key} (float32 of {float32_decimal(value)})"
+            for tower in ("vision", "projector") if prefix == "vision_config." else ("audio",):
+                tower_eps.setdefault(tower, eps)
+            for hf_key in sorted(k for k in keys if k.startswith(prefix)):
+                config[hf_key], sources[hf_key] = value, eps.source
         width = _field(reader, width_key)
         if isinstance(width, int) and not isinstance(width, bool):  # keys as config_value is asked them
             config[prefix + "hidden_size"] = width
