@@ -252,7 +252,6 @@ def classify(module, eps: float | None) -> dict:
 
     import torch
 
-
     weight = getattr(module, "weight", None)
     bias = getattr(module, "bias", None)
     if isinstance(module, torch.nn.GroupNorm):
@@ -358,9 +357,10 @@ def _exact_order(module, kind, offset, b, x, eps, dim, candidates, dtypes):
     return None
 
 
-def _saved_by_value(model, out) -> dict:
+def _saved_by_value(model, out) -> tuple[dict, list[str]]:
     """Saves the model as transformers does and indexes each stored 1-D tensor by its values:
-    a norm's weight, given distinct values, is then found under the name the file really has."""
+    a norm's weight, given distinct values, is then found under the name the file really has.
+    Also every stored name (a pattern must claim none of the other tensors)."""
     import os
 
     import torch
@@ -376,8 +376,7 @@ def _saved_by_value(model, out) -> dict:
                     t = fh.get_tensor(key)
                     if t.dim() == 1 and t.is_floating_point():
                         stored.setdefault((t.numel(), t.to(torch.float32).numpy().tobytes()), key)
-    stored[None] = keys  # every stored name: a pattern must claim none of the other tensors
-    return stored
+    return stored, keys
 
 
 def stored_key(stored: dict, module) -> str | None:
@@ -454,9 +453,9 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
                     p.copy_(torch.rand(p.shape, generator=gen) + (0.5 if pname == "weight" else -0.5))
             norms.append((name, module))
     with tempfile.TemporaryDirectory() as tmp:
-        stored = _saved_by_value(model, tmp)
+        stored, keys = _saved_by_value(model, tmp)
     norm_keys = {stored_key(stored, module) for _, module in norms} - {None}
-    others = {k.rsplit(".", 1)[0] for k in stored[None]
+    others = {k.rsplit(".", 1)[0] for k in keys
               if k not in norm_keys and k.rsplit(".", 1)[0] + ".weight" not in norm_keys}
     version = f"transformers {transformers.__version__}: {cls.__name__}"
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -531,13 +530,16 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
                     p = getattr(module, pname, None)
                     if isinstance(p, torch.nn.Parameter) and p.is_floating_point():
                         p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
-    stored = _saved_by_value(model, out)
-    return {"class": cls.__name__, "norms": [
-        {"module": name, "stored": stored_key(stored, module), "class": type(module).__name__,
-         "eps": _eps_of(module), "plain": isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
-         or bool(re.search(r"(RMS|Layer)Norm$", type(module).__name__)),
-         "unsupported": classify(module, _eps_of(module)).get("unsupported")}
-        for name, module in norms]}
+    stored, _ = _saved_by_value(model, out)
+
+    def described(name, module):
+        eps = _eps_of(module)
+        return {"module": name, "stored": stored_key(stored, module), "class": type(module).__name__, "eps": eps,
+                "plain": isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+                or bool(re.search(r"(RMS|Layer)Norm$", type(module).__name__)),
+                "unsupported": classify(module, eps).get("unsupported")}
+
+    return {"class": cls.__name__, "norms": [described(name, module) for name, module in norms]}
 
 
 def family_data_for_parse(data: dict) -> dict:

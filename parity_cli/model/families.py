@@ -219,8 +219,8 @@ def known_families() -> str:
     """The families a user can force, as a message names them: the hand-written ones by name and
     the generated ones counted (there are hundreds; `parity inspect --family TYPE` takes any
     model_type one claims)."""
-    written = sorted(_written())
-    derived = len(_derived_stems())
+    written = sorted(written_families())
+    derived = derived_count()
     more = f", and {derived} derived from transformers classes (configs/families/derived/)" if derived else ""
     return ", ".join(written) + more
 
@@ -228,9 +228,6 @@ def known_families() -> str:
 def written_families() -> dict[str, Family]:
     """The hand-written families (configs/families/*.toml), which claim their types first."""
     return _load(False)
-
-
-_written = written_families
 
 
 @cache
@@ -273,7 +270,7 @@ def find_family(name, by_name: bool = True) -> Family | None:
     there is no model."""
     if not isinstance(name, str) or not name:
         return None
-    written = _written()
+    written = written_families()
     if by_name and name in written:
         return written[name]
     for family in written.values():

@@ -173,9 +173,10 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         if expected is not None and expected != dim:
             layer_warnings.append(f"weight has {dim} channels but config {pattern.dim} = {expected}")
         layer_eps = resolve_eps(ckpt, family, override, sem)
+        tower = tower_of(name, layer_eps.source)
         tower_eps = getattr(ckpt, "tower_eps", None)  # an mmproj: one eps per tower, as the runtime reads it
-        if tower_eps and override is None and tower_of(name, layer_eps.source) in tower_eps:
-            layer_eps = tower_eps[tower_of(name, layer_eps.source)]
+        if tower_eps and override is None and tower in tower_eps:
+            layer_eps = tower_eps[tower]
         if layer_eps.source == "family-default" and sem.eps_keys != family.eps_keys:
             # the family-wide eps warning does not cover a norm with its own eps key
             layer_warnings.append(f"eps is not in the config (looked for {', '.join(sem.eps_keys)}); "
@@ -205,7 +206,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                 hf_class=family.hf_class_for(pattern, ckpt.model_type),
                 tensor=tensor,
                 semantic_offset=sem.gain_offset,
-                tower=tower_of(name, layer_eps.source),
+                tower=tower,
             )
         )
     return Discovery(layers=layers, unmatched=sorted(unmatched), warnings=warnings)

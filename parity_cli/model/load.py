@@ -47,9 +47,11 @@ def _family(ckpt: Checkpoint, where: str) -> Family:
     model's own transformers classes (model.derive), when transformers is installed."""
     from parity_cli.model.families import find_family
 
-    claimed = find_family(ckpt.model_type, by_name=False) is not None
-    if claimed or ckpt.format == "gguf" or not isinstance(ckpt.model_type, str) or not ckpt.model_type:
-        return family_for_model_type(ckpt.model_type, where)
+    claimed = find_family(ckpt.model_type, by_name=False)
+    if claimed is not None:
+        return claimed
+    if ckpt.format == "gguf" or not isinstance(ckpt.model_type, str) or not ckpt.model_type:
+        return family_for_model_type(ckpt.model_type, where)  # the one line naming what is known
     return derived_family(ckpt.model_type, ckpt.config, where)
 
 
