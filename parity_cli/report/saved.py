@@ -17,14 +17,15 @@ from functools import cache
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.sources.jsonfile import JSON_KINDS as _KINDS
+from parity_cli.sources.jsonfile import KIND_WORDS as _TYPES
+from parity_cli.sources.jsonfile import json_kind as _kind
 
 MAX_STRING = 65536  # characters in any string of a report; names have a maxLength of their own
 # what a keyword of the shipped schema means here; anything else is refused (tests/test_saved_reports)
 CHECKED = {"type", "required", "properties", "additionalProperties", "items", "enum", "const", "$ref",
            "anyOf", "oneOf", "minimum", "maximum", "exclusiveMinimum", "maxLength", "minItems", "maxItems"}
 ANNOTATIONS = {"$schema", "$id", "$defs", "title", "description"}
-_TYPES = {"object": "an object", "array": "an array", "string": "a string", "number": "a number",
-          "integer": "an integer", "boolean": "a boolean", "null": "null"}
 
 
 class Invalid(Exception):
@@ -96,15 +97,6 @@ def _report_checker():
     return _compile(root, root, {})
 
 
-_KINDS = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-          dict: "object"}
-
-
-def _kind(value) -> str:
-    kind = _KINDS.get(type(value))
-    if kind is None:  # not from the JSON parser: a subclass, or no JSON type at all
-        kind = next((k for t, k in _KINDS.items() if t is not type(None) and isinstance(value, t)), type(value).__name__)
-    return kind
 
 
 def _said(value, kind: str) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.sources.jsonfile import kind_words
 from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, Eps, TensorInfo  # noqa: F401  (Eps: the readers' type)
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
@@ -152,7 +153,7 @@ class Checkpoint:
                 if node is None:  # "vision_config": null, a model saved without that tower
                     return None, None
                 if not isinstance(node, dict):  # a sub-config that is not one: never a silent default
-                    raise InputError(f"{self._config_file()}: '{'.'.join(walked)}' is {_kind(node)}, not an object "
+                    raise InputError(f"{self._config_file()}: '{'.'.join(walked)}' is {kind_words(node)}, not an object "
                                      f"(reading {key})")
                 if part not in node:
                     return None, None
@@ -163,18 +164,13 @@ class Checkpoint:
             return self.config[key], key
         text = self.config.get("text_config")
         if text is not None and not isinstance(text, dict):
-            raise InputError(f"{self._config_file()}: 'text_config' is {_kind(text)}, not an object (reading {key})")
+            raise InputError(f"{self._config_file()}: 'text_config' is {kind_words(text)}, not an object (reading {key})")
         if isinstance(text, dict) and key in text:
             return text[key], f"text_config.{key}"
         return None, None
 
     def _config_file(self):
         return self.path / "config.json" if self.path.is_dir() else self.path
-
-
-def _kind(value) -> str:
-    return {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number" if isinstance(value, (int, float)) else f"a {type(value).__name__}")
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -11,6 +11,26 @@ from pathlib import Path
 
 from parity_cli.errors import InputError
 
+# a parsed JSON value's type as JSON Schema names it, and as a message says it
+JSON_KINDS = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+              dict: "object"}
+KIND_WORDS = {"object": "an object", "array": "an array", "string": "a string", "number": "a number",
+              "integer": "an integer", "boolean": "a boolean", "null": "null"}
+
+
+def json_kind(value) -> str:
+    kind = JSON_KINDS.get(type(value))
+    if kind is None:  # not from the JSON parser: a subclass, or no JSON type at all
+        kind = next((k for t, k in JSON_KINDS.items() if t is not type(None) and isinstance(value, t)),
+                    type(value).__name__)
+    return kind
+
+
+def kind_words(value) -> str:
+    """`an array`, `a string`, ...: what a config value is, in a one-line message."""
+    kind = json_kind(value)
+    return KIND_WORDS.get(kind, f"a {kind}")
+
 MAX_BYTES = {"config": 16 << 20, "index": 64 << 20, "report": 256 << 20}
 
 
