@@ -237,8 +237,27 @@ def test_gemma4_per_layer_overrides_follow_the_shrunk_layers(tmp_path):
     write_tiny_checkpoint("gemma4", path)
     config = AutoConfig.from_pretrained(path)  # raised on out-of-range per_layer_config keys
     assert config.text_config.num_hidden_layers == 2
+    # the kept full-attention layer (index 1) carries the override of the first full-attention layer
+    # of the class's own default config, and nothing of the 30 layers is left
+    from transformers import Gemma4TextConfig
+
+    default = Gemma4TextConfig()
+    first_full = default.layer_types.index("full_attention")
+    override = {k: v for k, v in default.to_dict()["per_layer_config"].items() if int(k) == first_full}
+    written = json.loads((path / "config.json").read_text())["text_config"]
+    assert written["layer_types"] == ["sliding_attention", "full_attention"]
+    assert {int(k): v for k, v in written["per_layer_config"].items()} == {1: next(iter(override.values()))}
     report = api.check(path, candidate="transformers", strata=["zero", "tiny", "normal"], isolation="none")
-    assert report.passed and {layer.eps["value"] for layer in report.layers} and len(report.layers) >= 10
+    assert report.passed and len(report.layers) >= 10
+    for layer in report.layers:  # each eps is the value at the config key it names, or the model code's
+        source = layer.eps["source"]
+        if source.startswith("config:"):
+            node = json.loads((path / "config.json").read_text())
+            for part in source.removeprefix("config:").split("."):
+                node = node[part]
+            assert layer.eps["value"] == node, layer.name
+        else:
+            assert source.startswith("model-code"), (layer.name, source)
 
 
 def test_a_norm_class_built_from_a_config_runs_as_the_candidate(tmp_path):
@@ -256,8 +275,7 @@ def test_a_sub_config_of_the_wrong_type_is_one_line(tmp_path, value):
     """Qwen2.5-VL's language norms read text_config.rms_norm_eps: a text_config that is not an
     object is bad input naming the key, never a silent family default."""
     path = tmp_path / "qwen2_5_vl"
-    if not path.exists():
-        write_tiny_checkpoint("qwen2_5_vl", path)
+    write_tiny_checkpoint("qwen2_5_vl", path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "text_config": value}))
     with pytest.raises(InputError) as info:
