@@ -373,8 +373,10 @@ def _saved_by_value(model, out) -> tuple[dict, list[str]]:
             with safe_open(os.path.join(out, file), "pt") as fh:
                 for key in fh.keys():
                     keys.append(key)
+                    if len(fh.get_slice(key).get_shape()) != 1:  # only a 1-D tensor can be a norm's gain
+                        continue
                     t = fh.get_tensor(key)
-                    if t.dim() == 1 and t.is_floating_point():
+                    if t.is_floating_point():
                         stored.setdefault((t.numel(), t.to(torch.float32).numpy().tobytes()), key)
     return stored, keys
 
