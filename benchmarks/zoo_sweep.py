@@ -61,8 +61,8 @@ def sweep_one(model_type: str, tmp: str) -> dict:
                other_kinds=sorted({n["unsupported"].split(" (")[0].split(":")[0] for n in norms if n["unsupported"]})[:4])
     try:
         info = api.inspect(tmp)
-    except Exception as exc:
-        return {**row, "outcome": "not recognised", "error": " ".join(str(exc).split())[:200]}
+    except Exception as exc:  # the temporary directory's name out, so that a rerun writes the same file
+        return {**row, "outcome": "not recognised", "error": " ".join(str(exc).replace(tmp, "CKPT").split())[:200]}
     row["family"] = info["checkpoint"]["family"]
     layers = {layer["name"]: layer for layer in info["layers"]}
     stored = {n["stored"].removesuffix(".weight"): n for n in expressible}
@@ -84,7 +84,7 @@ def sweep_one(model_type: str, tmp: str) -> dict:
                 row[f"failing_{dtype}"] = [layer.name for layer in report.layers if not layer.passed][:5]
         except Exception as exc:
             row[f"pass_{dtype}"] = False
-            row[f"error_{dtype}"] = " ".join(str(exc).split())[:200]
+            row[f"error_{dtype}"] = " ".join(str(exc).replace(tmp, "CKPT").split())[:200]
     row["outcome"] = "checked"
     return row
 
