@@ -154,6 +154,22 @@ def mean_rounding_allowance(x, gain, eps: float, tol: Tolerance):
     return tol.mean_rounding * gain.to(torch.float64).abs() * m / torch.sqrt(var + eps)
 
 
+def fold_rounding_allowance(x, mean, var, gain, bias, eps: float, dtype):
+    """Per element, what an inference BatchNorm may lose by computing in the candidate's dtype as
+    every runtime does, folded into one scale and shift: y = x * s + (b - mean * s), s = w / sqrt(var
+    + eps). Each term is rounded once or twice at the dtype's unit eps u, so the output may be off
+    by about 2u (|x s| + |mean s| + |b|): large next to |y| exactly where x sits near a large
+    running mean (the subtraction the fold moved into the shift). A wrong eps moves y by |y| eps'/
+    (2 var), orders above this wherever var is near eps."""
+    import torch
+
+    u = torch.finfo(dtype).eps
+    x = x.to(torch.float64)
+    scale = gain.to(torch.float64).abs() / torch.sqrt(var.to(torch.float64) + eps)
+    out = 2 * u * (x.abs() + mean.to(torch.float64).abs()) * scale
+    return out if bias is None else out + 2 * u * bias.to(torch.float64).abs()
+
+
 def ulp_distance(ref, cand, dtype, diff=None, aref=None):
     """|cand - ref| in units in the last place of `dtype` at |ref| (subnormals: the smallest step).
     The unit is eps(dtype) * 2^floor(log2 |ref|), and 2^floor(log2 v) of a normal float64 is v

@@ -70,9 +70,32 @@ def mean_square(x, kind: str = "rms_norm"):
     return (xs * xs).mean(dim=-1) * (m * m).squeeze(-1)
 
 
+def batch_normalize(x, mean, var, eps: float):
+    """(x - running_mean) / sqrt(running_var + eps) in float64, per channel (the last axis): the
+    statistics are the checkpoint's, not the batch's. A channel with running_var = eps = 0 gives
+    0/0 = NaN, as the formula says."""
+    import torch
+
+    x = x.to(torch.float64)
+    return (x - mean.to(device=x.device, dtype=torch.float64)) / torch.sqrt(
+        var.to(device=x.device, dtype=torch.float64) + eps)
+
+
+def running_statistics(layer: NormLayer, like):
+    """The layer's running mean and variance at `like`'s dtype and device (a candidate's copy:
+    a model cast to bfloat16 casts its buffers too)."""
+    return tuple(t.to(device=like.device, dtype=like.dtype, copy=True) for t in (layer.running_mean, layer.running_var))
+
+
 def _oracle(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     import torch
 
+    if layer.kind == "batch_norm":
+        gain = layer.gain_offset + weight.to(torch.float64)
+        shift = 0.0 if bias is None else bias.to(torch.float64)
+        mean, var = layer.running_mean, layer.running_var
+        return lambda x: batch_normalize(x, mean, var, eps) * gain.to(x.device) + (
+            shift if bias is None else shift.to(x.device))
     gain = layer.gain_offset + weight.to(torch.float64)
     shift = None if bias is None else bias.to(torch.float64)
 
@@ -91,6 +114,9 @@ def _torch(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     import torch.nn.functional as F
 
     gain = weight + layer.gain_offset if layer.gain_offset else weight
+    if layer.kind == "batch_norm":  # inference: the running statistics, never the batch's
+        mean, var = running_statistics(layer, weight)
+        return lambda x: F.batch_norm(x, mean, var, gain, bias, training=False, eps=eps)
     if weight.dim() > 1:  # per-head gains (Cohere q/k norms): normalise, then broadcast the gain
         if layer.kind == "layer_norm":
             return lambda x: F.layer_norm(x, (layer.dim,), None, None, eps) * gain + (0 if bias is None else bias)
@@ -105,8 +131,9 @@ def _hf(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     exact inverse square root, so that it is bitwise equal to the transformers module."""
     from parity_cli.model.forms import hf_forward
 
+    stats = running_statistics(layer, weight) if layer.kind == "batch_norm" else None
     return hf_forward(layer.kind, layer.order, layer.gain_offset, layer.inverse_sqrt, layer.dim, weight, bias, eps,
-                      where=layer.name)
+                      where=layer.name, statistics=stats)
 
 
 def _import_class(path: str):
@@ -140,6 +167,8 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
         raise InputError(f"transformers: family '{layer.family}' names no module class for {layer.name}")
     cls = _import_class(layer.hf_class)
     size = layer.shape if weight.dim() > 1 else layer.dim
+    if layer.kind == "batch_norm":
+        return _batch_norm_module(cls, layer, weight, bias, eps, loaded=True)
     if cls is torch.nn.LayerNorm:
         module = cls(size, eps=eps, bias=bias is not None)
     elif _takes_config(cls):  # CpmAntLayerNorm(config): the config holds the width and eps
@@ -155,6 +184,35 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
         if bias is not None:
             module.bias.copy_(bias)
     return module.eval()
+
+
+def _batch_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: bool, **kwargs) -> Prepared:
+    """A BatchNorm module class built as `cls(C, eps=eps)`, its gain, bias and running statistics
+    filled as a checkpoint load fills them, in eval mode. A probe row is one sample of C channels:
+    BatchNorm2d/3d see it as a 1 x 1 (x 1) feature map, the output comes back as rows."""
+    import torch
+
+    module = cls(layer.dim, eps=eps, **kwargs).to(device=weight.device, dtype=weight.dtype)
+    mean, var = running_statistics(layer, weight)
+    with torch.no_grad():
+        for attr, value in (("weight", weight), ("bias", bias), ("running_mean", mean), ("running_var", var)):
+            target = getattr(module, attr, None)
+            if value is not None and isinstance(target, torch.Tensor):
+                target.copy_(value)
+            elif value is not None and attr != "bias" and loaded:
+                raise TypeError(f"{cls.__name__} has no {attr} tensor to fill")
+    module.eval()
+    spatial = {"BatchNorm2d": 2, "BatchNorm3d": 3}.get(next((c.__name__ for c in type(module).__mro__
+                                                              if c.__name__ in ("BatchNorm1d", "BatchNorm2d",
+                                                                                "BatchNorm3d")), ""), 0)
+    if not spatial:
+        return module
+
+    def run(x):
+        y = module(x.reshape(*x.shape, *([1] * spatial)))
+        return y.reshape(x.shape) if isinstance(y, torch.Tensor) and y.numel() == x.numel() else y
+
+    return run
 
 
 def _onnxruntime(layer: NormLayer, weight, bias, eps: float, op: str = "auto", compute: str | None = None) -> Prepared:
@@ -294,6 +352,8 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
         _check_accepts(spec, obj.__init__, args, skip=2)  # self, dim
 
         def prepare_module(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+            if layer.kind == "batch_norm":  # its running statistics filled too, in eval mode
+                return _batch_norm_module(obj, layer, weight, bias, eps, loaded=False, **args)
             module = obj(layer.shape if weight.dim() > 1 else layer.dim, eps=eps, **args)
             if not isinstance(getattr(module, "weight", None), torch.Tensor):
                 raise TypeError(f"{obj.__name__} has no weight tensor to fill")
@@ -310,6 +370,9 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
     _check_accepts(spec, obj, args, skip=3)  # x, weight, eps
 
     def prepare_function(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+        if layer.kind == "batch_norm":
+            mean, var = running_statistics(layer, weight)
+            return lambda x: obj(x, weight, eps, bias=bias, running_mean=mean, running_var=var, **args)
         if layer.kind == "layer_norm":
             return lambda x: obj(x, weight, eps, bias=bias, **args)
         return lambda x: obj(x, weight, eps, **args)

@@ -85,6 +85,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     from parity_cli.diagnose.causes import bitwise_diagnosis, diagnose, diagnose_grad
     from parity_cli.probes.strata import Probe, build_probe_set, probe_set
 
+    if layer.kind == "batch_norm":  # both sides read the statistics as the candidate's dtype stores them
+        layer = _statistics_at(layer, candidate.dtype)
+        cand_layer = cand_layer and _statistics_at(cand_layer, candidate.dtype)
     cand_layer = cand_layer or layer
     eps = layer.eps.value
     cand_eps = candidate.eps if candidate.eps is not None else cand_layer.eps.value
@@ -106,7 +109,14 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     def rows(y):
         return y if y is None or not heads else y.reshape(-1, y.shape[-1])
 
-    sets = [build_probe_set(strata, layer.dim, eps, candidate.dtype, opts.seed)]
+    if layer.kind == "batch_norm":
+        from parity_cli.probes.strata import batch_norm_probe_set
+
+        sets = [batch_norm_probe_set(strata, layer.running_mean, layer.running_var,
+                                     layer.gain_offset + layer.weight.to(torch.float64), eps, candidate.dtype,
+                                     opts.seed)]
+    else:
+        sets = [build_probe_set(strata, layer.dim, eps, candidate.dtype, opts.seed)]
     real = (getattr(opts, "captured", None) or {}).get(layer.name)
     overflowed = 0
     if real is not None:  # --activations: real rows, rounded to the candidate dtype like every probe
@@ -175,12 +185,19 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         extra = None
         if layer.kind == "layer_norm" and tol.mean_rounding:
             extra = rows(mean_rounding_allowance(spread(ps.on(dev)), gain.to(dev), eps, tol))
+        if layer.kind == "batch_norm" and not opts.exact:
+            from parity_cli.comparison import fold_rounding_allowance
+
+            extra = fold_rounding_allowance(ps.on(dev), layer.running_mean.to(dev), layer.running_var.to(dev),
+                                            gain.to(dev), None if b_ref is None else b_ref.to(dev), eps,
+                                            candidate.dtype)
         if gain_rounding is not None:
             from parity_cli.backends.implementations import oracle_normalize
 
             h = oracle_normalize(spread(ps.on(dev)), eps, layer.kind).abs() * gain_rounding.to(dev)
             extra = rows(h) if extra is None else extra + rows(h)
-        q = ps.mean_square(layer.kind)
+        q = ps.mean_square(layer.kind) if layer.kind != "batch_norm" else \
+            layer.running_var.to(torch.float64).min().expand(ps.x.shape[0])  # the layer's, not the row's
         if heads:
             q = q.repeat_interleave(per_row)
         compared = compare_batch([seg for _, seg in valid], x_rows, ref, cand, eps, layer.kind, tol,
@@ -194,6 +211,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         batch = None
         if len(valid) == len(ps.segments) and not heads:  # diagnosis can work on the batch as a whole
             batch = Batch(x_rows, ref, cand, ps.segments, ps.cache.setdefault("fit", {}))
+        if layer.kind == "batch_norm":
+            for result in compared:
+                per_channel_q_over_eps(result, layer.running_var, eps)
         for (k, _), result in zip(valid, compared):
             result.shared = ps.probes[k].q  # every layer of this probe set: diagnosis variants are computed once
             result.batch = batch
@@ -232,8 +252,15 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
                                 else cand_layer.eps.source}
     bias = None if b_ref is None else b_ref.cpu().to(torch.float64)
     strata_d, gain_d, bias_d = first_head(layer, results, gain, bias)
+    if layer.kind == "batch_norm":
+        result.statistics = running_summary(layer, eps)
     if not diagnose_failures:  # the explain ladder's rungs: only their figures are read
         pass
+    elif layer.kind == "batch_norm":
+        from parity_cli.diagnose.batch_norm import diagnose_batch_norm
+
+        result.diagnoses = diagnose_batch_norm(layer, results, gain_d, bias_d, eps, tol, candidate.dtype,
+                                               exact=opts.exact)
     elif opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
         result.diagnoses = bitwise_diagnosis(strata_d, candidate.dtype, layer, gain_d, tol, bias_d)
     else:
@@ -257,7 +284,7 @@ def _reference_batch(ps, j, reference: Side, layer, w_ref, b_ref, eps, spread, r
     import torch
 
     normalise = getattr(reference.impl, "normalise", None)
-    if normalise is not None and reference.dtype == torch.float64:
+    if normalise is not None and reference.dtype == torch.float64 and layer.kind != "batch_norm":
         dev = reference.device  # a GPU with fast float64 (options.reference_device), or the CPU
         n = ps.normalised(eps, layer.kind, normalise, dev)
         gain = (layer.gain_offset + w_ref).to(dev)
@@ -326,6 +353,50 @@ def _reference(ref_fn, x, reference: Side, layer, probe):
     except Exception as exc:
         raise InputError(failure(f"--reference {reference.spec} failed on {layer.name}, "
                                  f"stratum {probe.stratum}: ", exc)) from None
+
+
+def _statistics_at(layer, dtype):
+    """The layer with its running statistics rounded to `dtype` (kept at their stored dtype): what
+    a model cast to that dtype holds in its buffers, and so what both sides normalise with."""
+    import torch
+
+    def rounded(t):
+        return t.to(dtype).to(t.dtype) if t.dtype != torch.float64 or dtype != torch.float64 else t
+
+    return dataclasses.replace(layer, running_mean=rounded(layer.running_mean), running_var=rounded(layer.running_var))
+
+
+def per_channel_q_over_eps(result, running_var, eps: float) -> None:
+    """A BatchNorm's q/eps is running_var / eps per channel, whatever the input: the stratum's range
+    is the layer's, its failing range that of the channels where an element failed."""
+    import torch
+
+    from parity_cli.comparison import attenuation
+
+    ratio = running_var.to(torch.float64) / eps if eps > 0 else torch.where(
+        running_var > 0, torch.full_like(running_var, float("inf"), dtype=torch.float64), 0.0)
+    lo, hi = float(ratio.min()), float(ratio.max())
+    result.q_over_eps = (lo, hi)
+    result.attenuation = (attenuation(lo), attenuation(hi))
+    if result.bad is not None and bool(result.bad.any()):
+        failing = ratio[result.bad.reshape(-1, ratio.shape[-1]).any(0).to(ratio.device)]
+        result.failing_q_over_eps = (float(failing.min()), float(failing.max()))
+    result.row_q_over_eps = [lo] * result.vectors
+
+
+def running_summary(layer, eps: float) -> dict:
+    """Per BatchNorm, what its checkpoint says of eps: the smallest running_var / eps and its
+    channel (where a wrong eps shows first, as a tiny row does for an RMSNorm), and how many
+    channels have running_var / eps under 49.25 (eps attenuates them by more than 1 %)."""
+    import torch
+
+    var = layer.running_var.to(torch.float64)
+    channel = int(torch.argmin(var))
+    smallest = float(var[channel])
+    ratio = smallest / eps if eps > 0 else (float("inf") if smallest > 0 else 0.0)
+    below = int((var < 49.2512562814 * eps).sum()) if eps > 0 else 0
+    return {"running_var_over_eps": {"min": ratio, "channel": channel, "running_var": smallest},
+            "channels_attenuated_over_1pct": below, "channels": int(var.numel())}
 
 
 SETUP_PREFIX = "building the candidate failed: InputError: "

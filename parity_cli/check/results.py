@@ -61,6 +61,7 @@ class LayerResult:
     findings: list[dict] = field(default_factory=list)  # checkpoint-vs-checkpoint differences; each fails
     captured: dict | None = None  # --activations: where real rows sit on q/eps, and what the faults do to them
     tower: str = "main"  # the part of a multimodal model the norm serves (model.layers.tower_of)
+    statistics: dict | None = None  # batch_norm: the smallest running_var / eps (check.layer.running_summary)
 
     @property
     def status(self) -> str:
@@ -166,4 +167,5 @@ def _layer_dict(layer: LayerResult) -> dict:
         "candidate_eps": _jsonable(layer.candidate_eps),
         "findings": _jsonable(layer.findings),
         "captured": _jsonable(layer.captured),
+        "statistics": _jsonable(layer.statistics),
     }

@@ -257,7 +257,7 @@ def classify(module, eps: float | None) -> dict:
     if isinstance(module, torch.nn.GroupNorm):
         return {"unsupported": "GroupNorm (statistics per group of channels)"}
     if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-        return {"unsupported": "BatchNorm (running statistics)"}
+        return _batch_norm(module, eps)
     gated = _second_input(module)
     if gated:
         return {"unsupported": f"gated norm (forward takes a second input, {gated})"}
@@ -323,6 +323,44 @@ def classify(module, eps: float | None) -> dict:
     out["order"], out["inverse_sqrt"] = best or (("native" if native else "llama"), "rsqrt")
     out["order_exact"] = best is not None
     return out
+
+
+def _batch_norm(module, eps: float | None) -> dict:
+    """An inference BatchNorm, checked as one: in eval mode, with running statistics of its own,
+    the module must compute (x - running_mean) / sqrt(running_var + eps) * w + b in float64."""
+    import copy
+
+    import torch
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+        return {"unsupported": "BatchNorm without a gain (affine=False)"}
+    if not isinstance(getattr(module, "running_var", None), torch.Tensor) or eps is None:
+        return {"unsupported": "BatchNorm without running statistics (normalises with the batch's)"}
+    dim = weight.shape[0]
+    gen = torch.Generator().manual_seed(dim)
+    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    with torch.no_grad():
+        m64.running_mean.copy_(torch.randn(dim, generator=gen, dtype=torch.float64))
+        m64.running_var.copy_(torch.rand(dim, generator=gen, dtype=torch.float64) * 2 + 1e-4)
+        x = torch.randn(6, dim, generator=gen, dtype=torch.float64)
+        try:
+            y = m64(x.reshape(6, dim, *([1] * max(0, _spatial(m64)))))
+        except Exception as exc:
+            return {"unsupported": f"BatchNorm forward raises {type(exc).__name__}: {' '.join(str(exc).split())[:80]}"}
+    b = m64.bias if isinstance(m64.bias, torch.Tensor) else 0.0
+    want = (x - m64.running_mean) / torch.sqrt(m64.running_var + eps) * m64.weight + b
+    if not isinstance(y, torch.Tensor) or y.numel() != want.numel() or \
+            not torch.allclose(y.reshape(want.shape), want, rtol=1e-12, atol=1e-12):
+        return {"unsupported": "BatchNorm whose eval-mode output is not (x - mean) / sqrt(var + eps) * w + b"}
+    return {"kind": "batch_norm", "gain_offset": 0.0, "bias": isinstance(module.bias, torch.Tensor),
+            "order": "native", "inverse_sqrt": "rsqrt", "order_exact": True}
+
+
+def _spatial(module) -> int:
+    """The feature-map axes a BatchNorm class expects after (N, C): 0, 1 or 2 (BatchNorm1d takes (N, C))."""
+    names = [c.__name__ for c in type(module).__mro__]
+    return 2 if "BatchNorm2d" in names else 3 if "BatchNorm3d" in names else 0
 
 
 def _exact_order(module, kind, offset, b, x, eps, dim, candidates, dtypes):
@@ -532,6 +570,12 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
                     p = getattr(module, pname, None)
                     if isinstance(p, torch.nn.Parameter) and p.is_floating_point():
                         p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
+                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.running_var is not None:
+                    # statistics a trained model has: means around 0, variances over decades, some
+                    # channels near eps (where a wrong eps shows)
+                    n = module.running_var.numel()
+                    module.running_mean.copy_(torch.randn(n, generator=gen) * 0.5)
+                    module.running_var.copy_(torch.exp(torch.rand(n, generator=gen) * math.log(1e7)) * 1e-6)
     stored, _ = _saved_by_value(model, out)
 
     def described(name, module):

@@ -16,12 +16,14 @@ from functools import cache
 from parity_cli.errors import InputError
 from parity_cli.resources import configs_dir, load_toml
 
-KINDS = ("rms_norm", "layer_norm")
+# batch_norm: inference BatchNorm, (x - running_mean) / sqrt(running_var + eps) * w + b per channel,
+# its statistics stored beside the gain (`{name}.running_mean`, `{name}.running_var`)
+KINDS = ("rms_norm", "layer_norm", "batch_norm")
 # Numerics orders the `hf` implementation reproduces (parity_cli.backends.implementations):
 #   llama  - fp32 normalise, cast to the input dtype, multiply by the weight at its dtype
 #   gemma  - fp32 normalise and gain, cast to the input dtype last
 #   t5     - fp32 variance, cast to the weight dtype when it is half, multiply by the weight
-#   native - torch.nn.LayerNorm / F.layer_norm at the parameter dtype
+#   native - torch.nn.LayerNorm / F.layer_norm (F.batch_norm in eval mode) at the parameter dtype
 ORDERS = ("llama", "gemma", "t5", "native")
 INVERSE_SQRTS = ("rsqrt", "pow")  # torch.rsqrt(v) or torch.pow(v, -0.5): not bitwise equal in fp32
 
@@ -141,6 +143,9 @@ def _semantics(table: dict, base: Semantics | None, where: str) -> Semantics:
     order = pick("order", str, b and b.order)
     if order not in ORDERS:
         raise InputError(f"{where}: order '{order}' is not one of {', '.join(ORDERS)}")
+    if kind == "batch_norm" and order != "native":
+        raise InputError(f"{where}: a batch_norm runs in order 'native' (F.batch_norm at the parameter dtype), "
+                         f"not '{order}'")
     inverse_sqrt = get("inverse_sqrt", str, b.inverse_sqrt if b else "rsqrt")
     if inverse_sqrt not in INVERSE_SQRTS:
         raise InputError(f"{where}: inverse_sqrt '{inverse_sqrt}' is not one of {', '.join(INVERSE_SQRTS)}")

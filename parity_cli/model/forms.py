@@ -10,11 +10,18 @@ from parity_cli.errors import InputError
 
 
 def hf_forward(kind: str, order: str, gain_offset: float, inverse_sqrt: str, dim: int, weight, bias, eps: float,
-               where: str = "the norm"):
-    """A function of the input batch computing the norm as the family's class does."""
+               where: str = "the norm", statistics=None):
+    """A function of the input batch computing the norm as the family's class does. A batch_norm
+    takes its (running_mean, running_var) as `statistics`."""
     import torch
     import torch.nn.functional as F
 
+    if kind == "batch_norm":  # nn.BatchNorm*d in eval mode: F.batch_norm at the parameter dtype
+        if order != "native" or statistics is None:
+            raise InputError(f"hf: a batch_norm runs in order 'native' with its running statistics ({where})")
+        mean, var = statistics
+        gain = weight + gain_offset if gain_offset else weight
+        return lambda x: F.batch_norm(x, mean, var, gain, bias, training=False, eps=eps)
     if order == "native":  # nn.LayerNorm runs at the parameter dtype
         if kind != "layer_norm":
             raise InputError(f"hf: order 'native' is only defined for LayerNorm ({where})")

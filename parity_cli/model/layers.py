@@ -37,6 +37,10 @@ class NormLayer:
     semantic_offset: float | None = None  # the family's offset when gain_offset differs (GGUF Gemma: baked in)
     program: bytes | None = None  # an exported graph's own subgraph for this norm (onnx_checkpoint)
     tower: str = "main"  # language, vision, audio, projector, ... (tower_of): a multimodal model's parts
+    # batch_norm: the running statistics the checkpoint stores beside the gain (as stored); eps
+    # then meets running_var per channel, so q/eps is running_var / eps, a property of the layer
+    running_mean: object = None
+    running_var: object = None
 
     @property
     def stored_dtype(self) -> str:
@@ -120,6 +124,28 @@ def _split(tensor: str, suffixes: tuple[str, ...]) -> str | None:
     return None
 
 
+def _running_statistics(ckpt: Checkpoint, name: str, shape: tuple) -> dict:
+    """A BatchNorm's running mean and variance, which the checkpoint must store beside its gain:
+    without them there is nothing to normalise with at inference (a one-line error, not a guess)."""
+    import torch
+
+    out = {}
+    for stat in ("running_mean", "running_var"):
+        tensor = f"{name}.{stat}"
+        if not ckpt.has(tensor):
+            raise InputError(f"{ckpt.path}: BatchNorm {name} has no {tensor} (inference needs the running statistics)")
+        value = ckpt.read(tensor)
+        if tuple(value.shape) != shape or not value.is_floating_point():
+            raise InputError(f"{ckpt.path}: {tensor} has shape {list(value.shape)} and dtype "
+                             f"{str(value.dtype).removeprefix('torch.')}; its gain {list(shape)}, floating point")
+        out[stat] = value
+    bad = ~torch.isfinite(out["running_var"].to(torch.float64)) | (out["running_var"].to(torch.float64) < 0)
+    if bool(bad.any()):
+        raise InputError(f"{ckpt.path}: {name}.running_var holds {int(bad.sum())} negative or non-finite value(s); "
+                         "a variance is finite and >= 0")
+    return out
+
+
 def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = None,
                     layers_glob: str | None = None, names: set | None = None) -> Discovery:
     """Every tensor a pattern claims becomes a layer; every other norm-looking tensor is listed
@@ -152,6 +178,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         matched = [m for m in matched if m[0] in names]
 
     layers, warnings = [], []
+    statistics: set[str] = set()  # a BatchNorm's running statistics, read with its gain
     for name, tensor, pattern in matched:
         info = ckpt.info(tensor)
         if len(info.shape) not in (1, 2) or 0 in info.shape:
@@ -182,7 +209,11 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
             layer_warnings.append(f"eps is not in the config (looked for {', '.join(sem.eps_keys)}); "
                                   f"the default {layer_eps.value:g} is assumed")
         bias = None
-        if sem.kind == "layer_norm":
+        running = {}
+        if sem.kind == "batch_norm":
+            running = _running_statistics(ckpt, name, tuple(info.shape))
+            statistics.update(f"{name}.{s}" for s in ("running_mean", "running_var", "num_batches_tracked"))
+        if sem.kind in ("layer_norm", "batch_norm"):
             for b in family.bias_names:
                 if ckpt.has(f"{name}.{b}"):
                     bias = ckpt.read(f"{name}.{b}")
@@ -207,6 +238,8 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                 tensor=tensor,
                 semantic_offset=sem.gain_offset,
                 tower=tower,
+                **running,
             )
         )
+    unmatched = [t for t in unmatched if t not in statistics]
     return Discovery(layers=layers, unmatched=sorted(unmatched), warnings=warnings)

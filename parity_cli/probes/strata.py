@@ -249,6 +249,37 @@ def build_probes(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: i
     return build_probe_set(strata, dim, eps, dtype, seed).probes
 
 
+def batch_norm_probe_set(strata: list[StratumSpec], mean, var, gain, eps: float, dtype, seed: int) -> ProbeSet:
+    """A BatchNorm's probes, in the units of its own running statistics: a stratum's row z becomes
+    x = running_mean + z * sqrt(running_var + eps) per channel, so that the reference's normalised
+    value is z itself. `normal` is then the activations the statistics describe, `tiny` sits at the
+    running mean (where w h + b is all bias), `large` is 256..6e4 deviations out, `outlier` a few
+    channels 1e3..1e4 out; `zero` stays x = 0. Every channel is excited at its own scale, the
+    smallest-variance ones, where eps shows, included. A BatchNorm's output is not bounded as a
+    norm's row is (h = z, not z / rms(z)): a row whose exact output w h would pass a sixteenth of
+    the dtype's range is scaled back, since no implementation at that dtype could hold it. Built
+    per layer: the statistics are the layer's."""
+    import torch
+
+    mean = mean.to(torch.float64)
+    scale = torch.sqrt(var.to(torch.float64) + eps)
+    limit = torch.finfo(dtype).max / 16
+    gain = gain.to(torch.float64).abs().clamp_min(1e-300)
+    dim = mean.shape[-1]
+    rows = []
+    for probe in _build(strata, dim, eps, torch.float64, seed):
+        z = probe.x
+        if probe.stratum != "zero":
+            reach = (z.abs() * gain).amax(-1, keepdim=True)
+            z = torch.where(reach > limit, z * (limit / reach), z)
+            z = mean + z * scale
+        x = z.to(dtype)
+        # an input past the dtype's range (a huge mean plus deviations) cannot be fed: left at 0
+        x = torch.where(torch.isfinite(x), x, torch.zeros_like(x)).to(torch.float64)
+        rows.append(Probe(stratum=probe.stratum, x=x))
+    return probe_set(rows)
+
+
 def _build(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
     import torch
 

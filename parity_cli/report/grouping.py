@@ -51,7 +51,10 @@ def _offset_words(item: dict) -> str:
 SHORT = {
     "eps_mismatch": lambda d: f"behaves as eps ≈ {sci(d.get('estimated_eps'))}, configured {g(d.get('configured_eps', 0))}",
     "eps_missing": lambda d: "eps dropped: an all-zero row computes 0/0",
-    "eps_outside_sqrt": lambda d: "eps outside the root: x / (sqrt(q) + eps)",
+    "eps_outside_sqrt": lambda d: f"eps outside the root: {d.get('form', 'x / (sqrt(q) + eps)')}",
+    "batch_statistics": lambda d: "the batch's statistics used at inference, not the running ones",
+    "running_statistics_swapped": lambda d: "running mean and variance swapped",
+    "running_statistics_missing": lambda d: "running statistics not loaded (mean 0, variance 1)",
     "mean_subtracted": lambda d: "subtracts the mean (LayerNorm math in an RMSNorm)",
     "mean_not_subtracted": lambda d: "does not subtract the mean (RMSNorm math in a LayerNorm)",
     "variance_not_mean_square": lambda d: "divides by the variance, not the mean square",
