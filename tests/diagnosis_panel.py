@@ -12,7 +12,9 @@ HAIRLINE_KEYS = {"gain_llama", "fp32_math", "eps_f16", "eps_lost", "mean_sum"}  
 FAMILIES = {"llama": ("llama", 0.0, "rms_norm"), "gemma": ("gemma3", 1.0, "rms_norm"),
             "layer_norm": ("bert", 0.0, "layer_norm"),
             # issue 26: Nemotron's LayerNorm1P, a LayerNorm with gain 1 + w (a derived family)
-            "layer_norm_1p": ("nemotron", 1.0, "layer_norm")}
+            "layer_norm_1p": ("nemotron", 1.0, "layer_norm"),
+            # issue 26: ResNet's inference BatchNorm2d (eps 1e-5 fixed by the model code)
+            "batch_norm": ("resnet", 0.0, "batch_norm")}
 
 
 def codes_for(faults: str, family: str, eps: float) -> set:
@@ -33,7 +35,9 @@ def codes_for(faults: str, family: str, eps: float) -> set:
                      # issue 23: at the hairline no cause is picked; eps held as float16 is lost (1e-12 -> 0);
                      # tinygrad's float32 mean (sum / n) on constant rows is float32 rounding, not eps
                      "gain_llama": "marginal", "fp32_math": "marginal", "eps_f16": "marginal",
-                     "eps_lost": "eps_missing", "mean_sum": "float32_accumulation"}[key])
+                     "eps_lost": "eps_missing", "mean_sum": "float32_accumulation",
+                     "batch_stats": "batch_statistics", "swapped": "running_statistics_swapped",
+                     "missing": "running_statistics_missing"}[key])
     return out
 
 
@@ -60,7 +64,7 @@ LISTED = {("llama", "float32", 1e-6, "fp32_seq", 640): "float32 math",
 # (family, dtype, checkpoint eps, planted faults, hidden size)
 PANEL = [
     # correct implementations: no false alarm
-    *[(fam, dt, {"layer_norm": 1e-12, "layer_norm_1p": 1e-5}.get(fam, 1e-6), "", 64)
+    *[(fam, dt, {"layer_norm": 1e-12, "layer_norm_1p": 1e-5, "batch_norm": 1e-5}.get(fam, 1e-6), "", 64)
       for fam in FAMILIES for dt in ("float32", "bfloat16", "float16")],
     # single faults
     ("llama", "float32", 1e-6, "eps=1e-05", 64),
@@ -116,6 +120,19 @@ PANEL = [
     ("layer_norm_1p", "bfloat16", 1e-5, "eps=0.001,no_offset", 64),
     # the gain's own rounding allowance (a 1 + w formed at bfloat16) hides no 5 % gain error
     ("layer_norm_1p", "bfloat16", 1e-5, "scale=1.05", 64),
+    # issue 26: BatchNorm at inference. Keras' default epsilon 1e-3 on a torch-trained model (1e-5),
+    # and 1e-6 (shows only in the channels whose running_var is near 1e-5); eps outside the root;
+    # the batch's statistics used at inference; the running statistics swapped or never loaded
+    ("batch_norm", "float32", 1e-5, "eps=0.001", 64),
+    ("batch_norm", "bfloat16", 1e-5, "eps=0.001", 64),
+    ("batch_norm", "float16", 1e-5, "eps=0.001", 64),
+    ("batch_norm", "float32", 1e-5, "eps=1e-06", 64),
+    ("batch_norm", "float32", 1e-5, "eps_outside", 64),
+    ("batch_norm", "bfloat16", 1e-5, "eps_outside", 64),
+    ("batch_norm", "float32", 1e-5, "batch_stats", 64),
+    ("batch_norm", "bfloat16", 1e-5, "batch_stats", 64),
+    ("batch_norm", "float32", 1e-5, "swapped", 64),
+    ("batch_norm", "bfloat16", 1e-5, "missing", 64),
 ]
 
 

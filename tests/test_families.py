@@ -30,6 +30,8 @@ EXPECTED_LAYERS = {
     "t5": 2 * L + 3 * L + 2,  # encoder blocks 2 sub-layers, decoder 3, two final norms
     "gpt2": 2 * L + 1, "gpt_neox": 2 * L + 1, "falcon": L + 1, "phi": 3 * L + 1, "bert": 2 * L + 2,
     "nemotron": 2 * L + 1,  # input_layernorm, post_attention_layernorm (LayerNorm1P); norm
+    # ResNetBottleNeckLayer: three ResNetConvLayer, a BatchNorm2d each (no shortcut: in == out here); the stem's
+    "resnet": 3 * L + 1,
 }
 FAMILY = {
     **{m: "llama" for m in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi3", "qwen3", "qwen3_moe", "deepseek_v3")},
@@ -37,6 +39,7 @@ FAMILY = {
     "gemma3n_text": "gemma3n", "olmo2": "olmo2", "cohere": "cohere", "t5": "t5",
     **{m: "layer_norm" for m in ("gpt2", "gpt_neox", "falcon", "phi", "bert")},
     "nemotron": "nemotron",  # derived from its own classes (configs/families/derived/)
+    "resnet": "resnet",  # derived: inference BatchNorm2d, running statistics beside each gain
 }
 
 
@@ -150,7 +153,9 @@ def _hf_norm_names(model_type):
 
 
 @needs_transformers
-@pytest.mark.parametrize("model_type", sorted(set(EXPECTED_LAYERS) - {"gemma3"}))  # gemma3 is multimodal
+# gemma3 is multimodal; resnet's synthetic layout is one stage of bottlenecks without the shortcut (its names
+# and its BatchNorm numerics are checked against the real ResNetModel in tests/test_batch_norm.py)
+@pytest.mark.parametrize("model_type", sorted(set(EXPECTED_LAYERS) - {"gemma3", "resnet"}))
 def test_synthetic_names_are_transformers_names(ckpt, model_type):
     """The synthetic checkpoints are only evidence if their names are the ones HF writes."""
     c, fam, eps = api.load(ckpt(model_type, layers=L))
@@ -176,7 +181,7 @@ def _hf_module(model_type, layer_name, size, eps, bias):
 
 @needs_transformers
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("model_type", sorted(EXPECTED_LAYERS))
+@pytest.mark.parametrize("model_type", sorted(set(EXPECTED_LAYERS) - {"resnet"}))  # BatchNorm: test_batch_norm.py
 def test_hf_is_bitwise_transformers(ckpt, model_type, dtype):
     c, fam, eps = api.load(ckpt(model_type, layers=1, eps=1e-5, seed=7))
     strata = list(load_strata().values())  # every stratum, extreme included

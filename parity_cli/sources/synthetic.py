@@ -22,6 +22,7 @@ class Layout:
     eps_key: str = "rms_norm_eps"
     zero_centred: bool = False  # stored w around 0 (gain 1 + w)
     bias: bool = False
+    statistics: bool = False  # a BatchNorm's running_mean, running_var and num_batches_tracked beside w
     config: dict = field(default_factory=dict)
 
 
@@ -79,6 +80,12 @@ LAYOUTS = {
                    root="bert.", eps_key="layer_norm_eps", bias=True),
     # Nemotron's LayerNorm1P: a LayerNorm with bias whose gain is 1 + w (stored w around 0)
     "nemotron": Layout(_LLAMA, eps_key="norm_eps", bias=True, zero_centred=True),
+    # ResNetModel's BatchNorm2d (eps 1e-5 in the model code, no config key): a bottleneck's three
+    # and the stem's, running variances over decades (some channels near eps, where it shows)
+    "resnet": Layout(tuple((f"{{root}}encoder.stages.0.layers.{{i}}.layer.{k}.normalization", "hidden")
+                           for k in range(3)),
+                     final=(("{root}embedder.embedder.normalization", "hidden"),), root="", eps_key="",
+                     bias=True, statistics=True),
 }
 LAYOUTS["gemma3"] = LAYOUTS["gemma3_text"]
 
@@ -130,7 +137,7 @@ def write_checkpoint(directory, model_type: str = "llama", *, layers: int = 2, h
         config.update(n_embd=hidden, n_head=heads, n_layer=layers)
     if model_type == "t5":
         config.update(d_model=hidden, num_heads=heads, num_layers=layers, num_decoder_layers=layers, d_kv=head_dim)
-    if eps is not None:
+    if eps is not None and layout.eps_key:
         config[layout.eps_key] = eps
     config.update(config_extra or {})
     sizes = {"hidden": hidden, "head_dim": head_dim, "heads": heads, "kv_heads": kv_heads,
@@ -145,6 +152,12 @@ def write_checkpoint(directory, model_type: str = "llama", *, layers: int = 2, h
         tensors[name] = (w if layout.zero_centred else 1.0 + w).to(tdtype)
         if layout.bias:
             tensors[name[: -len("weight")] + "bias"] = (0.05 * torch.randn(shape, generator=gen, dtype=torch.float64)).to(tdtype)
+        if layout.statistics:
+            stem = name[: -len("weight")]
+            tensors[stem + "running_mean"] = (0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)).to(tdtype)
+            decades = torch.rand(shape, generator=gen, dtype=torch.float64) * 7 - 6  # 1e-6 .. 10
+            tensors[stem + "running_var"] = torch.pow(10.0, decades).to(tdtype)
+            tensors[stem + "num_batches_tracked"] = torch.tensor(1000, dtype=torch.int64)
     tensors[f"{root}embed_tokens.weight"] = torch.randn(32, hidden, generator=gen).to(tdtype)
     for i in range(layers):
         tensors[f"{root}layers.{i}.self_attn.q_proj.weight"] = torch.randn(hidden, hidden, generator=gen).to(tdtype)

@@ -10,6 +10,11 @@ default eps *and* the stored w as the gain; a hard-coded eps *and* no upcast).
   variance     divide by sqrt(var + eps) without centring x
   fp32_seq     the mean square summed sequentially in float32 (float32/float64 inputs)
   channels2    the gain of channels 1 and 2 times 1.5 (a mis-broadcast weight)
+For a BatchNorm (kind batch_norm, issue 26), in float32 as runtimes compute it:
+  eps=V, eps_outside (x - mean) / (sqrt(var) + eps)
+  batch_stats  the batch's mean and variance (a module left in training mode)
+  swapped      running_var as the mean, running_mean as the variance
+  missing      mean 0 and variance 1 (running statistics never loaded)
 """
 
 import torch
@@ -30,9 +35,28 @@ def _sequential_mean_square(h):
     return (acc / h.shape[-1]).unsqueeze(-1)
 
 
-def planted(x, weight, eps, bias=None, faults="", offset=0.0, kind="rms_norm"):
+def _batch_norm(x, weight, eps, bias, f, running_mean, running_var):
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = x.to(work)
+    mean, var = running_mean.to(work), running_var.to(work)
+    if f.get("batch_stats"):
+        mean, var = h.mean(0), h.var(0, unbiased=False)
+    if f.get("swapped"):
+        mean, var = var, mean
+    if f.get("missing"):
+        mean, var = torch.zeros_like(mean), torch.ones_like(var)
+    y = (h - mean) / (torch.sqrt(var) + eps) if f.get("eps_outside") else (h - mean) * torch.rsqrt(var + eps)
+    y = y * weight.to(work)
+    if bias is not None:
+        y = y + bias.to(work)
+    return y.to(x.dtype)
+
+
+def planted(x, weight, eps, bias=None, faults="", offset=0.0, kind="rms_norm", running_mean=None, running_var=None):
     f = _parse(faults)
     eps = f.get("eps", eps)
+    if kind == "batch_norm":
+        return _batch_norm(x, weight, eps, bias, f, running_mean, running_var)
     work = x.dtype if f.get("no_upcast") else (torch.float64 if x.dtype == torch.float64 and not f.get("fp32_seq")
                                                 else torch.float32)
     h = x.to(work)
