@@ -81,7 +81,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     weight and the RMS below which eps attenuates its output by more than 1%."""
     import math
 
-    from parity_cli.check.layer import weight_stats
+    from parity_cli.check.layer import running_summary, weight_stats
     from parity_cli.model.layers import discover_layers
     from parity_cli.sources.onnx_graph import is_onnx
 
@@ -112,6 +112,8 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
             "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * layer.eps.value),
             "warnings": layer.warnings,
         })
+        if layer.kind == "batch_norm":  # its q/eps is running_var / eps, read off the checkpoint
+            layers[-1]["statistics"] = running_summary(layer, layer.eps.value)
     # one line per kind of condition, with how many layers and which: a healthy 109-layer model
     # must not print 77 lines about it
     from parity_cli.report.grouping import layer_count, name_pattern
@@ -127,6 +129,15 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         notes.append(f"channels with effective gain <= 0 (lowest {min(v for _, v in nonpositive):.3g}) in "
                      f"{layer_count(len(names))} ({name_pattern(names, universe)}): common in trained weights, "
                      "and checked like any other gain")
+    batch = [l for l in layers if "statistics" in l]
+    if batch:
+        low = min(batch, key=lambda l: l["statistics"]["running_var_over_eps"]["min"])
+        under = sum(l["statistics"]["channels_attenuated_over_1pct"] for l in batch)
+        total = sum(l["statistics"]["channels"] for l in batch)
+        notes.append(f"BatchNorm q/eps is running_var / eps per channel: smallest "
+                     f"{low['statistics']['running_var_over_eps']['min']:.3g} ({low['name']}, channel "
+                     f"{low['statistics']['running_var_over_eps']['channel']}); {under} of {total} channels under "
+                     f"{ONE_PERCENT_Q_OVER_EPS:.4g} (eps attenuates them by more than 1 %, and a wrong eps shows there)")
     return {
         "schema_version": 1,
         "tool": {"name": "parity-cli", "version": __version__},

@@ -175,6 +175,24 @@ def _model_mismatch(reference: list[NormLayer], candidate: list[NormLayer], cand
             "reference": ref, "candidate": cand}
 
 
+def _statistics_findings(layer: NormLayer, other: NormLayer) -> list[dict]:
+    """A BatchNorm's running statistics are weights too: a copy that changed them (or lost them:
+    normalising with the batch's) computes another function with the same gain."""
+    if layer.kind != "batch_norm":
+        return []
+    if other.running_var is None:
+        return [{"code": "checkpoint_statistics_mismatch",
+                 "message": "the candidate checkpoint has no running statistics for this BatchNorm"}]
+    out = []
+    for what, ref, cand in (("running mean", layer.running_mean, other.running_mean),
+                            ("running variance", layer.running_var, other.running_var)):
+        found = _gain_finding("checkpoint_statistics_mismatch", what, ref, cand, ref.dtype, cand.dtype, baked=False)
+        if found:
+            found["statistic"] = what
+            out.append(found)
+    return out
+
+
 def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str) -> Pairing:
     by_name = {layer.name: layer for layer in candidate}
     ref_names = {layer.name for layer in reference}
@@ -231,6 +249,7 @@ def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str)
                                  layer.bias.dtype, other.bias.dtype, baked=False)
             if bias:
                 findings.append(bias)
+        findings += _statistics_findings(layer, other)
         if findings:
             out.layer_findings[layer.name] = findings
     for name in sorted(set(by_name) - ref_names):

@@ -80,6 +80,7 @@ SHORT = {
         else "the copy stores the gain at lower precision" if d.get("precision_loss")
         else "the copy's gain differs"),
     "checkpoint_bias_mismatch": lambda d: "the copy's bias differs",
+    "checkpoint_statistics_mismatch": lambda d: f"the copy's {d.get('statistic', 'running statistics')} differs",
     "checkpoint_layer_missing": lambda d: "missing from the candidate checkpoint",
     "checkpoint_layer_extra": lambda d: "only in the candidate checkpoint",
     "checkpoint_shape_mismatch": lambda d: "shape differs in the candidate checkpoint",
