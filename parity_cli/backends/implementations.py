@@ -81,6 +81,30 @@ def batch_normalize(x, mean, var, eps: float):
         var.to(device=x.device, dtype=torch.float64) + eps)
 
 
+def group_normalize(x, groups: int, eps: float):
+    """A GroupNorm's normalised rows in float64: each row is C channels x S positions, channel-major,
+    so a group is a contiguous run of (C / groups) * S elements, normalised as a LayerNorm row
+    (overflow-safe, oracle_normalize)."""
+    n, width = x.shape
+    return oracle_normalize(x.reshape(n, groups, width // groups), eps, "layer_norm").reshape(n, width)
+
+
+def per_position(t, layer: NormLayer):
+    """A per-channel vector (gain, bias) repeated over each channel's positions: the row's layout."""
+    return t if t is None or layer.spatial == 1 else t.repeat_interleave(layer.spatial, dim=-1)
+
+
+def feature_map(fn, layer: NormLayer):
+    """fn of an (N, C, S) feature map as a function of probe rows (N, C * S), and back: how a
+    GroupNorm (which needs its positions) meets the row-shaped probes."""
+
+    def run(x):
+        y = fn(x.reshape(x.shape[0], layer.dim, layer.spatial))
+        return y.reshape(x.shape) if hasattr(y, "reshape") and y.numel() == x.numel() else y
+
+    return run
+
+
 def running_statistics(layer: NormLayer, like):
     """The layer's running mean and variance at `like`'s dtype and device (a candidate's copy:
     a model cast to bfloat16 casts its buffers too)."""
@@ -90,6 +114,11 @@ def running_statistics(layer: NormLayer, like):
 def _oracle(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     import torch
 
+    if layer.kind == "group_norm":
+        gain = per_position(layer.gain_offset + weight.to(torch.float64), layer)
+        shift = per_position(None if bias is None else bias.to(torch.float64), layer)
+        return lambda x: group_normalize(x.to(torch.float64), layer.groups, eps) * gain.to(x.device) + (
+            0.0 if shift is None else shift.to(x.device))
     if layer.kind == "batch_norm":
         gain = layer.gain_offset + weight.to(torch.float64)
         shift = 0.0 if bias is None else bias.to(torch.float64)
@@ -114,6 +143,8 @@ def _torch(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     import torch.nn.functional as F
 
     gain = weight + layer.gain_offset if layer.gain_offset else weight
+    if layer.kind == "group_norm":
+        return feature_map(lambda x: F.group_norm(x, layer.groups, gain, bias, eps), layer)
     if layer.kind == "batch_norm":  # inference: the running statistics, never the batch's
         mean, var = running_statistics(layer, weight)
         return lambda x: F.batch_norm(x, mean, var, gain, bias, training=False, eps=eps)
@@ -132,8 +163,9 @@ def _hf(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     from parity_cli.model.forms import hf_forward
 
     stats = running_statistics(layer, weight) if layer.kind == "batch_norm" else None
-    return hf_forward(layer.kind, layer.order, layer.gain_offset, layer.inverse_sqrt, layer.dim, weight, bias, eps,
-                      where=layer.name, statistics=stats)
+    fn = hf_forward(layer.kind, layer.order, layer.gain_offset, layer.inverse_sqrt, layer.dim, weight, bias, eps,
+                    where=layer.name, statistics=stats, groups=layer.groups)
+    return feature_map(fn, layer) if layer.kind == "group_norm" else fn
 
 
 def _import_class(path: str):
@@ -169,6 +201,8 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     size = layer.shape if weight.dim() > 1 else layer.dim
     if layer.kind == "batch_norm":
         return _batch_norm_module(cls, layer, weight, bias, eps, loaded=True)
+    if layer.kind == "group_norm":
+        return _group_norm_module(cls, layer, weight, bias, eps, loaded=True)
     if cls is torch.nn.LayerNorm:
         module = cls(size, eps=eps, bias=bias is not None)
     elif _takes_config(cls):  # CpmAntLayerNorm(config): the config holds the width and eps
@@ -213,6 +247,22 @@ def _batch_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: 
         return y.reshape(x.shape) if isinstance(y, torch.Tensor) and y.numel() == x.numel() else y
 
     return run
+
+
+def _group_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: bool, **kwargs) -> Prepared:
+    """A GroupNorm module class built as nn.GroupNorm is, `cls(groups, C, eps=eps)`, its gain and
+    bias filled, fed (N, C, S) feature maps."""
+    import torch
+
+    module = cls(layer.groups, layer.dim, eps=eps, **kwargs).to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        for attr, value in (("weight", weight), ("bias", bias)):
+            target = getattr(module, attr, None)
+            if value is not None and isinstance(target, torch.Tensor):
+                target.copy_(value)
+            elif value is not None and attr == "weight" and loaded:
+                raise TypeError(f"{cls.__name__} has no weight tensor to fill")
+    return feature_map(module.eval(), layer)
 
 
 def _onnxruntime(layer: NormLayer, weight, bias, eps: float, op: str = "auto", compute: str | None = None) -> Prepared:
@@ -354,6 +404,8 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
         def prepare_module(layer: NormLayer, weight, bias, eps: float) -> Prepared:
             if layer.kind == "batch_norm":  # its running statistics filled too, in eval mode
                 return _batch_norm_module(obj, layer, weight, bias, eps, loaded=False, **args)
+            if layer.kind == "group_norm":  # built as nn.GroupNorm(groups, channels, eps=eps)
+                return _group_norm_module(obj, layer, weight, bias, eps, loaded=False, **args)
             module = obj(layer.shape if weight.dim() > 1 else layer.dim, eps=eps, **args)
             if not isinstance(getattr(module, "weight", None), torch.Tensor):
                 raise TypeError(f"{obj.__name__} has no weight tensor to fill")
@@ -373,6 +425,8 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
         if layer.kind == "batch_norm":
             mean, var = running_statistics(layer, weight)
             return lambda x: obj(x, weight, eps, bias=bias, running_mean=mean, running_var=var, **args)
+        if layer.kind == "group_norm":  # called on (N, C, S) feature maps
+            return feature_map(lambda x: obj(x, weight, eps, bias=bias, groups=layer.groups, **args), layer)
         if layer.kind == "layer_norm":
             return lambda x: obj(x, weight, eps, bias=bias, **args)
         return lambda x: obj(x, weight, eps, **args)

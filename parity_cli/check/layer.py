@@ -109,7 +109,11 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     def rows(y):
         return y if y is None or not heads else y.reshape(-1, y.shape[-1])
 
-    if layer.kind == "batch_norm":
+    if layer.kind == "group_norm":
+        from parity_cli.probes.strata import group_norm_probe_set
+
+        sets = [group_norm_probe_set(strata, layer.dim, layer.groups, layer.spatial, eps, candidate.dtype, opts.seed)]
+    elif layer.kind == "batch_norm":
         from parity_cli.probes.strata import batch_norm_probe_set
 
         sets = [batch_norm_probe_set(strata, layer.running_mean, layer.running_var,
@@ -185,6 +189,11 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         extra = None
         if layer.kind == "layer_norm" and tol.mean_rounding:
             extra = rows(mean_rounding_allowance(spread(ps.on(dev)), gain.to(dev), eps, tol))
+        if layer.kind == "group_norm" and tol.mean_rounding:  # a LayerNorm per group: the same conditioning
+            n = ps.x.shape[0]
+            grouped = ps.on(dev).reshape(n, layer.groups, -1)
+            full = gain.to(dev).repeat_interleave(layer.spatial).reshape(layer.groups, -1)
+            extra = mean_rounding_allowance(grouped, full, eps, tol).reshape(n, -1)
         if layer.kind == "batch_norm" and not opts.exact:
             from parity_cli.comparison import fold_rounding_allowance
 
@@ -196,8 +205,12 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
 
             h = oracle_normalize(spread(ps.on(dev)), eps, layer.kind).abs() * gain_rounding.to(dev)
             extra = rows(h) if extra is None else extra + rows(h)
-        q = ps.mean_square(layer.kind) if layer.kind != "batch_norm" else \
-            layer.running_var.to(torch.float64).min().expand(ps.x.shape[0])  # the layer's, not the row's
+        if layer.kind == "batch_norm":  # the layer's, not the row's
+            q = layer.running_var.to(torch.float64).min().expand(ps.x.shape[0])
+        elif layer.kind == "group_norm":  # a row's smallest group variance
+            q = group_variances(ps.x, layer.groups).amin(-1)
+        else:
+            q = ps.mean_square(layer.kind)
         if heads:
             q = q.repeat_interleave(per_row)
         compared = compare_batch([seg for _, seg in valid], x_rows, ref, cand, eps, layer.kind, tol,
@@ -214,6 +227,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         if layer.kind == "batch_norm":
             for result in compared:
                 per_channel_q_over_eps(result, layer.running_var, eps)
+        if layer.kind == "group_norm":
+            for result in compared:
+                per_group_q_over_eps(result, layer.groups, eps)
         for (k, _), result in zip(valid, compared):
             result.shared = ps.probes[k].q  # every layer of this probe set: diagnosis variants are computed once
             result.batch = batch
@@ -256,6 +272,11 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         result.statistics = running_summary(layer, eps)
     if not diagnose_failures:  # the explain ladder's rungs: only their figures are read
         pass
+    elif layer.kind == "group_norm":
+        from parity_cli.diagnose.group_norm import diagnose_group_norm
+
+        result.diagnoses = diagnose_group_norm(layer, results, gain_d, bias_d, eps, tol, candidate.dtype,
+                                               exact=opts.exact)
     elif layer.kind == "batch_norm":
         from parity_cli.diagnose.batch_norm import diagnose_batch_norm
 
@@ -284,7 +305,7 @@ def _reference_batch(ps, j, reference: Side, layer, w_ref, b_ref, eps, spread, r
     import torch
 
     normalise = getattr(reference.impl, "normalise", None)
-    if normalise is not None and reference.dtype == torch.float64 and layer.kind != "batch_norm":
+    if normalise is not None and reference.dtype == torch.float64 and layer.kind in ("rms_norm", "layer_norm"):
         dev = reference.device  # a GPU with fast float64 (options.reference_device), or the CPU
         n = ps.normalised(eps, layer.kind, normalise, dev)
         gain = (layer.gain_offset + w_ref).to(dev)
@@ -382,6 +403,34 @@ def per_channel_q_over_eps(result, running_var, eps: float) -> None:
         failing = ratio[result.bad.reshape(-1, ratio.shape[-1]).any(0).to(ratio.device)]
         result.failing_q_over_eps = (float(failing.min()), float(failing.max()))
     result.row_q_over_eps = [lo] * result.vectors
+
+
+def group_variances(x, groups: int):
+    """Each row's variance per group (float64, rows x groups): a GroupNorm's q."""
+    from parity_cli.backends.implementations import mean_square
+
+    n = x.shape[0]
+    return mean_square(x.reshape(n, groups, -1), "layer_norm")
+
+
+def per_group_q_over_eps(result, groups: int, eps: float) -> None:
+    """A GroupNorm's q is each group's variance: the stratum's q/eps range runs over every (row,
+    group), its failing range over the groups holding a failing element."""
+    import torch
+
+    from parity_cli.comparison import attenuation
+
+    if result.x is None:
+        return
+    q = group_variances(result.x, groups)
+    ratio = q / eps if eps > 0 else torch.where(q > 0, torch.full_like(q, float("inf")), q)
+    lo, hi = float(ratio.min()), float(ratio.max())
+    result.q_over_eps = (lo, hi)
+    result.attenuation = (attenuation(lo), attenuation(hi))
+    if result.bad is not None and bool(result.bad.any()):
+        failing = ratio[result.bad.reshape(result.bad.shape[0], groups, -1).any(-1).to(ratio.device)]
+        result.failing_q_over_eps = (float(failing.min()), float(failing.max()))
+    result.row_q_over_eps = ratio.amin(-1).tolist()
 
 
 def running_summary(layer, eps: float) -> dict:

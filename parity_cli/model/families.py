@@ -18,7 +18,8 @@ from parity_cli.resources import configs_dir, load_toml
 
 # batch_norm: inference BatchNorm, (x - running_mean) / sqrt(running_var + eps) * w + b per channel,
 # its statistics stored beside the gain (`{name}.running_mean`, `{name}.running_var`)
-KINDS = ("rms_norm", "layer_norm", "batch_norm")
+# group_norm: GroupNorm, a LayerNorm over each group of C / groups channels and every position
+KINDS = ("rms_norm", "layer_norm", "batch_norm", "group_norm")
 # Numerics orders the `hf` implementation reproduces (parity_cli.backends.implementations):
 #   llama  - fp32 normalise, cast to the input dtype, multiply by the weight at its dtype
 #   gemma  - fp32 normalise and gain, cast to the input dtype last
@@ -41,6 +42,7 @@ class Semantics:
     eps: float | None  # fixed by the model code, whatever the config says
     eps_source: str | None
     hf_class: str | None  # dotted path of the transformers (or torch) module class
+    groups: int | str | None = None  # group_norm: the group count, or "channels" (one group a channel)
 
 
 @dataclass(frozen=True)
@@ -143,9 +145,12 @@ def _semantics(table: dict, base: Semantics | None, where: str) -> Semantics:
     order = pick("order", str, b and b.order)
     if order not in ORDERS:
         raise InputError(f"{where}: order '{order}' is not one of {', '.join(ORDERS)}")
-    if kind == "batch_norm" and order != "native":
-        raise InputError(f"{where}: a batch_norm runs in order 'native' (F.batch_norm at the parameter dtype), "
-                         f"not '{order}'")
+    groups = table.get("groups", b.groups if b else None)
+    if kind == "group_norm" and not (groups == "channels" or (type(groups) is int and groups > 0)):
+        raise InputError(f"{where}: a group_norm needs groups = a positive integer or \"channels\"")
+    if kind in ("batch_norm", "group_norm") and order != "native":
+        raise InputError(f"{where}: a {kind} runs in order 'native' (torch's functional op at the parameter "
+                         f"dtype), not '{order}'")
     inverse_sqrt = get("inverse_sqrt", str, b.inverse_sqrt if b else "rsqrt")
     if inverse_sqrt not in INVERSE_SQRTS:
         raise InputError(f"{where}: inverse_sqrt '{inverse_sqrt}' is not one of {', '.join(INVERSE_SQRTS)}")
@@ -166,6 +171,7 @@ def _semantics(table: dict, base: Semantics | None, where: str) -> Semantics:
         eps=eps,
         eps_source=get("eps_source", str, "model-code" if eps is not None else None),
         hf_class=get("hf_class", str, b.hf_class if b else None),
+        groups=groups if kind == "group_norm" else None,
     )
 
 

@@ -10,7 +10,7 @@ from parity_cli.errors import InputError
 
 
 def hf_forward(kind: str, order: str, gain_offset: float, inverse_sqrt: str, dim: int, weight, bias, eps: float,
-               where: str = "the norm", statistics=None):
+               where: str = "the norm", statistics=None, groups: int = 1):
     """A function of the input batch computing the norm as the family's class does. A batch_norm
     takes its (running_mean, running_var) as `statistics`."""
     import torch
@@ -22,6 +22,9 @@ def hf_forward(kind: str, order: str, gain_offset: float, inverse_sqrt: str, dim
         mean, var = statistics
         gain = weight + gain_offset if gain_offset else weight
         return lambda x: F.batch_norm(x, mean, var, gain, bias, training=False, eps=eps)
+    if kind == "group_norm":  # nn.GroupNorm: F.group_norm at the parameter dtype, on (N, C, *) maps
+        gain = weight + gain_offset if gain_offset else weight
+        return lambda x: F.group_norm(x, groups, gain, bias, eps)
     if order == "native":  # nn.LayerNorm runs at the parameter dtype
         if kind != "layer_norm":
             raise InputError(f"hf: order 'native' is only defined for LayerNorm ({where})")

@@ -41,6 +41,15 @@ class NormLayer:
     # then meets running_var per channel, so q/eps is running_var / eps, a property of the layer
     running_mean: object = None
     running_var: object = None
+    # group_norm: C / groups channels a group; the probes give each channel `spatial` positions (a
+    # GroupNorm's statistic runs over its group's channels and every position of the feature map)
+    groups: int = 1
+    spatial: int = 1
+
+    @property
+    def width(self) -> int:
+        """A probe row's length: the channels, times the positions each has (group_norm)."""
+        return self.dim * self.spatial
 
     @property
     def stored_dtype(self) -> str:
@@ -146,6 +155,19 @@ def _running_statistics(ckpt: Checkpoint, name: str, shape: tuple) -> dict:
     return out
 
 
+GROUP_ELEMENTS = 64  # a GroupNorm probe's group holds at least this many elements (channels x positions)
+
+
+def _grouping(ckpt: Checkpoint, tensor: str, channels: int, groups) -> dict:
+    """A GroupNorm's group count for this layer and the positions its probes give each channel."""
+    count = channels if groups == "channels" else int(groups)
+    if channels % count:
+        raise InputError(f"{ckpt.path}: {tensor} has {channels} channels, not a multiple of the family's {count} groups")
+    per_group = channels // count
+    spatial = max(2, -(-GROUP_ELEMENTS // per_group))
+    return {"groups": count, "spatial": spatial}
+
+
 def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = None,
                     layers_glob: str | None = None, names: set | None = None) -> Discovery:
     """Every tensor a pattern claims becomes a layer; every other norm-looking tensor is listed
@@ -213,7 +235,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         if sem.kind == "batch_norm":
             running = _running_statistics(ckpt, name, tuple(info.shape))
             statistics.update(f"{name}.{s}" for s in ("running_mean", "running_var", "num_batches_tracked"))
-        if sem.kind in ("layer_norm", "batch_norm"):
+        if sem.kind in ("layer_norm", "batch_norm", "group_norm"):
             for b in family.bias_names:
                 if ckpt.has(f"{name}.{b}"):
                     bias = ckpt.read(f"{name}.{b}")
@@ -221,6 +243,8 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                         raise InputError(f"{ckpt.path}: {name}.{b} has shape {list(bias.shape)}, "
                                          f"its weight {list(info.shape)}")
                     break
+        if sem.kind == "group_norm":
+            running = _grouping(ckpt, tensor, dim, sem.groups)
         layers.append(
             NormLayer(
                 name=name,

@@ -280,6 +280,32 @@ def batch_norm_probe_set(strata: list[StratumSpec], mean, var, gain, eps: float,
     return probe_set(rows)
 
 
+def group_norm_probe_set(strata: list[StratumSpec], channels: int, groups: int, spatial: int, eps: float, dtype,
+                         seed: int) -> ProbeSet:
+    """A GroupNorm's probes: rows of `channels` x `spatial` positions (channel-major), each group
+    a contiguous run. Every stratum is the usual one at that width, except where one group is the
+    point: in `tiny` and `constant` rows a single group (a different one each row) is tiny (its
+    variance at the stratum's multiples of eps) or constant (variance 0, where eps alone sets the
+    output) while every other group holds N(0, 1) activations, as a silent channel group of a real
+    feature map does. A group's statistic is its own: the others must not hide it."""
+    import torch
+
+    width = channels * spatial
+    size = width // groups
+    rows = []
+    for probe in _build(strata, width, eps, torch.float64, seed):
+        x = probe.x
+        if probe.stratum in ("tiny", "constant") and groups > 1:
+            rng = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{probe.stratum}:groups:{width}".encode()))
+            own = x.clone()
+            x = torch.randn(x.shape, generator=rng, dtype=torch.float64)
+            for r in range(x.shape[0]):
+                g = r % groups
+                x[r, g * size:(g + 1) * size] = own[r, g * size:(g + 1) * size]
+        rows.append(Probe(stratum=probe.stratum, x=x.to(dtype).to(torch.float64)))
+    return probe_set(rows)
+
+
 def _build(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
     import torch
 

@@ -55,6 +55,8 @@ SHORT = {
     "batch_statistics": lambda d: "the batch's statistics used at inference, not the running ones",
     "running_statistics_swapped": lambda d: "running mean and variance swapped",
     "running_statistics_missing": lambda d: "running statistics not loaded (mean 0, variance 1)",
+    "group_count_mismatch": lambda d: (f"{d.get('candidate_groups')} group{'s' if d.get('candidate_groups') != 1 else ''}"
+                                       f" where the layer has {d.get('groups')}"),
     "mean_subtracted": lambda d: "subtracts the mean (LayerNorm math in an RMSNorm)",
     "mean_not_subtracted": lambda d: "does not subtract the mean (RMSNorm math in a LayerNorm)",
     "variance_not_mean_square": lambda d: "divides by the variance, not the mean square",
