@@ -105,6 +105,33 @@ def feature_map(fn, layer: NormLayer):
     return run
 
 
+def gate_activation(name: str, z):
+    import torch
+
+    return torch.nn.functional.silu(z) if name == "silu" else torch.sigmoid(z)
+
+
+def split_gate(x2, layer: NormLayer):
+    """A gated norm's probe row is [x | z]: the input and its gate, side by side."""
+    return x2[..., : layer.dim], x2[..., layer.dim:]
+
+
+def gated_normalize(x2, layer: NormLayer, eps: float, gate: str | None = None, groups: int | None = None,
+                    activation: str | None = None):
+    """A gated RMSNorm's gain-free part in float64, as (normalised, multiplier): the gate either
+    enters the statistic (`before`: RMSNorm of x * act(z), per group) or multiplies the result
+    (`after`: RMSNorm(x) * act(z)). Overflow-safe as oracle_normalize."""
+    import torch
+
+    gate, groups, activation = gate or layer.gate, groups or layer.groups, activation or layer.activation
+    x, z = split_gate(x2.to(torch.float64), layer)
+    a = gate_activation(activation, z)
+    h = x * a if gate == "before" else x
+    n = h.shape[0]
+    normed = oracle_normalize(h.reshape(n, groups, -1), eps, "rms_norm").reshape(n, -1)
+    return normed, (a if gate == "after" else None)
+
+
 def running_statistics(layer: NormLayer, like):
     """The layer's running mean and variance at `like`'s dtype and device (a candidate's copy:
     a model cast to bfloat16 casts its buffers too)."""
@@ -114,6 +141,15 @@ def running_statistics(layer: NormLayer, like):
 def _oracle(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     import torch
 
+    if layer.kind == "gated_rms_norm":
+        gain = layer.gain_offset + weight.to(torch.float64)
+
+        def gated(x):
+            normed, after = gated_normalize(x, layer, eps)
+            y = normed * gain.to(x.device)
+            return y if after is None else y * after
+
+        return gated
     if layer.kind == "group_norm":
         gain = per_position(layer.gain_offset + weight.to(torch.float64), layer)
         shift = per_position(None if bias is None else bias.to(torch.float64), layer)
@@ -145,6 +181,20 @@ def _torch(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     gain = weight + layer.gain_offset if layer.gain_offset else weight
     if layer.kind == "group_norm":
         return feature_map(lambda x: F.group_norm(x, layer.groups, gain, bias, eps), layer)
+    if layer.kind == "gated_rms_norm":
+        # torch has no fused gated norm: F.rms_norm per group with the gate in float32 and one cast at
+        # the end, as the fused kernels (mamba_ssm's rmsnorm_fn) compute it (x * silu(z) overflows float16)
+        size = layer.dim // layer.groups
+
+        def gated(x2):
+            x, z = split_gate(x2, layer)
+            a = gate_activation(layer.activation, z.float())
+            h = x.float() * a if layer.gate == "before" else x.float()
+            y = F.rms_norm(h.reshape(h.shape[0], layer.groups, size), (size,), None, eps).reshape(h.shape)
+            y = y * gain.float()
+            return (y if layer.gate == "before" else y * a).to(x.dtype)
+
+        return gated
     if layer.kind == "batch_norm":  # inference: the running statistics, never the batch's
         mean, var = running_statistics(layer, weight)
         return lambda x: F.batch_norm(x, mean, var, gain, bias, training=False, eps=eps)
@@ -162,6 +212,11 @@ def _hf(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     exact inverse square root, so that it is bitwise equal to the transformers module."""
     from parity_cli.model.forms import hf_forward
 
+    if layer.kind == "gated_rms_norm":
+        from parity_cli.model.forms import gated_forward
+
+        return gated_forward(layer.order, layer.gate, layer.activation, layer.groups, layer.dim, weight, eps,
+                             gain_offset=layer.gain_offset)
     stats = running_statistics(layer, weight) if layer.kind == "batch_norm" else None
     fn = hf_forward(layer.kind, layer.order, layer.gain_offset, layer.inverse_sqrt, layer.dim, weight, bias, eps,
                     where=layer.name, statistics=stats, groups=layer.groups)
@@ -203,6 +258,8 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
         return _batch_norm_module(cls, layer, weight, bias, eps, loaded=True)
     if layer.kind == "group_norm":
         return _group_norm_module(cls, layer, weight, bias, eps, loaded=True)
+    if layer.kind == "gated_rms_norm":
+        return _gated_module(cls, layer, weight, eps)
     if cls is torch.nn.LayerNorm:
         module = cls(size, eps=eps, bias=bias is not None)
     elif _takes_config(cls):  # CpmAntLayerNorm(config): the config holds the width and eps
@@ -263,6 +320,35 @@ def _group_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: 
             elif value is not None and attr == "weight" and loaded:
                 raise TypeError(f"{cls.__name__} has no weight tensor to fill")
     return feature_map(module.eval(), layer)
+
+
+def _gated_module(cls, layer: NormLayer, weight, eps: float) -> Prepared:
+    """A gated RMSNorm class, built as its own signature asks (Mamba's `group_size`, Falcon-H1's
+    `n_groups` and `norm_before_gate`), its weight filled, called as module(x, gate=z)."""
+    import inspect as _inspect
+
+    import torch
+
+    try:
+        params = set(list(_inspect.signature(cls.__init__).parameters)[1:])
+    except (TypeError, ValueError):
+        params = set()
+    kwargs = {"eps": eps}
+    if "group_size" in params:
+        kwargs["group_size"] = layer.dim // layer.groups
+    if "n_groups" in params:
+        kwargs["n_groups"] = layer.groups
+    if "norm_before_gate" in params:
+        kwargs["norm_before_gate"] = layer.gate == "after"
+    module = cls(layer.dim, **kwargs).to(device=weight.device, dtype=weight.dtype).eval()
+    with torch.no_grad():
+        module.weight.copy_(weight)
+
+    def run(x2):
+        x, z = split_gate(x2, layer)
+        return module(x, gate=z)
+
+    return run
 
 
 def _onnxruntime(layer: NormLayer, weight, bias, eps: float, op: str = "auto", compute: str | None = None) -> Prepared:
@@ -406,6 +492,8 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
                 return _batch_norm_module(obj, layer, weight, bias, eps, loaded=False, **args)
             if layer.kind == "group_norm":  # built as nn.GroupNorm(groups, channels, eps=eps)
                 return _group_norm_module(obj, layer, weight, bias, eps, loaded=False, **args)
+            if layer.kind == "gated_rms_norm":  # built as its signature asks, called as module(x, gate=z)
+                return _gated_module(obj, layer, weight, eps)
             module = obj(layer.shape if weight.dim() > 1 else layer.dim, eps=eps, **args)
             if not isinstance(getattr(module, "weight", None), torch.Tensor):
                 raise TypeError(f"{obj.__name__} has no weight tensor to fill")
@@ -427,6 +515,8 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
             return lambda x: obj(x, weight, eps, bias=bias, running_mean=mean, running_var=var, **args)
         if layer.kind == "group_norm":  # called on (N, C, S) feature maps
             return feature_map(lambda x: obj(x, weight, eps, bias=bias, groups=layer.groups, **args), layer)
+        if layer.kind == "gated_rms_norm":  # x and its gate z, each (rows, dim)
+            return lambda x2: obj(*split_gate(x2, layer), weight, eps, groups=layer.groups, **args)
         if layer.kind == "layer_norm":
             return lambda x: obj(x, weight, eps, bias=bias, **args)
         return lambda x: obj(x, weight, eps, **args)

@@ -109,7 +109,11 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     def rows(y):
         return y if y is None or not heads else y.reshape(-1, y.shape[-1])
 
-    if layer.kind == "group_norm":
+    if layer.kind == "gated_rms_norm":
+        from parity_cli.probes.strata import gated_probe_set
+
+        sets = [gated_probe_set(strata, layer.dim, eps, candidate.dtype, opts.seed)]
+    elif layer.kind == "group_norm":
         from parity_cli.probes.strata import group_norm_probe_set
 
         sets = [group_norm_probe_set(strata, layer.dim, layer.groups, layer.spatial, eps, candidate.dtype, opts.seed)]
@@ -177,7 +181,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
             out = run.output(k0 + k)
             if out.dtype:
                 returned_dtypes.add(out.dtype)
-            expected = tuple(xs[k0 + k].shape)
+            expected = (*xs[k0 + k].shape[:-1], layer.out_width)  # a gated norm returns x's width, not [x | z]'s
             if out.error:
                 placed[k] = errored(name, rows(xs[k0 + k]), eps, layer.kind, out.error)
             elif tuple(out.value.shape) != expected:
@@ -194,6 +198,10 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
             grouped = ps.on(dev).reshape(n, layer.groups, -1)
             full = gain.to(dev).repeat_interleave(layer.spatial).reshape(layer.groups, -1)
             extra = mean_rounding_allowance(grouped, full, eps, tol).reshape(n, -1)
+        if layer.kind == "gated_rms_norm" and not opts.exact and candidate.dtype in (torch.float16, torch.bfloat16):
+            # the gate adds roundings at the half dtype the plain norm does not have (act(z), the product,
+            # and in llama order the output rounded before the gate multiplies it): one more unit
+            extra = torch.finfo(candidate.dtype).eps * ref.abs()
         if layer.kind == "batch_norm" and not opts.exact:
             from parity_cli.comparison import fold_rounding_allowance
 
@@ -209,6 +217,8 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
             q = layer.running_var.to(torch.float64).min().expand(ps.x.shape[0])
         elif layer.kind == "group_norm":  # a row's smallest group variance
             q = group_variances(ps.x, layer.groups).amin(-1)
+        elif layer.kind == "gated_rms_norm":  # a row's smallest group mean square, the gate's part included
+            q = gated_mean_squares(ps.x, layer).amin(-1)
         else:
             q = ps.mean_square(layer.kind)
         if heads:
@@ -230,6 +240,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         if layer.kind == "group_norm":
             for result in compared:
                 per_group_q_over_eps(result, layer.groups, eps)
+        if layer.kind == "gated_rms_norm":
+            for result in compared:
+                per_group_q_over_eps(result, layer.groups, eps, q=gated_mean_squares(result.x, layer))
         for (k, _), result in zip(valid, compared):
             result.shared = ps.probes[k].q  # every layer of this probe set: diagnosis variants are computed once
             result.batch = batch
@@ -272,6 +285,10 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         result.statistics = running_summary(layer, eps)
     if not diagnose_failures:  # the explain ladder's rungs: only their figures are read
         pass
+    elif layer.kind == "gated_rms_norm":
+        from parity_cli.diagnose.gated import diagnose_gated
+
+        result.diagnoses = diagnose_gated(layer, results, gain_d, eps, tol, candidate.dtype, exact=opts.exact)
     elif layer.kind == "group_norm":
         from parity_cli.diagnose.group_norm import diagnose_group_norm
 
@@ -346,7 +363,7 @@ def _supervised_reference(sets, reference: Side, layer, w_ref, b_ref, eps, sprea
     outs = []
     for k, (probe, x) in enumerate(zip(probes, xs)):
         out = run.output(k)
-        if out.error is None and tuple(out.value.shape) != tuple(x.shape):
+        if out.error is None and tuple(out.value.shape) != (*x.shape[:-1], layer.out_width):
             out.error = f"returned shape {list(out.value.shape)} for input {list(x.shape)}"
         if out.error:
             raise InputError(f"--reference {reference.spec} failed on {layer.name}, stratum {probe.stratum}: "
@@ -368,7 +385,7 @@ def _reference(ref_fn, x, reference: Side, layer, probe):
             y = ref_fn(x.to(device=reference.device, dtype=reference.dtype, copy=True))
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"returned {type(y).__name__}, not a tensor")
-        if tuple(y.shape) != tuple(x.shape):
+        if tuple(y.shape) != (*x.shape[:-1], layer.out_width):
             raise TypeError(f"returned shape {list(y.shape)} for input {list(x.shape)}")
         return y.detach().to("cpu", torch.float64)
     except Exception as exc:
@@ -413,7 +430,17 @@ def group_variances(x, groups: int):
     return mean_square(x.reshape(n, groups, -1), "layer_norm")
 
 
-def per_group_q_over_eps(result, groups: int, eps: float) -> None:
+def gated_mean_squares(x2, layer):
+    """A gated norm's q per (row, group): the mean square of what its statistic sees, x * act(z)
+    for a gate before it, x for a gate after."""
+    from parity_cli.backends.implementations import gate_activation, mean_square, split_gate
+
+    x, z = split_gate(x2, layer)
+    h = x * gate_activation(layer.activation, z) if layer.gate == "before" else x
+    return mean_square(h.reshape(h.shape[0], layer.groups, -1), "rms_norm")
+
+
+def per_group_q_over_eps(result, groups: int, eps: float, q=None) -> None:
     """A GroupNorm's q is each group's variance: the stratum's q/eps range runs over every (row,
     group), its failing range over the groups holding a failing element."""
     import torch
@@ -422,7 +449,7 @@ def per_group_q_over_eps(result, groups: int, eps: float) -> None:
 
     if result.x is None:
         return
-    q = group_variances(result.x, groups)
+    q = group_variances(result.x, groups) if q is None else q
     ratio = q / eps if eps > 0 else torch.where(q > 0, torch.full_like(q, float("inf")), q)
     lo, hi = float(ratio.min()), float(ratio.max())
     result.q_over_eps = (lo, hi)

@@ -19,7 +19,11 @@ from parity_cli.resources import configs_dir, load_toml
 # batch_norm: inference BatchNorm, (x - running_mean) / sqrt(running_var + eps) * w + b per channel,
 # its statistics stored beside the gain (`{name}.running_mean`, `{name}.running_var`)
 # group_norm: GroupNorm, a LayerNorm over each group of C / groups channels and every position
-KINDS = ("rms_norm", "layer_norm", "batch_norm", "group_norm")
+# gated_rms_norm: an RMSNorm with a second input z, the gate act(z) applied before the statistic
+# (Mamba's x * silu(z), then RMSNorm per group) or after it (Qwen3-Next's RMSNorm(x) * w * silu(z))
+KINDS = ("rms_norm", "layer_norm", "batch_norm", "group_norm", "gated_rms_norm")
+GATES = ("before", "after")
+ACTIVATIONS = ("silu", "sigmoid")
 # Numerics orders the `hf` implementation reproduces (parity_cli.backends.implementations):
 #   llama  - fp32 normalise, cast to the input dtype, multiply by the weight at its dtype
 #   gemma  - fp32 normalise and gain, cast to the input dtype last
@@ -42,7 +46,11 @@ class Semantics:
     eps: float | None  # fixed by the model code, whatever the config says
     eps_source: str | None
     hf_class: str | None  # dotted path of the transformers (or torch) module class
-    groups: int | str | None = None  # group_norm: the group count, or "channels" (one group a channel)
+    # group_norm, gated_rms_norm: the group count, a config expression for it (`n_groups`), or
+    # "channels" (one group a channel)
+    groups: int | str | None = None
+    gate: str | None = None  # gated_rms_norm: "before" or "after" the statistic
+    activation: str | None = None  # gated_rms_norm: "silu" or "sigmoid" of z
 
 
 @dataclass(frozen=True)
@@ -146,8 +154,18 @@ def _semantics(table: dict, base: Semantics | None, where: str) -> Semantics:
     if order not in ORDERS:
         raise InputError(f"{where}: order '{order}' is not one of {', '.join(ORDERS)}")
     groups = table.get("groups", b.groups if b else None)
-    if kind == "group_norm" and not (groups == "channels" or (type(groups) is int and groups > 0)):
-        raise InputError(f"{where}: a group_norm needs groups = a positive integer or \"channels\"")
+    if kind == "gated_rms_norm" and groups is None:
+        groups = 1
+    if kind in ("group_norm", "gated_rms_norm") and not (
+            (isinstance(groups, str) and groups) or (type(groups) is int and groups > 0)):
+        raise InputError(f"{where}: a {kind} needs groups = a positive integer, a config key or \"channels\"")
+    gate = table.get("gate", b.gate if b else None)
+    activation = table.get("activation", b.activation if b else None) or "silu"
+    if kind == "gated_rms_norm" and (gate not in GATES or activation not in ACTIVATIONS):
+        raise InputError(f"{where}: a gated_rms_norm needs gate = {' or '.join(GATES)} and activation = "
+                         f"{' or '.join(ACTIVATIONS)}")
+    if kind == "gated_rms_norm" and order not in ("llama", "gemma"):
+        raise InputError(f"{where}: a gated_rms_norm runs in order llama or gemma, not '{order}'")
     if kind in ("batch_norm", "group_norm") and order != "native":
         raise InputError(f"{where}: a {kind} runs in order 'native' (torch's functional op at the parameter "
                          f"dtype), not '{order}'")
@@ -171,7 +189,9 @@ def _semantics(table: dict, base: Semantics | None, where: str) -> Semantics:
         eps=eps,
         eps_source=get("eps_source", str, "model-code" if eps is not None else None),
         hf_class=get("hf_class", str, b.hf_class if b else None),
-        groups=groups if kind == "group_norm" else None,
+        groups=groups if kind in ("group_norm", "gated_rms_norm") else None,
+        gate=gate if kind == "gated_rms_norm" else None,
+        activation=activation if kind == "gated_rms_norm" else None,
     )
 
 

@@ -70,3 +70,32 @@ def hf_forward(kind: str, order: str, gain_offset: float, inverse_sqrt: str, dim
     raise InputError(f"hf: no transcription for numerics order '{order}'")
 
 
+
+
+def gated_forward(order: str, gate: str, activation: str, groups: int, dim: int, weight, eps: float,
+                  gain_offset: float = 0.0):
+    """A gated RMSNorm class's forward on [x | z] rows, transcribed: float32 throughout, the gate
+    act(z) in float32 before the grouped statistic (Mamba2, Bamba, Zamba2, Nemotron-H, Granite 4's
+    MambaRMSNormGated; Falcon-H1 with norm_before_gate=False) or after it (Qwen3-Next, Qwen3.5,
+    Kimi Linear); the gain cast-then-multiplied (llama order) or in float32 (gemma order)."""
+    import torch
+
+    act = torch.nn.functional.silu if activation == "silu" else torch.sigmoid
+    size = dim // groups
+    gain = weight + gain_offset if gain_offset else weight
+
+    def run(x2):
+        x, z = x2[..., :dim], x2[..., dim:]
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        if gate == "before":
+            h = h * act(z.to(torch.float32))
+        grouped = h.view(*h.shape[:-1], groups, size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+        h = grouped.view(*h.shape[:-1], dim)
+        y = gain * h.to(dtype) if order == "llama" else gain.to(torch.float32) * h
+        if gate == "after":
+            y = y * act(z.to(torch.float32))
+        return y.to(dtype)
+
+    return run

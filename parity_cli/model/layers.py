@@ -45,10 +45,20 @@ class NormLayer:
     # GroupNorm's statistic runs over its group's channels and every position of the feature map)
     groups: int = 1
     spatial: int = 1
+    # gated_rms_norm: a probe row is [x | z], the output x's width; the gate act(z) is applied
+    # "before" the statistic (Mamba) or "after" it (Qwen3-Next)
+    gate: str | None = None
+    activation: str | None = None
 
     @property
     def width(self) -> int:
-        """A probe row's length: the channels, times the positions each has (group_norm)."""
+        """A probe row's length: the channels, times the positions each has (group_norm); x and
+        its gate z side by side (gated_rms_norm)."""
+        return self.dim * self.spatial * (2 if self.kind == "gated_rms_norm" else 1)
+
+    @property
+    def out_width(self) -> int:
+        """An output row's length."""
         return self.dim * self.spatial
 
     @property
@@ -158,11 +168,22 @@ def _running_statistics(ckpt: Checkpoint, name: str, shape: tuple) -> dict:
 GROUP_ELEMENTS = 64  # a GroupNorm probe's group holds at least this many elements (channels x positions)
 
 
-def _grouping(ckpt: Checkpoint, tensor: str, channels: int, groups) -> dict:
-    """A GroupNorm's group count for this layer and the positions its probes give each channel."""
-    count = channels if groups == "channels" else int(groups)
+def _grouping(ckpt: Checkpoint, tensor: str, channels: int, groups, kind: str = "group_norm") -> dict:
+    """A grouped norm's group count for this layer (an integer, one a channel, or read from the
+    config) and, for a GroupNorm, the positions its probes give each channel."""
+    if groups == "channels":
+        count = channels
+    elif isinstance(groups, str):
+        count = config_dim(ckpt, groups)
+        if count is None or count <= 0:
+            raise InputError(f"{ckpt.path}: {tensor}: the group count is config {groups}, which the config lacks "
+                             "or is not a positive integer")
+    else:
+        count = int(groups)
     if channels % count:
-        raise InputError(f"{ckpt.path}: {tensor} has {channels} channels, not a multiple of the family's {count} groups")
+        raise InputError(f"{ckpt.path}: {tensor} has {channels} channels, not a multiple of {count} groups")
+    if kind != "group_norm":
+        return {"groups": count}
     per_group = channels // count
     spatial = max(2, -(-GROUP_ELEMENTS // per_group))
     return {"groups": count, "spatial": spatial}
@@ -243,8 +264,10 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                         raise InputError(f"{ckpt.path}: {name}.{b} has shape {list(bias.shape)}, "
                                          f"its weight {list(info.shape)}")
                     break
-        if sem.kind == "group_norm":
-            running = _grouping(ckpt, tensor, dim, sem.groups)
+        if sem.kind in ("group_norm", "gated_rms_norm"):
+            running = _grouping(ckpt, tensor, dim, sem.groups, sem.kind)
+        if sem.kind == "gated_rms_norm":
+            running.update(gate=sem.gate, activation=sem.activation)
         layers.append(
             NormLayer(
                 name=name,

@@ -306,6 +306,31 @@ def group_norm_probe_set(strata: list[StratumSpec], channels: int, groups: int, 
     return probe_set(rows)
 
 
+# a gated norm's gates, crossed with every x stratum: act(z) of N(0, 1), of 0 (silu(0) = 0: the gate
+# closes, and a gate before the statistic leaves an all-zero row), of very negative z (silu and
+# sigmoid ~ 1e-13: a gated row whose q/eps is ~0, where eps alone sets the output) and of large z
+GATES = (("normal", None), ("zero", 0.0), ("closed", -30.0), ("open", 12.0))
+
+
+def gated_probe_set(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> ProbeSet:
+    """A gated norm's probes: rows [x | z], each x row of every stratum once with each gate of
+    GATES. Where the gate goes (before or after the statistic) decides which rows show eps: a
+    closed gate before it makes q tiny whatever x is."""
+    import torch
+
+    rows = []
+    for probe in _build(strata, dim, eps, torch.float64, seed):
+        rng = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{probe.stratum}:gate:{dim}".encode()))
+        x = probe.x
+        parts = []
+        for _, value in GATES:
+            z = torch.randn(x.shape, generator=rng, dtype=torch.float64) if value is None else \
+                torch.full_like(x, value) + 0.1 * torch.rand(x.shape, generator=rng, dtype=torch.float64) * (value != 0)
+            parts.append(torch.cat([x, z], dim=-1))
+        rows.append(Probe(stratum=probe.stratum, x=torch.cat(parts).to(dtype).to(torch.float64)))
+    return probe_set(rows)
+
+
 def _build(strata: list[StratumSpec], dim: int, eps: float, dtype, seed: int) -> list[Probe]:
     import torch
 

@@ -55,6 +55,9 @@ SHORT = {
     "batch_statistics": lambda d: "the batch's statistics used at inference, not the running ones",
     "running_statistics_swapped": lambda d: "running mean and variance swapped",
     "running_statistics_missing": lambda d: "running statistics not loaded (mean 0, variance 1)",
+    "gate_position_mismatch": lambda d: f"the gate applied {d.get('candidate_gate')} the norm, not {d.get('gate')}",
+    "gate_missing": lambda d: "the gate ignored",
+    "gate_activation_mismatch": lambda d: f"{d.get('candidate_activation')}(z) gating, not {d.get('activation')}(z)",
     "group_count_mismatch": lambda d: (f"{d.get('candidate_groups')} group{'s' if d.get('candidate_groups') != 1 else ''}"
                                        f" where the layer has {d.get('groups')}"),
     "mean_subtracted": lambda d: "subtracts the mean (LayerNorm math in an RMSNorm)",
