@@ -1,0 +1,132 @@
+"""Classifiers for the norm kinds beyond RMSNorm/LayerNorm (issue 26), each run on the module
+itself: a GroupNorm and a gated RMSNorm are named only where the module computes exactly that
+form in float64, and their parameters (the group count, where the gate goes, its activation,
+the numerics order) are read off what the module does, never off its name."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+
+def group_norm_form(module, eps: float | None) -> dict:
+    """nn.GroupNorm (or a subclass): a LayerNorm over each group of channels and all positions."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    groups = getattr(module, "num_groups", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or type(groups) is not int or eps is None:
+        return {"unsupported": "GroupNorm without a gain (affine=False) or without num_groups/eps"}
+    channels = weight.shape[0]
+    gen = torch.Generator().manual_seed(channels)
+    x = torch.randn(3, channels, 5, generator=gen, dtype=torch.float64)
+    x[0, : channels // groups] *= 1e-3  # a tiny group: eps shows there
+    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    try:
+        with torch.no_grad():
+            y = m64(x)
+    except Exception as exc:
+        return {"unsupported": f"GroupNorm forward raises {type(exc).__name__}: {' '.join(str(exc).split())[:80]}"}
+    g = x.reshape(3, groups, -1)
+    h = ((g - g.mean(-1, keepdim=True)) / torch.sqrt(g.var(-1, unbiased=False, keepdim=True) + eps)).reshape(x.shape)
+    b = m64.bias if isinstance(m64.bias, torch.Tensor) else 0.0
+    want = h * m64.weight[:, None] + (b[:, None] if isinstance(b, torch.Tensor) else 0.0)
+    if not isinstance(y, torch.Tensor) or y.shape != want.shape or not torch.allclose(y, want, rtol=1e-12, atol=1e-12):
+        return {"unsupported": "GroupNorm whose output is not a LayerNorm per group of channels"}
+    return {"kind": "group_norm", "groups": "channels" if groups == channels and channels > 1 else groups,
+            "gain_offset": 0.0, "bias": isinstance(module.bias, torch.Tensor), "order": "native",
+            "inverse_sqrt": "rsqrt", "order_exact": True}
+
+
+def _call_gated(module, x, z):
+    try:
+        return module(x, gate=z)
+    except TypeError:
+        return module(x, z)
+
+
+def gated_form(module, eps: float | None) -> dict:
+    """A norm whose forward takes a gate z: which of the gated RMSNorm forms (gate before or after
+    the statistic, silu or sigmoid, the statistic per group) it computes in float64, then which
+    numerics order (llama or gemma) it matches bit for bit at bfloat16 and float16."""
+    import torch
+
+    from parity_cli.model.forms import gated_forward
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or eps is None:
+        return {"unsupported": "gated norm without a 1-D gain or an eps"}
+    dim = weight.shape[0]
+    gen = torch.Generator().manual_seed(dim)
+    x = torch.randn(6, dim, generator=gen, dtype=torch.float64)
+    x[1] *= 1e-3
+    z = torch.randn(6, dim, generator=gen, dtype=torch.float64) * 2
+    z[2] = -30.0  # a closed gate
+    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    with torch.no_grad():
+        m64.weight.copy_(torch.rand(dim, generator=gen, dtype=torch.float64) + 0.5)
+        try:
+            y = _call_gated(m64, x, z)
+        except Exception as exc:
+            return {"unsupported": f"gated norm forward(x, gate) raises {type(exc).__name__}: "
+                                   f"{' '.join(str(exc).split())[:80]}"}
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return {"unsupported": "gated norm whose forward(x, gate) is not a tensor of x's shape"}
+    w = m64.weight.detach()
+    group_counts = [g for g in range(1, dim + 1) if dim % g == 0 and g <= 64]
+    scale = float(y.abs().max()) or 1.0
+    found = None
+    for gate in ("before", "after"):
+        for activation in ("silu", "sigmoid"):
+            act = torch.nn.functional.silu(z) if activation == "silu" else torch.sigmoid(z)
+            for groups in group_counts:
+                h = x * act if gate == "before" else x
+                g = h.reshape(6, groups, -1)
+                n = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).reshape(6, dim) * w
+                want = n * act if gate == "after" else n
+                if float((y - want).abs().max()) <= 1e-5 * scale:  # float32 inside a float64 module
+                    found = (gate, activation, groups)
+                    break
+            if found:
+                break
+        if found:
+            break
+    if found is None:
+        return {"unsupported": "gated norm matching no form RMSNorm(x * act(z)) or RMSNorm(x) * act(z), act silu "
+                               "or sigmoid, per group"}
+    gate, activation, groups = found
+    out = {"kind": "gated_rms_norm", "gate": gate, "activation": activation, "groups": groups, "gain_offset": 0.0,
+           "bias": False, "inverse_sqrt": "rsqrt"}
+    rows = torch.randn(32, dim, generator=gen, dtype=torch.float64)
+    gates = torch.randn(32, dim, generator=gen, dtype=torch.float64) * 3
+    for order in ("llama", "gemma"):
+        exact = True
+        for dtype in (torch.bfloat16, torch.float16):
+            m = copy.deepcopy(module).to(dtype).eval()
+            with torch.no_grad():
+                m.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+                xs, zs = rows.to(dtype), gates.to(dtype)
+                got = _call_gated(m, xs, zs)
+                want = gated_forward(order, gate, activation, groups, dim, m.weight, eps)(torch.cat([xs, zs], -1))
+            if got.dtype != want.dtype or not torch.equal(got, want):
+                exact = False
+                break
+        if exact:
+            out.update(order=order, order_exact=True)
+            return out
+    out.update(order="llama", order_exact=False)
+    return out
+
+
+GROUP_KEY = re.compile(r"group", re.IGNORECASE)
+
+
+def groups_key(configs, count: int) -> str | None:
+    """The config key (dotted, in a sub-config) whose value is this group count, where one names
+    groups (`n_groups`, `mamba_n_groups`, `mamba_ngroups`): a real checkpoint's count is its
+    config's, not the shrunk model's."""
+    for path, sub in configs:
+        for key, value in sorted(vars(sub).items()):
+            if type(value) is int and value == count and GROUP_KEY.search(key):
+                return path + key
+    return None
