@@ -98,6 +98,8 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     layers, nonfinite, nonpositive = [], [], []
     for layer in found.layers:
         stats = weight_stats(layer.weight)
+        if layer.weightless:
+            stats["stored"] = False
         gain = None if stats["min"] is None else {"min": layer.gain_offset + stats["min"],
                                                    "max": layer.gain_offset + stats["max"]}
         if stats["nonfinite"]:

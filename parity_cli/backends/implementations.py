@@ -260,6 +260,8 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
         return _group_norm_module(cls, layer, weight, bias, eps, loaded=True)
     if layer.kind == "gated_rms_norm":
         return _gated_module(cls, layer, weight, eps)
+    if layer.weightless:  # OlmoLayerNorm(hidden), Llama4TextL2Norm(eps): as the class's signature asks
+        return _weightless_module(cls, size, eps).to(device=weight.device, dtype=weight.dtype).eval()
     if cls is torch.nn.LayerNorm:
         module = cls(size, eps=eps, bias=bias is not None)
     elif _takes_config(cls):  # CpmAntLayerNorm(config): the config holds the width and eps
@@ -275,6 +277,24 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
         if bias is not None:
             module.bias.copy_(bias)
     return module.eval()
+
+
+def _weightless_module(cls, size: int, eps: float):
+    """A parameterless norm class built as its signature allows: its size and eps where it takes
+    them (an eps the model code fixes inside forward is the class's own, as in the model)."""
+    import inspect as _inspect
+
+    try:
+        params = list(_inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        params = []
+    names = {p.name for p in params}
+    kwargs = {"eps": eps} if "eps" in names else {}
+    if "with_scale" in names:  # Gemma 4's RMSNorm(dim, eps, with_scale=False)
+        kwargs["with_scale"] = False
+    positional = [p for p in params if p.name not in ("eps", "with_scale") and p.default is p.empty
+                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return cls(*([size] if positional else []), **kwargs)
 
 
 def _batch_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: bool, **kwargs) -> Prepared:
@@ -495,6 +515,8 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
             if layer.kind == "gated_rms_norm":  # built as its signature asks, called as module(x, gate=z)
                 return _gated_module(obj, layer, weight, eps)
             module = obj(layer.shape if weight.dim() > 1 else layer.dim, eps=eps, **args)
+            if layer.weightless and not isinstance(getattr(module, "weight", None), torch.Tensor):
+                return module.to(device=weight.device, dtype=weight.dtype).eval()  # nothing to fill
             if not isinstance(getattr(module, "weight", None), torch.Tensor):
                 raise TypeError(f"{obj.__name__} has no weight tensor to fill")
             module = module.to(device=weight.device, dtype=weight.dtype)

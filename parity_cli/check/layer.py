@@ -92,6 +92,8 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     eps = layer.eps.value
     cand_eps = candidate.eps if candidate.eps is not None else cand_layer.eps.value
     stats = weight_stats(layer.weight)  # before anyone runs: the report states what is stored
+    if layer.weightless:
+        stats["stored"] = False  # a parameterless norm: checked with a gain of 1
     # Both sides see the weight as the candidate receives it (rounded to its dtype); each gets
     # its own copy, so a scribbling kernel changes nothing the other side or the report reads.
     w_ref = layer.weight.to(candidate.dtype).to(reference.dtype, copy=True)

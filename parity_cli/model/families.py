@@ -61,6 +61,9 @@ class NormPattern:
     dim: str  # config expression of the size the norm runs over (a consistency check)
     regex: re.Pattern
     semantics: Semantics
+    # a norm with no parameter (OLMo's LayerNorm, Llama 4's L2Norm, Gemma 4's v_norm): nothing is
+    # stored, so it is found by its parent module (which stores something) and `dim` is required
+    weightless: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class Family:
 
     def match(self, layer_name: str) -> NormPattern | None:
         for pattern in self.norms:
-            if pattern.regex.fullmatch(layer_name):
+            if not pattern.weightless and pattern.regex.fullmatch(layer_name):
                 return pattern
         return None
 
@@ -211,11 +214,15 @@ def parse_family(data: dict, where: str) -> Family:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise InputError(f"{where}: norms[{k}] needs a 'name'")
         entry_roots = tuple(entry.get("roots", roots))
+        weightless = entry.get("weightless", False)
+        if not isinstance(weightless, bool) or (weightless and not str(entry.get("dim", "")).strip()):
+            raise InputError(f"{where}: norms[{k}] ({entry['name']}): a weightless norm states its dim (a config key)")
         norms.append(NormPattern(
             name=entry["name"],
             dim=str(entry.get("dim", "hidden_size")),
             regex=_compile(entry["name"], entry_roots),
             semantics=_semantics(entry, base, f"{where}: norms[{k}] ({entry['name']})"),
+            weightless=weightless,
         ))
     return Family(
         name=data["name"],

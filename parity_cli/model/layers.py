@@ -36,6 +36,7 @@ class NormLayer:
     tensor: str = ""  # the weight tensor's full name
     semantic_offset: float | None = None  # the family's offset when gain_offset differs (GGUF Gemma: baked in)
     program: bytes | None = None  # an exported graph's own subgraph for this norm (onnx_checkpoint)
+    weightless: bool = False  # no parameter stored: `weight` is ones (a gain of 1), nothing to compare
     tower: str = "main"  # language, vision, audio, projector, ... (tower_of): a multimodal model's parts
     # batch_norm: the running statistics the checkpoint stores beside the gain (as stored); eps
     # then meets running_var per channel, so q/eps is running_var / eps, a property of the layer
@@ -189,6 +190,45 @@ def _grouping(ckpt: Checkpoint, tensor: str, channels: int, groups, kind: str = 
     return {"groups": count, "spatial": spatial}
 
 
+def _weightless(ckpt: Checkpoint, family: Family) -> list:
+    """(name, None, pattern) of every weightless norm: a parameterless module stores nothing, so
+    an instance is found where its parent module stores something (`model.layers.3.self_attn`
+    for `model.layers.3.self_attn.q_norm`)."""
+    patterns = [p for p in family.norms if p.weightless]
+    if not patterns:
+        return []
+    parents = {""}
+    for tensor in ckpt.tensor_names():
+        parts = tensor.split(".")
+        parents.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    found = []
+    for pattern in patterns:
+        leaf = re.split(r"\.|\{root\}", pattern.name)[-1]
+        if "{" in leaf:
+            continue
+        for parent in sorted(parents):
+            name = f"{parent}.{leaf}" if parent else leaf
+            if pattern.regex.fullmatch(name):
+                found.append((name, None, pattern))
+    return found
+
+
+def _weightless_layer(ckpt: Checkpoint, family: Family, name: str, pattern, override) -> NormLayer | None:
+    """A weightless norm as a layer whose gain is 1: eps, the statistic and the numerics still
+    decide its output. Its size is the config's (nothing stored says it)."""
+    import torch
+
+    dim = config_dim(ckpt, pattern.dim)
+    if dim is None or dim <= 0:
+        return None
+    sem = pattern.semantics
+    layer_eps = resolve_eps(ckpt, family, override, sem)
+    return NormLayer(name=name, kind=sem.kind, dim=dim, order=sem.order, gain_offset=0.0, eps=layer_eps,
+                     weight=torch.ones(dim, dtype=torch.float32), family=family.name,
+                     inverse_sqrt=sem.inverse_sqrt, hf_class=family.hf_class_for(pattern, ckpt.model_type),
+                     tensor="", semantic_offset=0.0, tower=tower_of(name, layer_eps.source), weightless=True)
+
+
 def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = None,
                     layers_glob: str | None = None, names: set | None = None) -> Discovery:
     """Every tensor a pattern claims becomes a layer; every other norm-looking tensor is listed
@@ -206,6 +246,8 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
             for b in family.bias_names:
                 claimed.add(f"{name}.{b}")
     unmatched = [t for t in ckpt.tensor_names() if t not in claimed and NORM_HINT.search(t)]
+    weightless = _weightless(ckpt, family)
+    matched += weightless
     if not matched:
         example = family.norms[0].name.replace("{root}", family.roots[0]).replace("{i}", "0").replace("{j}", "0")
         raise InputError(
@@ -223,6 +265,14 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
     layers, warnings = [], []
     statistics: set[str] = set()  # a BatchNorm's running statistics, read with its gain
     for name, tensor, pattern in matched:
+        if pattern.weightless:
+            layer = _weightless_layer(ckpt, family, name, pattern, override)
+            if layer is not None:
+                layers.append(layer)
+            else:
+                warnings.append(f"{name}: weightless norm whose size (config {pattern.dim}) the config lacks; "
+                                "not checked")
+            continue
         info = ckpt.info(tensor)
         if len(info.shape) not in (1, 2) or 0 in info.shape:
             unmatched.append(tensor)
