@@ -130,3 +130,117 @@ def groups_key(configs, count: int) -> str | None:
             if type(value) is int and value == count and GROUP_KEY.search(key):
                 return path + key
     return None
+
+
+SIZE_ATTRIBUTES = ("normalized_shape", "hidden_size", "dim", "head_dim", "num_features", "d_model")
+
+
+def _size_of(module) -> int | None:
+    for attr in SIZE_ATTRIBUTES:
+        value = getattr(module, attr, None)
+        if isinstance(value, (tuple, list, torch_size_type())) and len(value) == 1:
+            value = value[0]
+        if type(value) is int and value > 0:
+            return value
+    return None
+
+
+def torch_size_type():
+    import torch
+
+    return torch.Size
+
+
+def measured_eps(module, dim: int, centred: bool) -> float | None:
+    """The eps a parameterless norm applies, measured where it shows: on a row of mean square
+    ~1e-10 its output is x / sqrt(q + eps), so eps = mean((x / y)^2) - q (the module's own float32
+    arithmetic included). Rounded to 3 significant digits: the model code writes a round number."""
+    import math
+
+    import torch
+
+    x = torch.randn(1, dim, generator=torch.Generator().manual_seed(dim), dtype=torch.float64) * 1e-5
+    if centred:
+        x = x - x.mean()
+    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    try:
+        with torch.no_grad():
+            y = m64(x)
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    big = x.abs() > 0.5 * x.abs().max()
+    q = float((x * x).mean())
+    eps = float(((x[big] / y[big]) ** 2).mean()) - q
+    if not math.isfinite(eps) or eps <= 0:
+        return None
+    return float(f"{eps:.3g}")
+
+
+def weightless_form(module, eps: float | None, name: str = "") -> dict:
+    """A norm with no parameter: RMSNorm or LayerNorm with a gain of 1, its eps the module's own
+    (an attribute, or measured where the model code fixes it inside forward), its size from the
+    module (normalized_shape, dim, ...) or, for a size-free L2Norm on q/k, head_dim."""
+    import torch
+
+    from parity_cli.model.forms import hf_forward
+
+    size = _size_of(module)
+    dim_key = None
+    if size is None:
+        if not re.search(r"(^|\.|_)(q|k|v|qk)_?norm$", name):
+            return {"unsupported": "weightless norm with no size of its own (none of "
+                                   f"{', '.join(SIZE_ATTRIBUTES)})"}
+        size, dim_key = 16, "head_dim"  # a q/k norm runs over each head: the shrunk config's head_dim is 16
+    gen = torch.Generator().manual_seed(size)
+    x = torch.randn(6, size, generator=gen, dtype=torch.float64)
+    x[1] *= 1e-3
+    x[2] += 3.0
+    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    try:
+        with torch.no_grad():
+            y = m64(x)
+    except Exception as exc:
+        return {"unsupported": f"weightless norm forward(x) raises {type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())[:80]}"}
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return {"unsupported": "weightless norm whose forward(x) is not a tensor of x's shape"}
+    scale = float(y.abs().max()) or 1.0
+    for kind in ("rms_norm", "layer_norm"):
+        value = eps if eps is not None else measured_eps(module, size, kind == "layer_norm")
+        if value is None:
+            continue
+        h = x - x.mean(-1, keepdim=True) if kind == "layer_norm" else x
+        want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + value)
+        if float((want - y).abs().max()) > 1e-5 * scale:
+            continue
+        out = {"kind": kind, "gain_offset": 0.0, "bias": False, "weightless": True, "size": size,
+               "dim_key": dim_key, "measured_eps": value if eps is None else None, "inverse_sqrt": "rsqrt"}
+        orders = ("gemma", "llama", "native") if kind == "layer_norm" else ("gemma", "llama")
+        # bit for bit at float32 too where one transcription is (rsqrt and pow part there), else at the halves
+        tries = [(o, s, dtypes) for dtypes in ((torch.bfloat16, torch.float16, torch.float32),
+                                               (torch.bfloat16, torch.float16))
+                 for o in orders for s in ("rsqrt", "pow")]
+        for order, inverse_sqrt, dtypes in tries:
+            exact = True
+            for dtype in dtypes:
+                m = copy.deepcopy(module).to(dtype).eval()
+                xs = (x * 0.5).to(dtype)
+                with torch.no_grad():
+                    try:
+                        got = m(xs)
+                        want = hf_forward(kind, order, 0.0, inverse_sqrt, size, torch.ones(size, dtype=dtype), None,
+                                          value)(xs)
+                    except Exception:
+                        exact = False
+                        break
+                if got.dtype != want.dtype or not torch.equal(got, want):
+                    exact = False
+                    break
+            if exact:
+                out.update(order=order, inverse_sqrt=inverse_sqrt, order_exact=True)
+                return out
+        out.update(order="gemma", order_exact=False)
+        return out
+    return {"unsupported": "weightless norm matching no RMSNorm/LayerNorm form with a gain of 1"}
