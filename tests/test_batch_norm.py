@@ -268,10 +268,6 @@ def test_check_passes_with_the_builtins_and_reports_running_var_over_eps(resnet,
     assert attenuated > 0  # the probes met channels where eps matters
 
 
-@pytest.mark.xfail(strict=True, reason="parity_cli/model/layers.py discover_layers: `statistics` (the running "
-                   "statistics claimed by a BatchNorm) is collected only for the layers --layers keeps, while "
-                   "`unmatched` is computed over every tensor: a deselected BatchNorm's running_mean, running_var "
-                   "and num_batches_tracked are reported as matching no pattern of the family")
 def test_layers_selects_what_is_checked_not_what_the_family_claims(resnet, tmp_path):
     """Without --layers nothing of the checkpoint is unmatched; with it, the other BatchNorms'
     running statistics still belong to the family (as their weights do) and must not be listed."""

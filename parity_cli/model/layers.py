@@ -245,6 +245,8 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
             claimed.add(tensor)
             for b in family.bias_names:
                 claimed.add(f"{name}.{b}")
+            if pattern.semantics.kind == "batch_norm":  # read with its gain, whatever --layers selects
+                claimed.update(f"{name}.{s}" for s in ("running_mean", "running_var", "num_batches_tracked"))
     unmatched = [t for t in ckpt.tensor_names() if t not in claimed and NORM_HINT.search(t)]
     weightless = _weightless(ckpt, family)
     matched += weightless
@@ -263,7 +265,6 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         matched = [m for m in matched if m[0] in names]
 
     layers, warnings = [], []
-    statistics: set[str] = set()  # a BatchNorm's running statistics, read with its gain
     for name, tensor, pattern in matched:
         if pattern.weightless:
             layer = _weightless_layer(ckpt, family, name, pattern, override)
@@ -305,7 +306,6 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
         running = {}
         if sem.kind == "batch_norm":
             running = _running_statistics(ckpt, name, tuple(info.shape))
-            statistics.update(f"{name}.{s}" for s in ("running_mean", "running_var", "num_batches_tracked"))
         if sem.kind in ("layer_norm", "batch_norm", "group_norm"):
             for b in family.bias_names:
                 if ckpt.has(f"{name}.{b}"):
@@ -338,5 +338,4 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                 **running,
             )
         )
-    unmatched = [t for t in unmatched if t not in statistics]
     return Discovery(layers=layers, unmatched=sorted(unmatched), warnings=warnings)
