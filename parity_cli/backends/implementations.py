@@ -301,9 +301,17 @@ def _batch_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: 
     """A BatchNorm module class built as `cls(C, eps=eps)`, its gain, bias and running statistics
     filled as a checkpoint load fills them, in eval mode. A probe row is one sample of C channels:
     BatchNorm2d/3d see it as a 1 x 1 (x 1) feature map, the output comes back as rows."""
+    import inspect as _inspect
+
     import torch
 
-    module = cls(layer.dim, eps=eps, **kwargs).to(device=weight.device, dtype=weight.dtype)
+    try:
+        takes_eps = "eps" in _inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        takes_eps = True
+    # a frozen BatchNorm (RT-DETR's FrozenBatchNorm2d(n)) fixes its eps inside forward: built without one
+    module = cls(layer.dim, **({"eps": eps} if takes_eps else {}), **kwargs).to(device=weight.device,
+                                                                                  dtype=weight.dtype)
     mean, var = running_statistics(layer, weight)
     with torch.no_grad():
         for attr, value in (("weight", weight), ("bias", bias), ("running_mean", mean), ("running_var", var)):
@@ -313,9 +321,11 @@ def _batch_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: 
             elif value is not None and attr != "bias" and loaded:
                 raise TypeError(f"{cls.__name__} has no {attr} tensor to fill")
     module.eval()
-    spatial = {"BatchNorm2d": 2, "BatchNorm3d": 3}.get(next((c.__name__ for c in type(module).__mro__
-                                                              if c.__name__ in ("BatchNorm1d", "BatchNorm2d",
-                                                                                "BatchNorm3d")), ""), 0)
+    names = [c.__name__ for c in type(module).__mro__]
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        spatial = 2 if "BatchNorm2d" in names else 3 if "BatchNorm3d" in names else 0
+    else:  # a frozen BatchNorm broadcasts its statistics as (1, C, 1, 1): a 2-D feature map
+        spatial = 3 if "3d" in type(module).__name__ else 1 if "1d" in type(module).__name__ else 2
     if not spatial:
         return module
 
