@@ -14,8 +14,12 @@ eye is a trap (Gemma 4's gain is w, not Gemma's 1 + w). The knowledge is in the 
 - every eps-like config key is given a distinct marker value before the build, so that each
   module's eps names the key it came from (`vision_config.layer_norm_eps`), or none: then the
   eps is fixed by the model code.
-Norms whose math parity cannot express yet (gated, GroupNorm, BatchNorm, LayerNorm 1 + w,
-weightless, ...) are listed as `unsupported`, with why, never guessed at."""
+An inference BatchNorm is checked as one wherever its eval-mode output is exactly
+(x - running_mean) / sqrt(running_var + eps) * w + b: torch's BatchNorm1d/2d/3d, and a frozen
+BatchNorm that keeps its gain, bias and statistics as buffers (RT-DETR's FrozenBatchNorm2d), whose
+eps, fixed inside its forward, is measured off its own output. Norms whose math parity cannot
+express yet (gated, GroupNorm, LayerNorm 1 + w, weightless, ...) are listed as `unsupported`, with
+why, never guessed at."""
 
 from __future__ import annotations
 
@@ -133,7 +137,9 @@ def _shrink(cfg) -> None:
 _HARD = re.compile(r"(size|dim|dims|channels|latents|width|embd|features|n_words|vocab|length)$")
 
 
-def _shrink_hard(cfg) -> None:
+def _shrink_hard(cfg, tuples: bool = False) -> None:
+    """`tuples`: tuples of sizes too (EfficientNet's channel tuples), only where lists alone leave
+    the model too large, so that a model the list shrink fits keeps the checkpoint it had."""
     for _, sub in _configs(cfg):
         for key, value in list(vars(sub).items()):
             if not _HARD.search(key) or key.endswith("token_id"):
@@ -141,8 +147,9 @@ def _shrink_hard(cfg) -> None:
             floor = 256 if ("vocab" in key or key == "n_words") else 64
             if type(value) is int and value > floor:
                 setattr(sub, key, floor)
-            elif isinstance(value, list) and value and all(type(v) is int for v in value) and max(value) > floor:
-                setattr(sub, key, [min(v, floor) for v in value])
+            elif isinstance(value, list if not tuples else (list, tuple)) and value and \
+                    all(type(v) is int for v in value) and max(value) > floor:
+                setattr(sub, key, type(value)(min(v, floor) for v in value))
 
 
 def _parameters(cls, cfg) -> int:
@@ -162,12 +169,16 @@ def _build(cls, cfg, where: str, model_type: str, seed: int = 0):
 
     count = _parameters(cls, cfg)
     if count > MAX_PARAMETERS:
-        harder = copy.deepcopy(cfg)
-        _shrink_hard(harder)
-        try:
-            fewer = _parameters(cls, harder)
-        except Exception:
-            fewer = count
+        fewer = count
+        for tuples in (False, True):
+            harder = copy.deepcopy(cfg)
+            _shrink_hard(harder, tuples)
+            try:
+                fewer = _parameters(cls, harder)
+            except Exception:
+                fewer = count
+            if fewer <= MAX_PARAMETERS:
+                break
         if fewer > MAX_PARAMETERS:
             raise InputError(f"{where}: deriving {model_type}'s family would build {count:,} parameters even "
                              "shrunk; refused (force a family with --family)")
@@ -256,7 +267,7 @@ def classify(module, eps: float | None) -> dict:
     bias = getattr(module, "bias", None)
     if isinstance(module, torch.nn.GroupNorm):
         return {"unsupported": "GroupNorm (statistics per group of channels)"}
-    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+    if is_batch_norm(module):
         return _batch_norm(module, eps)
     gated = _second_input(module)
     if gated:
@@ -325,42 +336,141 @@ def classify(module, eps: float | None) -> dict:
     return out
 
 
+BATCH_NORM_TENSORS = ("weight", "bias", "running_mean", "running_var")
+
+
+def is_batch_norm(module) -> bool:
+    """torch's BatchNorm1d/2d/3d (any _BatchNorm), or a module holding what one holds (a gain, a
+    bias and running statistics, 1-D floating tensors of one size) without being one: a frozen
+    BatchNorm (torchvision's FrozenBatchNorm2d, copied by RT-DETR, D-FINE, DEIMv2, PP-DocLayout),
+    its tensors buffers and its eps fixed inside forward. What either computes is then checked."""
+    import torch
+
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return True
+    if any(True for _ in module.children()):
+        return False
+    tensors = [getattr(module, a, None) for a in BATCH_NORM_TENSORS]
+    return all(isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_floating_point() for t in tensors) and \
+        len({t.numel() for t in tensors}) == 1
+
+
+def _frozen(module) -> bool:
+    import torch
+
+    return is_batch_norm(module) and not isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+
+
+def measured_eps(module) -> float | None:
+    """The eps a BatchNorm adds to running_var, measured off its own output in float64: with gain 1,
+    bias 0, running_mean 0 and running_var 0, an input of 1 comes out as 1 / sqrt(eps), so eps is
+    y^-2 (the same in every channel), rounded to 6 significant digits (float64's error, about 1e-15
+    relative, is far below that). None where the module cannot be run, the channels disagree, or
+    the output is not finite (no eps at all: 1 / sqrt(0)). classify then checks the value on
+    channels whose running_var is 0, 0.1, 1 and 10 times it."""
+    import copy
+
+    import torch
+
+    m64 = copy.deepcopy(module).to(torch.float64).eval()
+    n = m64.running_var.numel()
+    with torch.no_grad():
+        m64.weight.fill_(1.0)
+        m64.bias.fill_(0.0)
+        m64.running_mean.zero_()
+        m64.running_var.zero_()
+        try:
+            y = _run_rows(m64, torch.ones(2, n, dtype=torch.float64))
+        except Exception:
+            return None
+    if not bool(torch.isfinite(y).all()):
+        return None
+    eps = y.reshape(-1).pow(-2)
+    if not bool((eps > 0).all()) or float(eps.max() - eps.min()) > 1e-9 * float(eps.max()):
+        return None
+    return float(f"{float(eps[0]):.6g}")
+
+
+def module_eps(module) -> float | None:
+    """A norm module's own eps: its attribute, or for a frozen BatchNorm (which keeps none, the
+    value being written inside its forward) the eps its output shows (measured_eps)."""
+    if _frozen(module):
+        return measured_eps(module)
+    return _eps_of(module)
+
+
 def _batch_norm(module, eps: float | None) -> dict:
     """An inference BatchNorm, checked as one: in eval mode, with running statistics of its own,
-    the module must compute (x - running_mean) / sqrt(running_var + eps) * w + b in float64."""
+    the module must compute (x - running_mean) / sqrt(running_var + eps) * w + b in float64, on
+    channels of every variance and on channels whose running_var is 0, 0.1, 1 and 10 times eps
+    (where another eps, or eps outside the root, shows)."""
     import copy
 
     import torch
 
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+    frozen = _frozen(module)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not (frozen or isinstance(
+            weight, torch.nn.Parameter)):
         return {"unsupported": "BatchNorm without a gain (affine=False)"}
-    if not isinstance(getattr(module, "running_var", None), torch.Tensor) or eps is None:
+    if not isinstance(getattr(module, "running_var", None), torch.Tensor):
         return {"unsupported": "BatchNorm without running statistics (normalises with the batch's)"}
+    if eps is None:
+        return {"unsupported": "BatchNorm whose eps its output does not show (none, or not one value)" if frozen
+                else "BatchNorm without an eps attribute"}
     dim = weight.shape[0]
     gen = torch.Generator().manual_seed(dim)
     m64 = copy.deepcopy(module).to(torch.float64).eval()
     with torch.no_grad():
+        m64.weight.copy_(torch.rand(dim, generator=gen, dtype=torch.float64) + 0.5)
+        if isinstance(m64.bias, torch.Tensor):
+            m64.bias.copy_(torch.rand(dim, generator=gen, dtype=torch.float64) - 0.5)
         m64.running_mean.copy_(torch.randn(dim, generator=gen, dtype=torch.float64))
-        m64.running_var.copy_(torch.rand(dim, generator=gen, dtype=torch.float64) * 2 + 1e-4)
+        var = torch.rand(dim, generator=gen, dtype=torch.float64) * 2 + 1e-4
+        near = torch.tensor([0.0, 0.1, 1.0, 10.0], dtype=torch.float64)[:dim] * eps
+        var[: near.numel()] = near
+        m64.running_var.copy_(var)
         x = torch.randn(6, dim, generator=gen, dtype=torch.float64)
         try:
-            y = m64(x.reshape(6, dim, *([1] * max(0, _spatial(m64)))))
+            y = _run_rows(m64, x)
         except Exception as exc:
             return {"unsupported": f"BatchNorm forward raises {type(exc).__name__}: {' '.join(str(exc).split())[:80]}"}
     b = m64.bias if isinstance(m64.bias, torch.Tensor) else 0.0
     want = (x - m64.running_mean) / torch.sqrt(m64.running_var + eps) * m64.weight + b
-    if not isinstance(y, torch.Tensor) or y.numel() != want.numel() or \
-            not torch.allclose(y.reshape(want.shape), want, rtol=1e-12, atol=1e-12):
+    if not torch.allclose(y, want, rtol=1e-12, atol=1e-12):
         return {"unsupported": "BatchNorm whose eval-mode output is not (x - mean) / sqrt(var + eps) * w + b"}
     return {"kind": "batch_norm", "gain_offset": 0.0, "bias": isinstance(module.bias, torch.Tensor),
             "order": "native", "inverse_sqrt": "rsqrt", "order_exact": True}
 
 
+def _run_rows(module, x):
+    """The module on rows of C channels, as the feature maps it takes: 1 x 1 (x 1) maps after (N, C)
+    as its class name says (_spatial), else the first layout whose output has the input's shape.
+    The output comes back as rows; raises where no layout runs."""
+    import torch
+
+    first = _spatial(module)
+    error = None
+    for spatial in dict.fromkeys((first, 2, 0, 1, 3)):
+        shape = (*x.shape, *([1] * spatial))
+        try:
+            y = module(x.reshape(shape))
+        except Exception as exc:
+            error = error or exc
+            continue
+        if isinstance(y, torch.Tensor) and tuple(y.shape) == shape:
+            return y.reshape(x.shape)
+    raise error or ValueError("its output never has the input's shape")
+
+
 def _spatial(module) -> int:
-    """The feature-map axes a BatchNorm class expects after (N, C): 0, 1 or 2 (BatchNorm1d takes (N, C))."""
-    names = [c.__name__ for c in type(module).__mro__]
-    return 2 if "BatchNorm2d" in names else 3 if "BatchNorm3d" in names else 0
+    """The feature-map axes a BatchNorm class expects after (N, C), from its class name (its own or
+    a base's): 2 for ...Norm2d, 3 for ...Norm3d, else 0 (BatchNorm1d takes (N, C))."""
+    for cls in type(module).__mro__:
+        found = re.search(r"Norm([123])d$", cls.__name__)
+        if found:
+            return {"1": 0, "2": 2, "3": 3}[found.group(1)]
+    return 0
 
 
 def _exact_order(module, kind, offset, b, x, eps, dim, candidates, dtypes):
@@ -423,7 +533,7 @@ def stored_key(stored: dict, module) -> str | None:
     import torch
 
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+    if not isinstance(weight, torch.nn.Parameter if not _frozen(module) else torch.Tensor) or weight.dim() != 1:
         return None
     return stored.get((weight.numel(), weight.detach().to(torch.float32).numpy().tobytes()))
 
@@ -487,9 +597,9 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
         for name, module in model.named_modules():
             if not name or not _is_norm(module):
                 continue
-            for pname in ("weight", "bias"):
+            for pname in ("weight", "bias"):  # a frozen BatchNorm's are buffers, saved all the same
                 p = getattr(module, pname, None)
-                if isinstance(p, torch.nn.Parameter) and p.is_floating_point():
+                if isinstance(p, torch.nn.Parameter if not _frozen(module) else torch.Tensor) and p.is_floating_point():
                     p.copy_(torch.rand(p.shape, generator=gen) + (0.5 if pname == "weight" else -0.5))
             norms.append((name, module))
     with tempfile.TemporaryDirectory() as tmp:
@@ -501,7 +611,7 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
     prefix = getattr(model, "base_model_prefix", "") or ""
     entries, unsupported, seen = [], [], set()
     for name, module in norms:
-        eps = _eps_of(module)
+        eps = module_eps(module)
         sem = classify(module, eps)
         key = stored_key(stored, module)
         tensor = key[: -len(".weight")] if key and key.endswith(".weight") else (key or name)
@@ -516,7 +626,9 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
         if pattern in seen:
             continue
         seen.add(pattern)
-        source = markers.get(eps)
+        # a measured eps is the marker rounded to 6 digits: the marker it is (markers are 1 % apart)
+        source = markers.get(eps) or next((key for marker, key in markers.items() if eps is not None
+                                           and math.isclose(marker, eps, rel_tol=1e-9)), None)
         entry = {"name": pattern, "dim": "", "kind": sem["kind"], "order": sem["order"],
                  "gain_offset": sem["gain_offset"], "inverse_sqrt": sem["inverse_sqrt"], "hf_class": hf_class}
         if source is not None:
@@ -566,11 +678,12 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
         for name, module in model.named_modules():
             if name and _is_norm(module):
                 norms.append((name, module))
+                frozen = _frozen(module)  # a frozen BatchNorm's gain and bias are buffers
                 for pname, lo, hi in (("weight", 0.1, 0.6), ("bias", -0.2, 0.2)):
                     p = getattr(module, pname, None)
-                    if isinstance(p, torch.nn.Parameter) and p.is_floating_point():
+                    if isinstance(p, torch.nn.Parameter if not frozen else torch.Tensor) and p.is_floating_point():
                         p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
-                if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.running_var is not None:
+                if is_batch_norm(module) and getattr(module, "running_var", None) is not None:
                     # statistics a trained model has: means around 0, variances over decades, some
                     # channels near eps (where a wrong eps shows)
                     n = module.running_var.numel()
@@ -579,11 +692,13 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
     stored, _ = _saved_by_value(model, out)
 
     def described(name, module):
-        eps = _eps_of(module)
+        eps = module_eps(module)
+        sem = classify(module, eps)
         return {"module": name, "stored": stored_key(stored, module), "class": type(module).__name__, "eps": eps,
                 "plain": isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
                 or bool(re.search(r"(RMS|Layer)Norm$", type(module).__name__)),
-                "unsupported": classify(module, eps).get("unsupported")}
+                "batch_norm": is_batch_norm(module), "frozen": _frozen(module),
+                "kind": sem.get("kind"), "unsupported": sem.get("unsupported")}
 
     return {"class": cls.__name__, "norms": [described(name, module) for name, module in norms]}
 
