@@ -365,3 +365,159 @@ def test_a_tower_segment_named_after_its_modality_says_so(name, tower):
     from parity_cli.model.layers import tower_of
 
     assert tower_of(name, "") == tower
+
+
+# BatchNorm at inference (issue 26's batch_norm): what each module holds and computes is read off the
+# module itself, loaded back from the tiny checkpoint by transformers, never off the derivation
+
+
+def _loaded_batch_norms(path):
+    """(name, module) of every BatchNorm of the model transformers loads from `path`: torch's, and the
+    frozen copies (a class named ...FrozenBatchNorm2d), with the statistics the checkpoint holds."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(path).to(torch.float64).eval()
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) or type(m).__name__.endswith("FrozenBatchNorm2d")]
+
+
+def _computes_with(module, eps):
+    """Whether the module's own forward is (x - running_mean) / sqrt(running_var + eps) * w + b in float64
+    on its stored statistics (a tiny checkpoint's variances reach 1e-6: a wrong eps shows there)."""
+    c = module.running_var.numel()
+    x = torch.randn(5, c, generator=torch.Generator().manual_seed(c), dtype=torch.float64)
+    x = x * module.running_var.sqrt() + module.running_mean  # each channel at its own scale
+    spatial = 0 if isinstance(module, torch.nn.BatchNorm1d) else 2
+    with torch.no_grad():
+        got = module(x.reshape(5, c, *([1] * spatial))).reshape(5, c)
+    want = (x - module.running_mean) / torch.sqrt(module.running_var + eps) * module.weight + module.bias
+    return bool(torch.allclose(got, want, rtol=1e-10, atol=1e-12))
+
+
+@pytest.mark.parametrize("model_type,cls", [("resnet", "BatchNorm2d"), ("fastspeech2_conformer", "BatchNorm1d")])
+def test_every_batch_norm_is_checked_under_its_stored_name_with_its_own_eps(tmp_path, model_type, cls):
+    """ResNet's BatchNorm2d and FastSpeech2's conformer BatchNorm1d (an audio model): every one the
+    model holds is a batch_norm layer under its own name, with the module's own eps (torch's default,
+    fixed by the model code), and the model's own class passes against the float64 oracle."""
+    path = tmp_path / model_type
+    write_tiny_checkpoint(model_type, path)
+    modules = _loaded_batch_norms(path)
+    assert modules and {type(m).__name__ for _, m in modules} == {cls}
+    layers = {layer["name"]: layer for layer in api.inspect(path)["layers"]}
+    for name, module in modules:
+        assert layers[name]["kind"] == "batch_norm", name
+        assert layers[name]["eps"]["value"] == module.eps and layers[name]["eps"]["source"].startswith("model-code")
+        assert _computes_with(module, layers[name]["eps"]["value"]), name
+    report = api.check(path, candidate="transformers", dtype="float32", strata=["zero", "tiny", "normal"],
+                       isolation="none", layers="*norm*")
+    assert {layer.name for layer in report.layers} >= {name for name, _ in modules}
+    assert report.passed
+    # the check can fail: Keras' default 1e-3 in place of torch's 1e-5
+    bad = api.check(path, candidate="torch", candidate_eps=1e-3, strata=["tiny"], isolation="none",
+                    layers=modules[0][0])
+    assert not bad.passed
+
+
+def test_a_batch_norm_eps_from_the_config_is_read_from_the_config(tmp_path):
+    """PatchTST's BatchNorm1d takes config.norm_eps: with another value written in config.json, the
+    model transformers loads and every layer parity finds hold that value."""
+    path = tmp_path / "patchtst"
+    write_tiny_checkpoint("patchtst", path)
+    config = json.loads((path / "config.json").read_text())
+    config["norm_eps"] = 3.5e-4
+    (path / "config.json").write_text(json.dumps(config))
+    modules = _loaded_batch_norms(path)
+    assert modules and {m.eps for _, m in modules} == {3.5e-4}
+    layers = {layer["name"]: layer for layer in api.inspect(path)["layers"]}
+    for name, module in modules:
+        assert layers[name]["kind"] == "batch_norm" and layers[name]["eps"] == {"value": module.eps,
+                                                                                "source": "config:norm_eps"}
+    assert api.check(path, candidate="transformers", dtype="float32", strata=["zero", "tiny", "normal"],
+                     isolation="none").passed
+
+
+def _forward_literal_eps(cls) -> float:
+    """The eps a frozen BatchNorm writes inside its forward, read from its source (the test's own
+    way to it; the derivation measures it off the module's output)."""
+    import inspect
+    import re
+
+    found = re.findall(r"epsilon\s*=\s*([0-9.eE+-]+)", inspect.getsource(cls.forward))
+    assert len(found) == 1, found
+    return float(found[0])
+
+
+@pytest.mark.parametrize("model_type", ["rt_detr", "d_fine"])
+def test_a_frozen_batch_norm_is_checked_with_the_eps_its_forward_fixes(tmp_path, model_type):
+    """RT-DETR's and D-FINE's backbones replace BatchNorm2d by a FrozenBatchNorm2d: gain, bias and
+    statistics are buffers, the folded scale-and-shift is the eval formula, and eps is a literal inside
+    forward. Each is a batch_norm layer with that eps (from the model code), and the module itself,
+    loaded with the checkpoint's statistics, computes the formula with it."""
+    path = tmp_path / model_type
+    write_tiny_checkpoint(model_type, path)
+    frozen = [(n, m) for n, m in _loaded_batch_norms(path) if type(m).__name__.endswith("FrozenBatchNorm2d")]
+    assert frozen and not any(isinstance(m.weight, torch.nn.Parameter) for _, m in frozen)
+    eps = _forward_literal_eps(type(frozen[0][1]))
+    layers = {layer["name"]: layer for layer in api.inspect(path)["layers"]}
+    for name, module in frozen:
+        assert layers[name]["kind"] == "batch_norm", name
+        assert layers[name]["eps"]["value"] == eps and layers[name]["eps"]["source"].startswith("model-code")
+        assert _computes_with(module, eps) and not _computes_with(module, eps * 10), name
+    # the reference and torch's F.batch_norm agree on them; a wrong eps is caught
+    names = [name for name, _ in frozen[:4]]
+    assert api.check(path, candidate="torch", dtype="float32", strata=["zero", "tiny", "normal"], isolation="none",
+                     layers="backbone.*").passed
+    assert not api.check(path, candidate="torch", candidate_eps=eps / 10, strata=["tiny"], isolation="none",
+                         layers=names[0]).passed
+
+
+def test_a_frozen_batch_norm_class_runs_as_the_candidate(tmp_path):
+    """RTDetrFrozenBatchNorm2d(n) takes no eps (its forward fixes 1e-5) and is no BatchNorm2d: the
+    model's own class, built as its signature asks, passes against the oracle at float32, and at
+    float64 with float32's tolerance (where an eps the family got wrong would be far above it: the
+    stem's smallest running_var is near 1e-6)."""
+    path = tmp_path / "rt_detr"
+    write_tiny_checkpoint("rt_detr", path)
+    for dtype, tol in (("float32", {}), ("float64", {"atol": 1e-5, "rtol": 1.3e-6})):
+        report = api.check(path, candidate="transformers", dtype=dtype, strata=["zero", "tiny", "normal"],
+                           isolation="none", layers="backbone.model.embedder.*", **tol)
+        assert report.passed and len(report.layers) == 3, [layer.error for layer in report.layers]
+        assert min(layer.statistics["running_var_over_eps"]["min"] for layer in report.layers) < 1
+
+
+def test_a_batch_norm_whose_eps_its_output_does_not_show_is_not_guessed():
+    """torchvision's original FrozenBatchNorm2d has no eps (1 / sqrt(0) where a variance is 0), and one
+    that adds eps outside the root computes another function: neither is a batch_norm, each says why."""
+    from parity_cli.model.derive import classify, module_eps
+
+    class Frozen(torch.nn.Module):
+        def __init__(self, n, outside=False):
+            super().__init__()
+            self.outside = outside
+            for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+                self.register_buffer(name, torch.full((n,), value))
+
+        def forward(self, x):
+            shape = (1, -1, 1, 1)
+            var = self.running_var.reshape(shape)
+            inv = 1 / (var.sqrt() + 1e-5) if self.outside else var.rsqrt()
+            scale = self.weight.reshape(shape) * inv
+            return x * scale + self.bias.reshape(shape) - self.running_mean.reshape(shape) * scale
+
+    plain = Frozen(8)
+    assert module_eps(plain) is None and "eps" in classify(plain, module_eps(plain))["unsupported"]
+    outside = Frozen(8, outside=True)
+    assert "not (x - mean) / sqrt(var + eps)" in classify(outside, module_eps(outside))["unsupported"]
+
+
+def test_a_model_whose_size_lists_are_tuples_is_shrunk_harder():
+    """EfficientNet's channel sizes are tuples (and its width and depth coefficients multiply them):
+    over 60 M parameters until the tuples are shrunk too. Every norm of it is a BatchNorm2d reading
+    batch_norm_eps, whose class default the family states."""
+    from transformers import EfficientNetConfig
+
+    data = derive("efficientnet")
+    assert data["norms"] and not data["unsupported"]
+    assert {(n["kind"], tuple(n["eps_keys"]), n["eps_default"]) for n in data["norms"]} == {
+        ("batch_norm", ("batch_norm_eps",), EfficientNetConfig().batch_norm_eps)}
+    assert {n["hf_class"] for n in data["norms"]} == {"torch.nn.modules.batchnorm.BatchNorm2d"}
