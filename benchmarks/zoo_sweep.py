@@ -6,9 +6,9 @@ norm modules. Writes COVERAGE.md (one row per type, the totals first) and zoo_sw
     python benchmarks/zoo_sweep.py                    # every type, 2 workers (~20-30 min here)
     python benchmarks/zoo_sweep.py --sample 12 --seed 0   # the most deployed types + 12 more
 
-Per type: the norms in the model (plain RMSNorm/LayerNorm modules, and all norm modules), the
-plain ones parity checks (found under their stored names), eps agreement (each layer's eps equals
-the module's own), and the verdict of the model's own classes against parity's float64 oracle,
+Per type: the norms in the model (plain RMSNorm/LayerNorm modules, BatchNorm modules, and all
+norm modules), those parity checks (found under their stored names), eps agreement (each layer's
+eps equals the module's own), and the verdict of the model's own classes against parity's float64 oracle,
 at float32 and at float64 with float32's tolerance (most classes upcast to float32 whatever the input;
 the oracle disagreeing with a class there is a wrong family: a wrong eps, gain or form is orders of
 magnitude above it)."""
@@ -31,7 +31,8 @@ MOST_DEPLOYED = [
     "cohere2", "glm4", "glm4_moe", "starcoder2", "smollm3", "falcon", "gpt_neox", "gpt2", "llava", "idefics3",
     "paligemma",
 ]
-OTHERS = ["bert", "roberta", "t5", "bart", "whisper", "vit", "clip", "siglip"]
+# resnet: BatchNorm2d; fastspeech2_conformer: BatchNorm1d in an audio conformer (issue 26's batch_norm)
+OTHERS = ["bert", "roberta", "t5", "bart", "whisper", "vit", "clip", "siglip", "resnet", "fastspeech2_conformer"]
 
 STRATA = ["zero", "tiny", "normal", "large"]
 
@@ -54,10 +55,12 @@ def sweep_one(model_type: str, tmp: str) -> dict:
     row["class"] = truth["class"]
     norms = truth["norms"]
     plain = [n for n in norms if n["plain"] and n["stored"]]
-    # what parity can express today (a weight of its own, RMSNorm/LayerNorm with gain w or 1 + w);
-    # the rest, counted by why, are issue 26's kinds
+    # what parity can express today (a weight of its own: RMSNorm/LayerNorm with gain w or 1 + w, an
+    # inference BatchNorm); the rest, counted by why, are issue 26's other kinds
     expressible = [n for n in norms if n["stored"] and not n["unsupported"]]
-    row.update(norm_modules=len(norms), plain=len(plain), expressible=len(expressible),
+    batch = [n for n in norms if n.get("batch_norm")]
+    row.update(norm_modules=len(norms), plain=len(plain), expressible=len(expressible), batch_norm=len(batch),
+               frozen_batch_norm=sum(1 for n in batch if n.get("frozen")),
                other_kinds=sorted({n["unsupported"].split(" (")[0].split(":")[0] for n in norms if n["unsupported"]})[:4])
     try:
         info = api.inspect(tmp)
@@ -69,6 +72,11 @@ def sweep_one(model_type: str, tmp: str) -> dict:
     found = [name for name in stored if name in layers]
     row["found"] = len(found)
     row["found_plain"] = sum(1 for n in plain if n["stored"].removesuffix(".weight") in layers)
+    # a BatchNorm counts where it is checked as one: found under its stored name, as kind batch_norm
+    row["found_batch_norm"] = sum(1 for n in batch if n["stored"] and layers.get(
+        n["stored"].removesuffix(".weight"), {}).get("kind") == "batch_norm")
+    row["found_frozen"] = sum(1 for n in batch if n.get("frozen") and n["stored"] and layers.get(
+        n["stored"].removesuffix(".weight"), {}).get("kind") == "batch_norm")
     row["missed"] = sorted(set(stored) - set(found))[:8]
     row["eps_wrong"] = sorted(name for name in found if stored[name]["eps"] is not None
                               and layers[name]["eps"]["value"] != stored[name]["eps"])[:8]
@@ -80,8 +88,16 @@ def sweep_one(model_type: str, tmp: str) -> dict:
         try:
             report = api.check(tmp, candidate="transformers", dtype=dtype, strata=STRATA, isolation="none", **tol)
             row[f"pass_{dtype}"] = report.passed
-            if not report.passed:
-                row[f"failing_{dtype}"] = [layer.name for layer in report.layers if not layer.passed][:5]
+            # a layer whose verdict is fail is a disagreement between the oracle and the class; one whose
+            # candidate raised (the class could not be built or run) is not, and is said apart
+            failing = [layer.name for layer in report.layers if layer.status == "fail"]
+            errored = [layer for layer in report.layers if layer.status == "error"]
+            if failing:
+                row[f"failing_{dtype}"] = failing[:5]
+            if errored:
+                row[f"errored_{dtype}"] = len(errored)
+                row[f"errored_layers_{dtype}"] = [layer.name for layer in errored][:5]
+                row[f"candidate_error_{dtype}"] = " ".join(str(errored[0].error or "a stratum errored").split())[:200]
         except Exception as exc:
             row[f"pass_{dtype}"] = False
             row[f"error_{dtype}"] = " ".join(str(exc).replace(tmp, "CKPT").split())[:200]
@@ -117,9 +133,16 @@ def coverage(rows: list[dict], transformers_version: str) -> str:
     all_norms = sum(r.get("norm_modules", 0) for r in built)
     other = sum(r.get("norm_modules", 0) - r.get("expressible", 0) for r in built)
     only_other = [r for r in built if r.get("norm_modules", 0) and not r.get("expressible")]
-    disagree = [r["model_type"] for r in recognised
-                if (r.get("pass_float64") is False and "error_float64" not in r and not r.get("errored_float64"))]
-    errored = [r["model_type"] for r in recognised if r.get("errored_float32") or "error_float32" in r]
+    # a disagreement: a layer the class and the oracle part on (status fail), at either dtype
+    disagree = [r["model_type"] for r in recognised if r.get("failing_float64") or r.get("failing_float32")]
+    batch_total = sum(r.get("batch_norm", 0) for r in built)
+    batch_checked = sum(r.get("found_batch_norm", 0) for r in scope)
+    frozen_total = sum(r.get("frozen_batch_norm", 0) for r in built)
+    frozen_checked = sum(r.get("found_frozen", 0) for r in scope)
+    batch_types = [r for r in built if r.get("batch_norm")]
+    batch_correct = [r for r in batch_types if fully_correct(r) and r.get("found_batch_norm") == r["batch_norm"]]
+    errored = [r["model_type"] for r in recognised if r.get("errored_float32") or r.get("errored_float64")
+               or "error_float32" in r or "error_float64" in r]
     top = {r["model_type"]: r for r in rows if r["model_type"] in MOST_DEPLOYED}
     top_ok = [t for t in MOST_DEPLOYED if t in top and fully_correct(top[t])]
     kinds = Counter(k for r in built for k in r.get("other_kinds", []))
@@ -133,10 +156,12 @@ def coverage(rows: list[dict], transformers_version: str) -> str:
         f"Measured by `python benchmarks/zoo_sweep.py` with {transformers_version}, on tiny random-weight",
         "checkpoints written by each type's own classes (norm gains and biases randomised). A type is fully",
         "correct when every norm module parity can express (a weight of its own; RMSNorm or LayerNorm with",
-        "gain w or 1 + w, as the module itself computes in float64) is found under its stored name, each",
-        "layer's eps equals the module's own, and `--candidate transformers` (the model's own class) passes",
-        "against the float64 oracle at float32, and at float64 with float32's tolerance (most classes upcast",
-        "to float32 whatever the input; a wrong eps, gain or form is orders of magnitude above it).",
+        "gain w or 1 + w, or an inference BatchNorm, (x - running_mean) / sqrt(running_var + eps) * w + b,",
+        "as the module itself computes in float64) is found under its stored name, each layer's eps equals",
+        "the module's own, and `--candidate transformers` (the model's own class) passes against the float64",
+        "oracle at float32, and at float64 with float32's tolerance (most classes upcast to float32 whatever",
+        "the input; a wrong eps, gain or form is orders of magnitude above it). A BatchNorm's running",
+        "statistics are randomised too (variances from 1e-6 to 10, some channels near eps).",
         "",
         f"- model types swept: {len(rows)} (all transformers ships); built offline: {len(built)}; with a norm "
         f"parity can express: {len(scope)}; with norms of other kinds only: {len(only_other)}",
@@ -146,6 +171,10 @@ def coverage(rows: list[dict], transformers_version: str) -> str:
         f"- expressible norm modules checked: {checked} of {expressible} ({pct(checked, expressible)}); "
         f"plain RMSNorm/LayerNorm modules (by class name) checked: {plain_checked} of {plain_total} "
         f"({pct(plain_checked, plain_total)})",
+        f"- BatchNorm modules (torch's BatchNorm1d/2d/3d, and frozen copies that keep gain, bias and statistics "
+        f"as buffers) checked as batch_norm: {batch_checked} of {batch_total} ({pct(batch_checked, batch_total)}); "
+        f"of them frozen: {frozen_checked} of {frozen_total}; types with a BatchNorm fully correct with every "
+        f"BatchNorm checked: {len(batch_correct)} of {len(batch_types)}",
         f"- norm modules of other kinds (issue 26), not checked: {other} of {all_norms} in the built types"
         + (f"; by kind: {', '.join(f'{k} {n}' for k, n in kinds.most_common(8))} (types)" if kinds else ""),
         f"- types where parity's oracle disagrees with the model's own class: {len(disagree)}"
@@ -155,16 +184,24 @@ def coverage(rows: list[dict], transformers_version: str) -> str:
         + (f"; not: {', '.join(f'{t} ({_why(top[t])})' for t in MOST_DEPLOYED if t in top and t not in top_ok)}"
            if len(top_ok) < len(top) else ""),
         "",
-        "| type | class | family | expressible | found | plain | eps wrong | fp32 | fp64 | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| type | class | family | expressible | found | plain | BatchNorm | eps wrong | fp32 | fp64 | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: r["model_type"]):
         note = _why(r) if not fully_correct(r) else ""
         yes = {True: "pass", False: "FAIL", None: ""}
         lines.append(f"| {r['model_type']} | {r.get('class', '')} | {r.get('family', '')} | {r.get('expressible', '')} | "
-                     f"{r.get('found', '')} | {r.get('plain', '')} | {len(r.get('eps_wrong', [])) or ''} | "
+                     f"{r.get('found', '')} | {r.get('plain', '')} | {_batch(r)} | {len(r.get('eps_wrong', [])) or ''} | "
                      f"{yes[r.get('pass_float32')]} | {yes[r.get('pass_float64')]} | {note} |")
     return "\n".join(lines) + "\n"
+
+
+def _batch(r) -> str:
+    """The BatchNorm cell: checked of all (frozen ones said), empty where the type has none."""
+    if not r.get("batch_norm"):
+        return ""
+    frozen = f" ({r['frozen_batch_norm']} frozen)" if r.get("frozen_batch_norm") else ""
+    return f"{r.get('found_batch_norm', 0)} of {r['batch_norm']}{frozen}"
 
 
 def _why(r) -> str:
@@ -177,8 +214,12 @@ def _why(r) -> str:
         text = "missed " + ", ".join(r["missed"][:2])
     elif r.get("eps_wrong"):
         text = "eps differs on " + ", ".join(r["eps_wrong"][:2])
+    elif r.get("failing_float64") or r.get("failing_float32"):
+        text = "disagrees on " + ", ".join((r.get("failing_float64") or r.get("failing_float32"))[:2])
+    elif r.get("candidate_error_float32") or r.get("candidate_error_float64"):
+        text = "the class could not be run: " + (r.get("candidate_error_float32") or r.get("candidate_error_float64"))
     else:
-        text = r.get("error_float32") or r.get("error_float64") or ", ".join(r.get("failing_float64", [])[:2])
+        text = r.get("error_float32") or r.get("error_float64") or ""
     return " ".join(str(text).split()).replace("|", "/")[:100]
 
 

@@ -1,8 +1,10 @@
 """The zoo sweep (benchmarks/zoo_sweep.py) in the suite, on a bounded seeded sample (issue 25):
 every one of the most deployed LLM/VLM types, a few encoders, vision and audio models, and a
 seeded draw from the rest. Each type's tiny checkpoint is written by its own transformers classes
-with randomised gains; parity must find every plain RMSNorm/LayerNorm module under its stored
-name, read each module's own eps, and pass the model's own class against its float64 oracle.
+with randomised gains (and a BatchNorm's running statistics); parity must find every norm it can
+express (RMSNorm, LayerNorm, inference BatchNorm) under its stored name, read each module's own eps,
+and pass the model's own class against its float64 oracle. ResNet (BatchNorm2d) and FastSpeech2's
+conformer (BatchNorm1d, an audio model) are always in the sample.
 
 PARITY_ZOO_SAMPLE=N draws N others (default 12), PARITY_ZOO_SEED=S another draw (default 0: CI
 runs the same sample each time; the whole zoo is COVERAGE.md's, by the sweep itself),
@@ -16,7 +18,7 @@ import random
 import pytest
 from conftest import ROOT
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 _spec = importlib.util.spec_from_file_location("zoo_sweep", ROOT / "benchmarks" / "zoo_sweep.py")
@@ -26,6 +28,7 @@ _spec.loader.exec_module(zoo)
 # types whose classes need a package the test extra does not bring (timm needs torchvision, whose
 # PyPI build does not load beside the pinned CPU torch): skipped with that reason, never silently
 NEEDS = {"gemma3n": "timm"}
+BATCH_NORM = ("resnet", "fastspeech2_conformer")  # BatchNorm2d; BatchNorm1d in an audio conformer
 SEED = int(os.environ.get("PARITY_ZOO_SEED", "0"))
 
 
@@ -50,6 +53,17 @@ def test_every_plain_norm_of_the_type_is_found_and_agrees_with_its_own_class(mod
     assert not row["eps_wrong"], f"seed {SEED}: eps differs from the module's own on {row['eps_wrong']}"
     assert row["pass_float32"] and row["pass_float64"], f"seed {SEED}: {row}"
     assert zoo.fully_correct(row)
+    # every BatchNorm the model holds is checked as one: counted off the class that saved it, built
+    # (on the meta device) from the config it saved
+    import transformers
+
+    with torch.device("meta"):
+        model = getattr(transformers, row["class"])._from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    batch = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             or type(m).__name__.endswith("FrozenBatchNorm2d")]
+    assert row["found_batch_norm"] == row["batch_norm"] == len(batch), f"seed {SEED}: {row}"
+    if model_type in BATCH_NORM:
+        assert batch and row["found_batch_norm"] == len(batch)
 
 
 def test_the_most_deployed_types_are_types_transformers_knows():
@@ -58,6 +72,7 @@ def test_the_most_deployed_types_are_types_transformers_knows():
 
     assert len(zoo.MOST_DEPLOYED) == len(set(zoo.MOST_DEPLOYED)) == 40
     assert set(zoo.MOST_DEPLOYED + zoo.OTHERS) <= set(CONFIG_MAPPING_NAMES)
+    assert set(BATCH_NORM) <= set(_sample())  # the batch_norm kind is in every sample
 
 
 def test_a_missed_norm_fails_the_row():
