@@ -180,3 +180,104 @@ def cast_reduction(path, scope: str, to: str = "float16"):
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
+
+
+# --- a whole transformers ResNet (BatchNorm2d after every Conv) -----------------------------------
+
+
+def export_resnet(hf_dir, out, fold=False, image=32):
+    """The checkpoint's ResNetModel in eval mode, exported as a user does (TorchScript, opset 17).
+    torch.onnx.export folds every eval-mode BatchNorm into the Conv before it unless
+    do_constant_folding=False: `fold` is the exporter's default, which leaves no BatchNormalization."""
+    import contextlib
+    import io
+    import warnings
+
+    from transformers import ResNetModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    model = ResNetModel.from_pretrained(str(hf_dir)).eval()
+    x = torch.randn(1, model.config.num_channels, image, image, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(out), dynamo=False, opset_version=17, do_constant_folding=fold,
+                          input_names=["pixel_values"])
+    return out
+
+
+def batch_norm_node(model, layer: str):
+    """The BatchNormalization node whose scale is `layer.weight`."""
+    (node,) = [n for n in model.graph.node if n.op_type == "BatchNormalization" and n.input[1] == f"{layer}.weight"]
+    return node
+
+
+def plant_batch_norm(path, out, eps=None, scale=None, training=()):
+    """A copy of an export with faults planted in BatchNormalization nodes, each named by its
+    checkpoint layer: eps {layer: epsilon}; scale {(layer, operand, channel): factor} multiplies
+    one channel of an operand (running_mean, running_var, ...); training: layers switched to
+    training_mode=1 (with the two running-statistics outputs the op then requires)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path))
+    for layer, value in (eps or {}).items():
+        node = batch_norm_node(model, layer)
+        kept = [a for a in node.attribute if a.name != "epsilon"]
+        del node.attribute[:]
+        node.attribute.extend(kept + [helper.make_attribute("epsilon", float(value))])
+    inits = {t.name: t for t in model.graph.initializer}
+    for (layer, operand, channel), factor in (scale or {}).items():
+        t = inits[f"{layer}.{operand}"]
+        arr = numpy_helper.to_array(t).copy()
+        arr[channel] *= factor
+        t.CopyFrom(numpy_helper.from_array(arr, t.name))
+    for layer in training:
+        node = batch_norm_node(model, layer)
+        kept = [a for a in node.attribute if a.name != "training_mode"]
+        del node.attribute[:]
+        node.attribute.extend(kept + [helper.make_attribute("training_mode", 1)])
+        node.output.extend([f"{layer}.batch_mean", f"{layer}.batch_var"])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(out))
+    return out
+
+
+def fold_batch_norm(path, out, layer: str):
+    """A copy of an export whose one BatchNorm is folded into the Conv before it, as an exporter's
+    constant folding does: W' = W * s / sqrt(var + eps) per output channel, B' = (B - mean) * s /
+    sqrt(var + eps) + b, computed here in float64; the BatchNormalization node and its operands gone."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    node = batch_norm_node(model, layer)
+    (conv,) = [n for n in model.graph.node if node.input[0] in n.output]
+    assert conv.op_type == "Conv"
+    inits = {t.name: t for t in model.graph.initializer}
+    s, b, mean, var = (numpy_helper.to_array(inits[name]).astype(np.float64) for name in node.input[1:5])
+    eps = next(a.f for a in node.attribute if a.name == "epsilon")
+    factor = s / np.sqrt(var + eps)
+    w = numpy_helper.to_array(inits[conv.input[1]]).astype(np.float64)
+    conv_bias = numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64) if len(conv.input) > 2 else 0.0
+    folded_w = numpy_helper.from_array((w * factor[:, None, None, None]).astype(np.float32), f"onnx::Conv_folded_{layer}")
+    folded_b = numpy_helper.from_array(((conv_bias - mean) * factor + b).astype(np.float32), f"onnx::Conv_bias_{layer}")
+    old = set(conv.input[1:])
+    del conv.input[1:]
+    conv.input.extend([folded_w.name, folded_b.name])
+    for n in model.graph.node:  # the BatchNorm's consumers read the Conv
+        for k, name in enumerate(n.input):
+            if name == node.output[0]:
+                n.input[k] = conv.output[0]
+    for o in model.graph.output:
+        assert o.name != node.output[0]
+    model.graph.node.remove(node)
+    gone = old | set(node.input[1:5])
+    kept = [t for t in model.graph.initializer if t.name not in gone]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept + [folded_w, folded_b])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(out))
+    return out

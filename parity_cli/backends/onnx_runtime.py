@@ -2,8 +2,11 @@
 
 What a model exported to ONNX computes: `RMSNormalization` (opset 23) or its decomposed form
 (Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul), `LayerNormalization` (opset 17),
-Gemma's `1 + w` as an `Add` on the scale, casts where the family's Hugging Face code has them.
-The weight and bias are graph inputs, so one session serves every layer of a shape and eps.
+Gemma's `1 + w` as an `Add` on the scale, casts where the family's Hugging Face code has them;
+an inference BatchNorm as `BatchNormalization` (opset 15 semantics, training_mode 0) on (N, C)
+rows with the layer's running statistics, or decomposed as (x - mean) / Sqrt(var + eps) * w + b.
+The weight, bias and statistics are graph inputs, so one session serves every layer of a shape
+and eps.
 
 --candidate-arg: op=auto|fused|decomposed (auto: fused where the runtime has the op),
 compute=float32 (cast in and out, for a dtype the execution provider has no kernel for)."""
@@ -25,6 +28,9 @@ def build_graph(kind: str, order: str, dim: int, per_head: tuple, dtype: str, ep
                 op: str, bias: bool):
     """The norm of one layer shape as an ONNX model: inputs x (and scale, bias), output y."""
     from onnx import TensorProto, helper
+
+    if kind == "batch_norm":
+        return _batch_norm_graph(dim, dtype, eps, offset, op, bias)
 
     t = _ONNX_TYPES[dtype]
     f32 = TensorProto.FLOAT
@@ -94,6 +100,54 @@ def build_graph(kind: str, order: str, dim: int, per_head: tuple, dtype: str, ep
     graph = helper.make_graph(nodes, "norm", inputs, [output], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23 if fused and kind == "rms_norm" else 18)],
                               producer_name="parity-cli")
+    model.ir_version = 10
+    return model
+
+
+def _batch_norm_graph(dim: int, dtype: str, eps: float, offset: float, op: str, bias: bool):
+    """An inference BatchNorm on rows (N, C): inputs x, scale, (bias,) mean, var, each cast to
+    float32 (float64 at float64: the CPU provider has both kernels) as a model's graph computes a
+    half-precision norm; `BatchNormalization` (training_mode 0) where op is fused, else
+    (x - mean) / Sqrt(var + eps) * scale + bias. The output at x's dtype."""
+    from onnx import TensorProto, helper
+
+    t = _ONNX_TYPES[dtype]
+    ct = TensorProto.DOUBLE if dtype == "float64" else TensorProto.FLOAT
+    names = ["scale", *(["bias"] if bias else []), "mean", "var"]
+    inputs = [helper.make_tensor_value_info("x", t, ["n", dim])]
+    inputs += [helper.make_tensor_value_info(name, t, [dim]) for name in names]
+    nodes = [helper.make_node("Cast", [name], [name + "_c"], to=ct) for name in ["x", *names]]
+    inits = []
+    gain = "scale_c"
+    if offset:
+        inits.append(helper.make_tensor("offset", ct, [], [float(offset)]))
+        nodes.append(helper.make_node("Add", ["scale_c", "offset"], ["gain_c"]))
+        gain = "gain_c"
+    if op == "fused":
+        if not bias:  # B is not optional: zeros of C
+            nodes += [helper.make_node("Shape", ["mean_c"], ["c_shape"]),
+                      helper.make_node("ConstantOfShape", ["c_shape"], ["bias_c"],
+                                       value=helper.make_tensor("zero", ct, [1], [0.0]))]
+        nodes.append(helper.make_node("BatchNormalization", ["x_c", gain, "bias_c", "mean_c", "var_c"], ["y_c"],
+                                      epsilon=float(eps), training_mode=0))
+    else:
+        inits.append(helper.make_tensor("eps", ct, [], [float(eps)]))
+        nodes += [helper.make_node("Sub", ["x_c", "mean_c"], ["centred"]),
+                  helper.make_node("Add", ["var_c", "eps"], ["var_eps"]),
+                  helper.make_node("Sqrt", ["var_eps"], ["std"]),
+                  helper.make_node("Div", ["centred", "std"], ["normed"]),
+                  helper.make_node("Mul", ["normed", gain], ["scaled" if bias else "y_c"])]
+        if bias:
+            nodes.append(helper.make_node("Add", ["scaled", "bias_c"], ["y_c"]))
+    out_type = TensorProto.FLOAT if dtype == "bfloat16" else t  # numpy has no bfloat16: its values as float32
+    if dtype == "bfloat16":
+        nodes += [helper.make_node("Cast", ["y_c"], ["y_bf16"], to=t), helper.make_node("Cast", ["y_bf16"], ["y"],
+                                                                                       to=TensorProto.FLOAT)]
+    else:
+        nodes.append(helper.make_node("Cast", ["y_c"], ["y"], to=t))
+    graph = helper.make_graph(nodes, "batch_norm", inputs, [helper.make_tensor_value_info("y", out_type, ["n", dim])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="parity-cli")
     model.ir_version = 10
     return model
 
@@ -177,10 +231,14 @@ def _program(layer, device: str):
                              f"{' '.join(str(exc).split())[:240]}") from None
         _SESSIONS[key] = (session, inp.name, getattr(torch, names[elem]), rank, model.graph.output[0].name)
     session, name, dtype, rank, out = _SESSIONS[key]
+    channels_first = layer.kind == "batch_norm"
 
     def run(x):
-        # the graph's own rank: leading 1s added (batch), or rows folded; (n, heads, dim) kept whole
-        if x.dim() <= rank:
+        # the graph's own rank: leading 1s added (batch), or rows folded; (n, heads, dim) kept whole;
+        # a BatchNorm's rows (N, C) as N maps of C channels, 1 x 1 each (channels are its axis 1)
+        if channels_first:
+            shaped = x.reshape(*x.shape[:2], *([1] * (rank - 2))) if x.dim() == 2 and rank > 2 else x
+        elif x.dim() <= rank:
             shaped = x.reshape(*([1] * (rank - x.dim())), *x.shape)
         else:
             shaped = x.reshape(*([1] * max(0, rank - 2)), -1, x.shape[-1])
@@ -201,8 +259,8 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
         raise InputError(f"onnxruntime: op={op!r}; use one of {', '.join(OPS)}")
     if compute not in (None, "float32"):
         raise InputError(f"onnxruntime: compute={compute!r}; only compute=float32 is known")
-    if op == "auto":
-        op = "fused" if _fused_available() else "decomposed"
+    if op == "auto":  # BatchNormalization is in every opset; RMSNormalization only from 23
+        op = "fused" if layer.kind == "batch_norm" or _fused_available() else "decomposed"
     dtype = _name(weight.dtype)
     run_dtype = "float32" if compute == "float32" else dtype
     if run_dtype not in _ONNX_TYPES:
@@ -229,6 +287,9 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
     feeds = {"scale": _to_ort(weight.to(cast))}
     if bias is not None:
         feeds["bias"] = _to_ort(bias.to(cast))
+    if layer.kind == "batch_norm":  # the running statistics as the candidate's buffers hold them (its dtype)
+        feeds["mean"] = _to_ort(layer.running_mean.to(weight.dtype).to(cast))
+        feeds["var"] = _to_ort(layer.running_var.to(weight.dtype).to(cast))
 
     def run(x):
         feeds["x"] = _to_ort(x.to(cast))

@@ -1,5 +1,6 @@
 """An exported graph's norms as the model's layers: each under the reference layer it stands for
-(by name, or by value where no name says anything), with the graph's eps, gain and subgraph."""
+(by name, or by value where no name says anything), with the graph's eps, gain and subgraph (and a
+BatchNormalization's running statistics, which pairing compares like the gain)."""
 
 from __future__ import annotations
 
@@ -45,20 +46,29 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             norm = dataclasses.replace(norm, name=f"{norm.name}#{k}")
         seen[norm.name] = norm
         ref = by_name.get(norm.name)
+        if ref is not None and "batch_norm" in (ref.kind, norm.kind) and ref.kind != norm.kind:
+            ref = None  # a BatchNorm is no other kind's copy: the layer is missing, this norm extra
+            norm = dataclasses.replace(norm, name=f"{norm.name} ({norm.kind})")
         eps = Eps(norm.eps, norm.eps_source)
+        stats = {"running_mean": norm.running_mean, "running_var": norm.running_var}
         if ref is not None:
             family_offset = ref.semantic_offset if ref.semantic_offset is not None else ref.gain_offset
             layer = dataclasses.replace(ref, weight=norm.weight, bias=norm.bias, eps=eps, gain_offset=norm.offset,
                                         semantic_offset=family_offset if family_offset != norm.offset else None,
-                                        tensor=norm.name, program=norm.program,
+                                        tensor=norm.name, program=norm.program, **stats,
                                         warnings=[BY_VALUE] if norm.paired_by == "value" else [])
         else:
             layer = NormLayer(name=norm.name, kind=norm.kind, dim=norm.dim, order="native", gain_offset=norm.offset,
                               eps=eps, weight=norm.weight, bias=norm.bias, family="onnx", tensor=norm.name,
-                              program=norm.program)
-        if norm.reduced:  # a finding of the copy's graph itself: pairing reports it for the layer
-            layer.graph_findings = [{"code": "reduced_precision_reduction", "message": reduced_words(norm.reduced),
-                                     "reduction_dtype": norm.reduced}]
+                              program=norm.program, **stats)
+        graph_findings = []  # findings of the copy's graph itself: pairing reports them for the layer
+        if norm.reduced:
+            graph_findings.append({"code": "reduced_precision_reduction", "message": reduced_words(norm.reduced),
+                                   "reduction_dtype": norm.reduced})
+        if norm.training:
+            graph_findings.append({"code": "batch_statistics", "message": TRAINING_WORDS})
+        if graph_findings:
+            layer.graph_findings = graph_findings
         layers.append(layer)
     eps_common = Counter(n.eps for n in norms).most_common(1)
     dtypes = Counter(n.dtype for n in norms).most_common(1)
@@ -69,7 +79,34 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             "dtype": dtypes[0][0] if dtypes else None,
             "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
             "producer": f"{model.producer_name} {model.producer_version}".strip()}
-    if not norms:
-        raise InputError(f"{path}: no norm found in the graph (looked for {', '.join(FUSED)} and the decomposed "
-                         "Pow/ReduceMean/Add/Sqrt pattern followed by a Mul by the gain)")
+    folded = _folded(model, reference, {layer.name for layer in layers})
+    if not norms:  # nothing to pair, and no eps to state: one line, with why where BatchNorms were folded
+        raise InputError(f"{path}: no norm found in the graph" + (f": {folded['message']}" if folded else
+                         f" (looked for {', '.join(FUSED)} and the decomposed Pow/ReduceMean/Add/Sqrt pattern "
+                         "followed by a Mul by the gain)"))
+    if folded:
+        info["batch_norm_folded"] = folded
     return layers, info
+
+
+TRAINING_WORDS = ("the graph's BatchNormalization runs with training_mode=1: it normalises every batch with that "
+                  "batch's own mean and variance, not the running statistics the checkpoint stores")
+
+
+def _folded(model, reference: list, found: set) -> dict | None:
+    """The checkpoint's BatchNorms the graph has no BatchNormalization for, where it has Convs: what
+    torch.onnx.export does to an eval-mode Conv + BatchNorm (constant folding, the dynamo optimizer
+    fuses the pair into one Conv with w * scale / sqrt(var + eps) and a shifted bias). What the fold
+    computes is not checked here: each such layer is missing from the copy (pairing's
+    checkpoint_layer_missing), and the copy's description in the report says why."""
+    missing = [layer.name for layer in reference if layer.kind == "batch_norm" and layer.name not in found]
+    convs = sum(1 for node in model.graph.node if node.op_type in ("Conv", "ConvTranspose"))
+    if not missing or not convs:
+        return None
+    kept = sum(1 for node in model.graph.node if node.op_type == "BatchNormalization")
+    return {"missing": len(missing), "layers": missing[:10], "batch_normalization_nodes": kept, "conv_nodes": convs,
+            "message": f"{len(missing)} BatchNorm layer(s) of the checkpoint have no BatchNormalization in the graph "
+                       f"({kept} kept beside {convs} Conv): an exporter that folds an eval-mode BatchNorm into the "
+                       "Conv before it (torch.onnx.export's default do_constant_folding=True, the dynamo exporter's "
+                       "optimize=True) leaves no eps, gain or statistics to compare; export with "
+                       "do_constant_folding=False (or dynamo with optimize=False) to check them"}

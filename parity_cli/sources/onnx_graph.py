@@ -7,6 +7,11 @@ An exporter rarely keeps a norm as one op. What is found:
 - decomposed: `Pow(h, 2)` (or `Mul(h, h)`) -> `ReduceMean` -> `Add(eps)` -> `Sqrt` -> `Div`
   (or `Reciprocal` -> `Mul`), or `Add(eps)` -> `Pow(-0.5)` -> `Mul`; `h = x - ReduceMean(x)`
   makes it a LayerNorm; eps is the `Add`'s constant;
+- `BatchNormalization` (an inference BatchNorm: scale, B, input_mean, input_var, `epsilon`
+  default 1e-5): its running statistics are read beside the gain; `training_mode=1` (or an old
+  opset's `is_test=0`) normalises with each batch's statistics, which the layer then reports;
+  an export that folded the BatchNorm into the preceding Conv (torch.onnx.export's constant
+  folding, the dynamo optimizer) has no BatchNorm left to find;
 - then `Mul` by the gain, through `Cast`s, where the gain is an initializer, or an initializer
   plus a constant (`Add(w, 1)`: Gemma's offset kept in the graph); an exporter that folded
   `1 + w` into one initializer stores the offset baked in, as llama.cpp's Gemma does.
@@ -36,6 +41,7 @@ FUSED = {  # op -> (kind, input index of the gain, of the bias, default epsilon)
     "SkipSimplifiedLayerNormalization": ("rms_norm", 2, None, 1e-12),  # ORT's contrib schema default
     "LayerNormalization": ("layer_norm", 1, 2, 1e-5),
     "SkipLayerNormalization": ("layer_norm", 2, 3, 1e-12),
+    "BatchNormalization": ("batch_norm", 1, 2, 1e-5),  # X, scale, B, input_mean, input_var (_batch_norm)
 }
 _PASS = ("Cast", "Identity")
 SKIP_EXTRA = {"SkipSimplifiedLayerNormalization": (1, 3), "SkipLayerNormalization": (1, 4)}  # skip, folded bias
@@ -63,6 +69,9 @@ class OnnxNorm:
     names: tuple = ()  # every name the graph gives it (gain, scope, node path), most telling first
     paired_by: str = "name"  # how it was matched to a checkpoint layer: "name", or "value" (its gain)
     reduced: str | None = None  # the narrower dtype a Cast pair inside the pattern reduces the mean square in
+    running_mean: object = None  # BatchNormalization: input_mean and input_var as stored
+    running_var: object = None
+    training: bool = False  # BatchNormalization with training_mode=1: the batch's statistics, not these
 
 
 def load_model(path: Path):
@@ -158,6 +167,36 @@ def count_entries(path: Path) -> int:
     return count
 
 
+def _typed_skeleton(model):
+    """The model for shape inference: each float initializer of more than 64 elements as a typed,
+    shaped graph input without its data. Inference reads only its type and shape (values are
+    propagated for integer shape tensors alone), and protobuf would otherwise copy every weight of
+    an embedded model (94 MB for a ResNet-50: 2 s) to infer the types of a few norms' inputs."""
+    import onnx
+    from onnx import helper
+
+    g = model.graph
+    light = onnx.GraphProto(name=g.name)
+    light.node.extend(g.node)
+    light.input.extend(g.input)
+    light.output.extend(g.output)
+    light.value_info.extend(g.value_info)
+    light.sparse_initializer.extend(g.sparse_initializer)
+    declared = {vi.name for vi in g.input}
+    for t in g.initializer:
+        if t.data_type in _FLOAT_TYPES and t.dims and math.prod(t.dims) > 64:
+            if t.name not in declared:
+                light.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+                declared.add(t.name)
+        else:
+            light.initializer.append(t)
+    out = onnx.ModelProto(ir_version=model.ir_version)
+    out.opset_import.extend(model.opset_import)
+    out.functions.extend(model.functions)
+    out.graph.CopyFrom(light)
+    return out
+
+
 class _Graph:
     def __init__(self, model, path: Path):
         self.model, self.path = model, path
@@ -177,7 +216,7 @@ class _Graph:
         try:
             import onnx
 
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            inferred = onnx.shape_inference.infer_shapes(_typed_skeleton(model), strict_mode=False)
             for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
                 self.types[vi.name] = (vi.type.tensor_type.elem_type,
                                        len(vi.type.tensor_type.shape.dim) if vi.type.tensor_type.HasField("shape") else None)
@@ -377,7 +416,9 @@ def find_norms(model, path: Path) -> list[OnnxNorm]:
     graph = _Graph(model, path)
     found = []
     for node in model.graph.node:
-        if node.op_type in FUSED:
+        if node.op_type == "BatchNormalization":
+            norm = _batch_norm(graph, node)
+        elif node.op_type in FUSED:
             norm = _fused(graph, node)
         elif node.op_type == "ReduceMean":
             norm = _decomposed(graph, node)
@@ -423,6 +464,61 @@ def _fused(graph: _Graph, node):
         return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes,
                      zeros={node.input[skip]}, original=node)
     return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes)
+
+
+def _int_attribute(graph: _Graph, node, name: str) -> int | None:
+    attr = next((a for a in node.attribute if a.name == name), None)
+    if attr is None:
+        return None
+    if attr.type != 2:  # AttributeProto.INT
+        where = f"{node.op_type} node {node.name!r}" if node.name else f"a {node.op_type} node"
+        raise InputError(f"{graph.path}: {where} has a {name} attribute that is not an integer; refused")
+    return int(attr.i)
+
+
+def _batch_norm(graph: _Graph, node):
+    """BatchNormalization(X, scale, B, input_mean, input_var) over the channel axis 1: its eps,
+    gain, bias and running statistics, each a stored vector of C values (an operand computed
+    in the graph is no checkpoint's: that norm is not found, and its layer is reported missing)."""
+    if len(node.input) < 5 or not all(node.input[1:5]):
+        return None
+    if _int_attribute(graph, node, "spatial") == 0:  # opsets 7-8: statistics per (C, H, W), no BatchNorm layer's
+        return None
+    training = bool(_int_attribute(graph, node, "training_mode")) or _int_attribute(graph, node, "is_test") == 0
+    w, offset = graph.gain(node.input[1])
+    tensors = [_vector(graph, name) for name in node.input[2:5]]
+    if w is None or any(t is None for t in tensors):
+        return None
+    attr = next((a for a in node.attribute if a.name == "epsilon"), None)
+    if attr is not None and attr.type != 1:
+        where = f"{node.op_type} node {node.name!r}" if node.name else f"a {node.op_type} node"
+        raise InputError(f"{graph.path}: {where} has an epsilon attribute that is not a float; refused")
+    eps = float(attr.f) if attr is not None else FUSED[node.op_type][3]
+    source = f"onnx:{node.name or node.op_type}.epsilon" if attr is not None else f"onnx:{node.op_type} default"
+    bias, mean, var = (_tensor(graph, t) for t in tensors)
+    shapes = [list(w.dims), *(list(t.shape) for t in (bias, mean, var))]
+    if len(shapes[0]) != 1 or any(s != shapes[0] for s in shapes):
+        where = f"BatchNormalization node {node.name!r}" if node.name else "a BatchNormalization node"
+        raise InputError(f"{graph.path}: {where} has scale, B, input_mean, input_var of shapes "
+                         f"{', '.join(str(s) for s in shapes)}; each must be [C]; refused")
+    x, casts = graph.back(node.input[0])
+    norm = _norm(graph, "batch_norm", w, offset, bias, eps, source, node.op_type, x, node.output[0],
+                 casts[::-1] + [node], channels_first=True)
+    if norm is not None:
+        norm.running_mean, norm.running_var, norm.training = mean, var, training
+    return norm
+
+
+def _vector(graph: _Graph, name: str):
+    """The stored tensor behind an operand, through casts: an initializer or a Constant node's
+    value; None where the graph computes it."""
+    name = graph.through(name)
+    if name in graph.init:
+        return graph.init[name]
+    node = graph.producer.get(name)
+    if node is not None and node.op_type == "Constant":
+        return next((a.t for a in node.attribute if a.name == "value" and a.type == 4), None)  # TENSOR
+    return None
 
 
 def _decomposed(graph: _Graph, mean_node):
@@ -533,7 +629,8 @@ def reduced_words(reduced: str) -> str:
             "pair, a provider with one (CUDA) reduces in " + reduced)
 
 
-def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes, zeros=frozenset(), original=None):
+def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes, zeros=frozenset(), original=None,
+          channels_first=False):
     weight = _tensor(graph, w)
     if weight.dim() == 0:
         return None
@@ -546,7 +643,7 @@ def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes, zeros=fr
     names = _norm_names(graph, w.name, nodes, shared)
     norm = OnnxNorm(name=names[0], kind=kind, dim=int(weight.shape[-1]), eps=eps, eps_source=source, form=form,
                     weight=weight, bias=bias, offset=offset, dtype=dtype, names=tuple(names))
-    norm.program = _subgraph(graph, x, y, nodes, elem, zeros, original)
+    norm.program = _subgraph(graph, x, y, nodes, elem, zeros, original, channels_first)
     return norm
 
 
@@ -567,9 +664,10 @@ def _elem_type(graph, x: str, w) -> int:
 
 
 def _subgraph(graph: _Graph, x: str, y: str, nodes, elem: int, zeros=frozenset(),
-              original=None) -> bytes:
+              original=None, channels_first=False) -> bytes:
     """x -> y with every node between them and the initializers they read; a Skip op's skip
-    input becomes zeros shaped like x, so the op normalises x alone."""
+    input becomes zeros shaped like x, so the op normalises x alone. A BatchNormalization's x is
+    (N, C, ...) (channels_first): its channels are axis 1."""
     from onnx import TensorProto, helper
 
     # back from y through the norm's own nodes and any all-constant subtree (Constant nodes, an
@@ -614,7 +712,10 @@ def _subgraph(graph: _Graph, x: str, y: str, nodes, elem: int, zeros=frozenset()
                             helper.make_node("ConstantOfShape", [f"{name}__shape"], [f"{name}__zf"],
                                              value=helper.make_tensor("z", TensorProto.FLOAT, [1], [0.0])),
                             helper.make_node("Cast", [f"{name}__zf"], [name], to=elem)]
-    shape = [f"d{k}" for k in range((rank or 2) - 1)] + ["dim"]
+    if channels_first:
+        shape = ["n", "channels"] + [f"d{k}" for k in range(2, rank or 2)]
+    else:
+        shape = [f"d{k}" for k in range((rank or 2) - 1)] + ["dim"]
     g = helper.make_graph(extra_nodes + list(keep), "norm", [helper.make_tensor_value_info(x, elem, shape)],
                           [helper.make_tensor_value_info(y, out_elem, None)], initializer=inits)
     model = helper.make_model(g, opset_imports=list(graph.model.opset_import), producer_name="parity-cli")
@@ -730,11 +831,12 @@ def is_onnx(path) -> bool:
 
 
 def _same(a: OnnxNorm, b: OnnxNorm) -> bool:
-    """Two finds of one norm: the same form, eps, offset, gain and bias."""
+    """Two finds of one norm: the same form, eps, offset, gain and bias (and running statistics)."""
     import torch
 
     def equal(x, y):
         return (x is None) == (y is None) and (x is None or (x.shape == y.shape and bool(torch.equal(x, y))))
 
-    return (a.kind, a.form, a.eps, a.offset) == (b.kind, b.form, b.eps, b.offset) and equal(a.weight, b.weight) \
-        and equal(a.bias, b.bias)
+    return (a.kind, a.form, a.eps, a.offset, a.training) == (b.kind, b.form, b.eps, b.offset, b.training) \
+        and equal(a.weight, b.weight) and equal(a.bias, b.bias) and equal(a.running_mean, b.running_mean) \
+        and equal(a.running_var, b.running_var)
