@@ -159,7 +159,8 @@ def _inspect_onnx(path) -> dict:
     import math
     from collections import Counter
 
-    from parity_cli.check.layer import weight_stats
+    from parity_cli.check.layer import running_summary, weight_stats
+    from parity_cli.model.onnx_layers import TRAINING_WORDS
     from parity_cli.sources.onnx_graph import find_norms, load_model, reduced_words
 
     path = Path(path)
@@ -176,6 +177,10 @@ def _inspect_onnx(path) -> dict:
                        "weight": stats, "gain": gain, "gain_offset": n.offset, "form": n.form, "dtype": n.dtype,
                        "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps),
                        "warnings": [reduced_words(n.reduced)] if n.reduced else []})
+        if n.kind == "batch_norm" and getattr(n, "running_var", None) is not None:
+            layers[-1]["statistics"] = running_summary(n, n.eps)
+            if getattr(n, "training", False):
+                layers[-1]["warnings"].append(TRAINING_WORDS)
     eps = Counter(n.eps for n in norms).most_common(1)[0][0]
     forms = Counter(n.form for n in norms)
     return {
@@ -351,6 +356,14 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                     raise InputError(f"{flag}: an exported .onnx copy runs its own subgraphs, with the eps and form "
                                      "it has; edit the graph, or check another candidate against its weights")
         pairing = pair(found.layers, copy_layers, conversion["path"])
+        folded = conversion.get("onnx", {}).get("batch_norm_folded")
+        if folded:  # each BatchNorm the exporter folded into its Conv says so where it is missing
+            kinds = {l.name: l.kind for l in found.layers}
+            for name, items in pairing.layer_findings.items():
+                for item in items:
+                    if item["code"] == "checkpoint_layer_missing" and kinds.get(name) == "batch_norm":
+                        item["message"] += f" ({folded['message']})"
+                        item["folded"] = True
         conversion["findings"] = sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings)
     # an exported graph computes in its own input type (float32 for most exports): probe it there
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else (copy_dtype or stored_dtype(found.layers))

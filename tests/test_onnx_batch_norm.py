@@ -104,6 +104,9 @@ def test_the_export_keeps_every_batch_norm_and_the_reader_finds_them(resnet):
             assert torch.equal(getattr(layer, attr), stored[f"{layer.name}.{key}"]), (layer.name, attr)
     inspected = api.inspect(resnet["onnx"])
     assert sorted((l["name"], l["kind"]) for l in inspected["layers"]) == [(n, "batch_norm") for n in sorted(resnet["modules"])]
+    for item in inspected["layers"]:  # q/eps of a BatchNorm: its smallest running_var / eps, from the stored tensor
+        var = stored[f"{item['name']}.running_var"].to(torch.float64)
+        assert item["statistics"]["running_var_over_eps"]["min"] == pytest.approx(float(var.min()) / f32(TORCH_EPS))
 
 
 def test_the_copy_runs_its_own_subgraph_on_rows(resnet):
@@ -194,6 +197,8 @@ def test_a_batch_norm_folded_into_its_conv_is_missing(resnet):
     folded = report.header["candidate"]["checkpoint"]["onnx"]["batch_norm_folded"]
     assert folded["layers"] == [VAR_LAYER] and folded["missing"] == 1
     assert folded["batch_normalization_nodes"] == 52 and folded["conv_nodes"] == 53
+    (missing,) = next(l.findings for l in report.layers if l.name == VAR_LAYER)
+    assert missing["folded"] and folded["message"] in missing["message"]  # the layer says why it is missing
 
 
 def test_the_exporters_default_folds_every_batch_norm_and_says_so(resnet):
