@@ -55,12 +55,17 @@ def sweep_one(model_type: str, tmp: str) -> dict:
     row["class"] = truth["class"]
     norms = truth["norms"]
     plain = [n for n in norms if n["plain"] and n["stored"]]
-    # what parity can express today (a weight of its own: RMSNorm/LayerNorm with gain w or 1 + w, an
-    # inference BatchNorm); the rest, counted by why, are issue 26's other kinds
-    expressible = [n for n in norms if n["stored"] and not n["unsupported"]]
+    # what parity can express (a weight of its own: RMSNorm/LayerNorm with gain w or 1 + w, an inference
+    # BatchNorm, a GroupNorm, a gated RMSNorm; or no parameter at all, found under its module's name);
+    # the rest, counted by why, are kinds parity cannot express yet
+    for n in norms:
+        n["name"] = (n["stored"].removesuffix(".weight") if n["stored"] else
+                     n["module"] if n.get("weightless") and not n["unsupported"] else None)
+    expressible = [n for n in norms if n["name"] and not n["unsupported"]]
     batch = [n for n in norms if n.get("batch_norm")]
     row.update(norm_modules=len(norms), plain=len(plain), expressible=len(expressible), batch_norm=len(batch),
                frozen_batch_norm=sum(1 for n in batch if n.get("frozen")),
+               **{f"kind_{k}": sum(1 for n in expressible if _kind(n) == k) for k in OTHER_KINDS},
                other_kinds=sorted({n["unsupported"].split(" (")[0].split(":")[0] for n in norms if n["unsupported"]})[:4])
     try:
         info = api.inspect(tmp)
@@ -68,8 +73,11 @@ def sweep_one(model_type: str, tmp: str) -> dict:
         return {**row, "outcome": "not recognised", "error": " ".join(str(exc).replace(tmp, "CKPT").split())[:200]}
     row["family"] = info["checkpoint"]["family"]
     layers = {layer["name"]: layer for layer in info["layers"]}
-    stored = {n["stored"].removesuffix(".weight"): n for n in expressible}
+    stored = {n["name"]: n for n in expressible}
     found = [name for name in stored if name in layers]
+    for k in OTHER_KINDS:  # each kind found as itself (a weightless norm: found at all)
+        row[f"found_{k}"] = sum(1 for name in found if _kind(stored[name]) == k and (
+            k == "weightless" or layers[name]["kind"] == k))
     row["found"] = len(found)
     row["found_plain"] = sum(1 for n in plain if n["stored"].removesuffix(".weight") in layers)
     # a BatchNorm counts where it is checked as one: found under its stored name, as kind batch_norm
@@ -103,6 +111,13 @@ def sweep_one(model_type: str, tmp: str) -> dict:
             row[f"error_{dtype}"] = " ".join(str(exc).replace(tmp, "CKPT").split())[:200]
     row["outcome"] = "checked"
     return row
+
+
+OTHER_KINDS = ("group_norm", "gated_rms_norm", "weightless")
+
+
+def _kind(n) -> str | None:
+    return "weightless" if n.get("weightless") else n.get("kind")
 
 
 def sweep_type(model_type: str) -> dict:
@@ -155,9 +170,11 @@ def coverage(rows: list[dict], transformers_version: str) -> str:
         "",
         f"Measured by `python benchmarks/zoo_sweep.py` with {transformers_version}, on tiny random-weight",
         "checkpoints written by each type's own classes (norm gains and biases randomised). A type is fully",
-        "correct when every norm module parity can express (a weight of its own; RMSNorm or LayerNorm with",
-        "gain w or 1 + w, or an inference BatchNorm, (x - running_mean) / sqrt(running_var + eps) * w + b,",
-        "as the module itself computes in float64) is found under its stored name, each layer's eps equals",
+        "correct when every norm module parity can express (RMSNorm or LayerNorm with gain w or 1 + w, an",
+        "inference BatchNorm, (x - running_mean) / sqrt(running_var + eps) * w + b, a GroupNorm, a gated",
+        "RMSNorm with its gate before or after the statistic, or any of these without a parameter, as the",
+        "module itself computes in float64) is found under its stored name (a weightless one under its",
+        "module's), each layer's eps equals",
         "the module's own, and `--candidate transformers` (the model's own class) passes against the float64",
         "oracle at float32, and at float64 with float32's tolerance (most classes upcast to float32 whatever",
         "the input; a wrong eps, gain or form is orders of magnitude above it). A BatchNorm's running",
@@ -175,7 +192,12 @@ def coverage(rows: list[dict], transformers_version: str) -> str:
         f"as buffers) checked as batch_norm: {batch_checked} of {batch_total} ({pct(batch_checked, batch_total)}); "
         f"of them frozen: {frozen_checked} of {frozen_total}; types with a BatchNorm fully correct with every "
         f"BatchNorm checked: {len(batch_correct)} of {len(batch_types)}",
-        f"- norm modules of other kinds (issue 26), not checked: {other} of {all_norms} in the built types"
+        "- other kinds checked as themselves: " + "; ".join(
+            f"{words} {sum(r.get(f'found_{k}', 0) for r in scope)} of {sum(r.get(f'kind_{k}', 0) for r in built)} "
+            f"(in {sum(1 for r in built if r.get(f'kind_{k}'))} types)"
+            for k, words in (("group_norm", "GroupNorm"), ("gated_rms_norm", "gated RMSNorm"),
+                             ("weightless", "weightless norms (no parameter, found by their module)"))),
+        f"- norm modules of kinds parity cannot express yet, not checked: {other} of {all_norms} in the built types"
         + (f"; by kind: {', '.join(f'{k} {n}' for k, n in kinds.most_common(8))} (types)" if kinds else ""),
         f"- types where parity's oracle disagrees with the model's own class: {len(disagree)}"
         + (f" ({', '.join(disagree)})" if disagree else "")

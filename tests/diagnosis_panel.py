@@ -14,7 +14,14 @@ FAMILIES = {"llama": ("llama", 0.0, "rms_norm"), "gemma": ("gemma3", 1.0, "rms_n
             # issue 26: Nemotron's LayerNorm1P, a LayerNorm with gain 1 + w (a derived family)
             "layer_norm_1p": ("nemotron", 1.0, "layer_norm"),
             # issue 26: ResNet's inference BatchNorm2d (eps 1e-5 fixed by the model code)
-            "batch_norm": ("resnet", 0.0, "batch_norm")}
+            "batch_norm": ("resnet", 0.0, "batch_norm"),
+            # Mamba2 (its block RMSNorms and the mixer's gated norm, 4 groups), Mask2Former's GroupNorm(32, C),
+            # OLMo's weightless LayerNorm (eps 1e-5 fixed in forward)
+            "gated": ("mamba2", 0.0, "gated_rms_norm"), "group_norm": ("mask2former", 0.0, "group_norm"),
+            "weightless": ("olmo", 0.0, "layer_norm")}
+GATED_PLUGIN = PLUGIN.replace(":planted", ":planted_gated")
+GROUP_PLUGIN = PLUGIN.replace(":planted", ":planted_group")
+LAYERS = {"gated": "*mixer.norm"}  # the family's plain norms beside it are the llama rows' business
 
 
 def codes_for(faults: str, family: str, eps: float) -> set:
@@ -37,7 +44,9 @@ def codes_for(faults: str, family: str, eps: float) -> set:
                      "gain_llama": "marginal", "fp32_math": "marginal", "eps_f16": "marginal",
                      "eps_lost": "eps_missing", "mean_sum": "float32_accumulation",
                      "batch_stats": "batch_statistics", "swapped": "running_statistics_swapped",
-                     "missing": "running_statistics_missing"}[key])
+                     "missing": "running_statistics_missing", "gate_moved": "gate_position_mismatch",
+                     "no_gate": "gate_missing", "other_act": "gate_activation_mismatch",
+                     "groups": "group_count_mismatch"}[key])
     return out
 
 
@@ -64,7 +73,8 @@ LISTED = {("llama", "float32", 1e-6, "fp32_seq", 640): "float32 math",
 # (family, dtype, checkpoint eps, planted faults, hidden size)
 PANEL = [
     # correct implementations: no false alarm
-    *[(fam, dt, {"layer_norm": 1e-12, "layer_norm_1p": 1e-5, "batch_norm": 1e-5}.get(fam, 1e-6), "", 64)
+    *[(fam, dt, {"layer_norm": 1e-12, "layer_norm_1p": 1e-5, "batch_norm": 1e-5, "gated": 1e-5, "group_norm": 1e-5,
+                 "weightless": 1e-5}.get(fam, 1e-6), "", 64)
       for fam in FAMILIES for dt in ("float32", "bfloat16", "float16")],
     # single faults
     ("llama", "float32", 1e-6, "eps=1e-05", 64),
@@ -133,6 +143,22 @@ PANEL = [
     ("batch_norm", "bfloat16", 1e-5, "batch_stats", 64),
     ("batch_norm", "float32", 1e-5, "swapped", 64),
     ("batch_norm", "bfloat16", 1e-5, "missing", 64),
+    # issue 26: a gated norm's gate moved after the statistic, dropped, sigmoid for silu, the statistic over one
+    # group instead of n_groups (4), its eps; a GroupNorm over 8 groups or one a channel instead of 32, eps outside
+    # the root, Keras' 1e-3; OLMo's weightless LayerNorm with eps 1e-6 or 1e-3
+    ("gated", "float32", 1e-5, "gate_moved", 64),
+    ("gated", "bfloat16", 1e-5, "gate_moved", 64),
+    ("gated", "float32", 1e-5, "no_gate", 64),
+    ("gated", "bfloat16", 1e-5, "other_act", 64),
+    ("gated", "float32", 1e-5, "groups=1", 64),
+    ("gated", "bfloat16", 1e-5, "eps=0.001", 64),
+    ("gated", "float16", 1e-5, "eps=1e-06", 64),
+    ("group_norm", "float32", 1e-5, "groups=8", 64),
+    ("group_norm", "bfloat16", 1e-5, "groups=64", 64),
+    ("group_norm", "float32", 1e-5, "eps_outside", 64),
+    ("group_norm", "bfloat16", 1e-5, "eps=0.001", 64),
+    ("weightless", "float32", 1e-5, "eps=1e-06", 64),
+    ("weightless", "bfloat16", 1e-5, "eps=0.001", 64),
 ]
 
 
@@ -172,6 +198,12 @@ def run_case(case, root, listed=None):
     args = {"faults": faults, "offset": offset, "kind": kind}
     extra = {"isolation": "none"} if "isolation" in api.CheckOptions.__dataclass_fields__ else {}  # older trees
     plugin = HAIRLINE_PLUGIN if faults.partition("=")[0] in HAIRLINE_KEYS else PLUGIN
+    if kind == "gated_rms_norm":
+        plugin, args = GATED_PLUGIN, {"faults": faults, "gate": "before", "activation": "silu"}
+    elif kind == "group_norm":
+        plugin, args = GROUP_PLUGIN, {"faults": faults}
+    if family in LAYERS:
+        extra["layers"] = LAYERS[family]
     report = api.check(path, candidate=plugin, candidate_args=args, **extra)
     got = [(l.status, {d.code for d in l.diagnoses}) for l in report.layers]
     if listed is not None:

@@ -32,6 +32,9 @@ EXPECTED_LAYERS = {
     "nemotron": 2 * L + 1,  # input_layernorm, post_attention_layernorm (LayerNorm1P); norm
     # ResNetBottleNeckLayer: three ResNetConvLayer, a BatchNorm2d each (no shortcut: in == out here); the stem's
     "resnet": 3 * L + 1,
+    "mamba2": 2 * L + 1,  # Mamba2Block's norm, its mixer's gated norm (MambaRMSNormGated); norm_f
+    "mask2former": 3,  # the pixel decoder's three input projections, a GroupNorm(32, C) each
+    "olmo": 2 * L + 1,  # OlmoLayerNorm without parameters: input, post-attention; norm
 }
 FAMILY = {
     **{m: "llama" for m in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "phi3", "qwen3", "qwen3_moe", "deepseek_v3")},
@@ -40,7 +43,13 @@ FAMILY = {
     **{m: "layer_norm" for m in ("gpt2", "gpt_neox", "falcon", "phi", "bert")},
     "nemotron": "nemotron",  # derived from its own classes (configs/families/derived/)
     "resnet": "resnet",  # derived: inference BatchNorm2d, running statistics beside each gain
+    "mamba2": "mamba2", "mask2former": "mask2former", "olmo": "olmo",  # derived: gated, GroupNorm, weightless
 }
+
+
+# layouts of issue 26's kinds, one block of the real model each: their names and numerics are checked against
+# the real classes in tests/test_batch_norm.py and tests/test_other_kinds.py
+OTHER_KINDS = {"resnet", "mamba2", "mask2former", "olmo"}
 
 
 def test_every_model_type_has_a_layout():
@@ -155,7 +164,7 @@ def _hf_norm_names(model_type):
 @needs_transformers
 # gemma3 is multimodal; resnet's synthetic layout is one stage of bottlenecks without the shortcut (its names
 # and its BatchNorm numerics are checked against the real ResNetModel in tests/test_batch_norm.py)
-@pytest.mark.parametrize("model_type", sorted(set(EXPECTED_LAYERS) - {"gemma3", "resnet"}))
+@pytest.mark.parametrize("model_type", sorted(set(EXPECTED_LAYERS) - {"gemma3"} - OTHER_KINDS))
 def test_synthetic_names_are_transformers_names(ckpt, model_type):
     """The synthetic checkpoints are only evidence if their names are the ones HF writes."""
     c, fam, eps = api.load(ckpt(model_type, layers=L))
@@ -181,7 +190,7 @@ def _hf_module(model_type, layer_name, size, eps, bias):
 
 @needs_transformers
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("model_type", sorted(set(EXPECTED_LAYERS) - {"resnet"}))  # BatchNorm: test_batch_norm.py
+@pytest.mark.parametrize("model_type", sorted(set(EXPECTED_LAYERS) - OTHER_KINDS))
 def test_hf_is_bitwise_transformers(ckpt, model_type, dtype):
     c, fam, eps = api.load(ckpt(model_type, layers=1, eps=1e-5, seed=7))
     strata = list(load_strata().values())  # every stratum, extreme included

@@ -68,12 +68,27 @@ def test_gemma4_gain_is_w_not_one_plus_w():
     assert norms and {n["gain_offset"] for n in norms} == {0.0}
 
 
-def test_norms_parity_cannot_express_are_listed_with_why_never_guessed():
-    gated = derive("qwen3_next")
-    assert any("gate" in u["why"] for u in gated["unsupported"])
-    assert "layers.{i}.self_attn.q_norm" in _by_name(gated)  # the attention layers' norms are found
-    l2 = derive("llama4")
-    assert any(u["class"].endswith("Llama4TextL2Norm") and "weightless" in u["why"] for u in l2["unsupported"])
+def test_a_gated_norm_and_a_weightless_norm_are_derived_as_what_their_classes_compute():
+    """Qwen3-Next's linear-attention norm is RMSNorm(x) * w * silu(z) (its forward normalises, casts,
+    multiplies by the weight, then by silu of the gate in float32); Llama 4's L2Norm has no parameter
+    and runs over each head. Each entry is checked against the module run here in float64."""
+    from transformers.models.llama4.modeling_llama4 import Llama4TextL2Norm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    gated = _by_name(derive("qwen3_next"))
+    entry = next(v for k, v in gated.items() if k.endswith("linear_attn.norm"))
+    module = Qwen3NextRMSNormGated(32, eps=1e-6).to(torch.float64)
+    x, z = torch.randn(3, 32, dtype=torch.float64), torch.randn(3, 32, dtype=torch.float64)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(32, dtype=torch.float64) + 0.5)
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * module.weight * torch.nn.functional.silu(z)
+        assert torch.allclose(module(x, z), want, rtol=1e-5)  # float32 inside
+    assert (entry["kind"], entry["gate"], entry["activation"], entry["groups"]) == ("gated_rms_norm", "after", "silu", 1)
+    assert "layers.{i}.self_attn.q_norm" in gated  # the attention layers' norms are found beside it
+    l2 = next(v for k, v in _by_name(derive("llama4_text")).items() if k.endswith("qk_norm"))
+    norm = Llama4TextL2Norm(1e-5)
+    assert not list(norm.parameters()) and l2["weightless"] is True and l2["kind"] == "rms_norm"
+    assert l2["dim"] == "head_dim" and l2["eps_keys"] == ["rms_norm_eps"]
 
 
 def test_an_eps_the_model_code_fixes_is_no_config_key():
@@ -189,23 +204,24 @@ def test_a_model_of_one_stack_has_no_tower_line(tmp_path):
     assert {layer["tower"] for layer in info["layers"]} == {"main"} and towers_line(info["layers"]) == ""
 
 
-def test_a_gated_norm_that_a_shrunk_model_makes_look_plain_is_not_guessed():
+def test_a_gated_norm_that_a_shrunk_model_makes_look_plain_is_classified_with_its_gate():
     """Zamba2's Mamba norm is rms_norm(x * silu(gate)) per group of channels. Called without the
-    gate on one group it computes a plain RMSNorm, so only its signature and its group size say
-    what it is; parity lists it, and checks the plain norms beside it."""
+    gate on one group it computes a plain RMSNorm, so only a call with a gate says what it is: it is
+    classified with one, its groups read off group_size, and the plain norms beside it still found."""
     from transformers.models.zamba2.modeling_zamba2 import Zamba2RMSNormGated
 
     from parity_cli.model.derive import classify
 
-    norm = Zamba2RMSNormGated(64, group_size=64, eps=1e-5)
+    norm = Zamba2RMSNormGated(64, group_size=16, eps=1e-5)
     x = torch.randn(3, 64, dtype=torch.float64)
-    with torch.no_grad():  # the shrunk model's view of it: exactly an RMSNorm with gain w
+    with torch.no_grad():  # without its gate, one group: exactly an RMSNorm with gain w
         plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-        assert torch.allclose(norm.to(torch.float64)(x), plain)
-    assert "gate" in classify(norm, 1e-5)["unsupported"]
+        assert torch.allclose(Zamba2RMSNormGated(64, group_size=64, eps=1e-5).to(torch.float64)(x), plain)
+    sem = classify(norm, 1e-5)
+    assert (sem["kind"], sem["gate"], sem["activation"], sem["groups"]) == ("gated_rms_norm", "before", "silu",
+                                                                              64 // norm.group_size)
     data = derive("zamba2")
-    assert not any(n["name"].endswith("mamba.norm") for n in data["norms"])
-    assert any("mamba" in u["name"] and "gate" in u["why"] for u in data["unsupported"])
+    assert any(n["name"].endswith("mamba.norm") and n["kind"] == "gated_rms_norm" for n in data["norms"])
     assert "layers.{i}.input_layernorm" in _by_name(data)
 
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "configs" / "families" / "derived"
 SUMMARY = ROOT / "tools" / "derived_families.json"
 KEY_ORDER = ("name", "dim", "roots", "kind", "order", "gain_offset", "inverse_sqrt", "eps_keys", "eps_default", "eps",
-             "eps_source", "hf_class", "order_exact")
+             "eps_source", "hf_class", "order_exact", "groups", "gate", "activation", "weightless")
 
 
 def _value(v) -> str:
@@ -46,7 +46,8 @@ def to_toml(data: dict) -> str:
              "# Do not edit by hand: rerun the generator (each norm states its semantics in full).",
              f"name = {_value(fam['name'])}", f"description = {_value(fam['description'])}",
              f"derived_from = {_value(fam['derived_from'])}", f"model_types = {_value(fam['model_types'])}"]
-    for key in ("kind", "order", "gain_offset", "eps_keys", "eps_default", "eps", "eps_source", "hf_class"):
+    for key in ("kind", "order", "gain_offset", "eps_keys", "eps_default", "eps", "eps_source", "hf_class", "groups",
+                "gate", "activation"):
         if key in fam:
             lines.append(f"{key} = {_value(fam[key])}")
     lines.append(f"roots = {_value(fam['roots'])}")

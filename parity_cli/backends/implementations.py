@@ -309,7 +309,11 @@ def _batch_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: 
         takes_eps = "eps" in _inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         takes_eps = True
-    # a frozen BatchNorm (RT-DETR's FrozenBatchNorm2d(n)) fixes its eps inside forward: built without one
+    # a frozen BatchNorm (RT-DETR's FrozenBatchNorm2d(n)) fixes its eps inside forward: built without one,
+    # and an eps it cannot take (--candidate-eps) is refused rather than reported as run
+    if not takes_eps and eps != layer.eps.value:
+        raise InputError(f"{cls.__name__} fixes its eps inside forward ({layer.eps.value:g}); it cannot run at "
+                         f"eps {eps:g}")
     module = cls(layer.dim, **({"eps": eps} if takes_eps else {}), **kwargs).to(device=weight.device,
                                                                                   dtype=weight.dtype)
     mean, var = running_statistics(layer, weight)

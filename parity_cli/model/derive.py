@@ -28,6 +28,7 @@ import re
 
 from parity_cli.errors import InputError
 from parity_cli.model.families import known_families
+from parity_cli.model.kinds import groups_key
 
 MAX_PARAMETERS = 60_000_000  # the shrunk model: a derivation never allocates a real model
 EPS_NAME = re.compile(r"(^|_)(eps|epsilon)$|_eps_|norm_eps|eps$")
@@ -116,6 +117,7 @@ def _shrink(cfg) -> None:
                 kinds = list(dict.fromkeys(primary))
                 first = [list(primary).index(kind) for kind in (kinds * n)[:n]]
                 sub.per_layer_config = {k: overrides[i] for k, i in enumerate(first) if i in overrides} or None
+        _mamba_heads(sub)
         heads, width = vars(sub).get("num_attention_heads"), vars(sub).get("hidden_size")
         if vars(sub).get("head_dim", 0) is None and type(heads) is int and type(width) is int and heads:
             sub.head_dim = width // heads  # None means "hidden_size // heads" to most classes, a crash to some
@@ -130,6 +132,26 @@ def _shrink(cfg) -> None:
                     setattr(sub, key, vocab - 1)
                 elif isinstance(value, list):
                     setattr(sub, key, [min(v, vocab - 1) if type(v) is int else v for v in value])
+
+
+def _mamba_heads(sub) -> None:
+    """A Mamba2 mixer's heads must tile its inner width (expand * hidden_size = heads * head_dim,
+    which the config classes validate): the shrunk width is re-tiled with the shrunk head size."""
+    v = vars(sub)
+    width = v.get("hidden_size")
+    for expand, heads, head in (("expand", "num_heads", "head_dim"), ("mamba_expand", "mamba_n_heads", "mamba_d_head")):
+        if not all(type(v.get(k)) is int and v.get(k) > 0 for k in (expand, heads, head)) or type(width) is not int:
+            continue
+        inner = v.get("mamba_d_ssm") if expand == "mamba_expand" and type(v.get("mamba_d_ssm")) is int \
+            else v[expand] * width  # Falcon-H1's mamba_d_ssm overrides expand * hidden_size
+        if v[heads] * v[head] == inner:
+            continue
+        groups = next((v[k] for k in ("n_groups", "mamba_n_groups", "mamba_ngroups") if type(v.get(k)) is int), 1)
+        size = v[head] if inner % v[head] == 0 and (inner // v[head]) % max(groups, 1) == 0 else None
+        if size is None:
+            size = next((d for d in (16, 8, 4, 2, 1) if inner % d == 0 and (inner // d) % max(groups, 1) == 0), 1)
+        setattr(sub, head, size)
+        setattr(sub, heads, inner // size)
 
 
 # sizes a second, harder shrink lowers when the first leaves the model over MAX_PARAMETERS (an
@@ -257,27 +279,33 @@ def _second_input(module) -> str | None:
     return next((n for n in names if re.search(r"gate|^z$|residual|cond|scale|shift", n)), None)
 
 
-def classify(module, eps: float | None) -> dict:
-    """The form and numerics order of one norm module, or why parity cannot express it."""
+def classify(module, eps: float | None, name: str = "", size: int | None = None) -> dict:
+    """The form and numerics order of one norm module, or why parity cannot express it. `name`,
+    the module's path, sizes a weightless q/k/v norm that has no size of its own (head_dim)."""
     import copy
 
     import torch
 
+    from parity_cli.model.kinds import gated_form, group_norm_form, weightless_form
+
     weight = getattr(module, "weight", None)
     bias = getattr(module, "bias", None)
     if isinstance(module, torch.nn.GroupNorm):
-        return {"unsupported": "GroupNorm (statistics per group of channels)"}
+        return group_norm_form(module, eps)
     if is_batch_norm(module):
         return _batch_norm(module, eps)
     gated = _second_input(module)
     if gated:
-        return {"unsupported": f"gated norm (forward takes a second input, {gated})"}
+        form = gated_form(module, eps) if re.search(r"gate|^z$", gated) else {}
+        return form if "kind" in form else {"unsupported": f"gated norm (forward takes a second input, {gated})"
+                                            + (f": {form['unsupported']}" if form else "")}
     grouped = next((a for a in ("group_size", "n_groups", "num_groups", "ngroups") if isinstance(
         getattr(module, a, None), int) and not isinstance(getattr(module, a), bool)), None)
     if grouped:
         return {"unsupported": f"statistics per group of channels ({grouped} = {getattr(module, grouped)})"}
     if not isinstance(weight, torch.nn.Parameter):
-        return {"unsupported": "no gain parameter (weightless norm)"}
+        form = weightless_form(module, eps, name, size)
+        return form if "kind" in form else {"unsupported": f"no gain parameter (weightless norm): {form['unsupported']}"}
     if weight.dim() != 1:
         return {"unsupported": f"gain of shape {list(weight.shape)}"}
     if eps is None:
@@ -538,6 +566,59 @@ def stored_key(stored: dict, module) -> str | None:
     return stored.get((weight.numel(), weight.detach().to(torch.float32).numpy().tobytes()))
 
 
+SIZE_KEYS = ("hidden_size", "head_dim", "d_model", "intermediate_size", "embed_dim", "dim")
+
+
+def _seen_sizes(model, norms) -> dict:
+    """The last-axis size each parameterless norm sees in one forward pass of a few tokens (a
+    weightless RMSNorm has no size of its own): empty where the model takes other inputs, or its
+    forward fails; those norms then stay unsupported, never sized by guess."""
+    import torch
+
+    targets = [(n, m) for n, m in norms if not isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not targets or type(vocab) is not int or vocab < 2:
+        return {}
+    sizes: dict = {}
+
+    def seen(name):
+        def hook(module, args):  # returns None: a pre-hook's value would replace the input
+            if args and isinstance(args[0], torch.Tensor):
+                sizes.setdefault(name, args[0].shape[-1])
+        return hook
+
+    hooks = [m.register_forward_pre_hook(seen(n)) for n, m in targets]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.randint(1, vocab, (1, 4), generator=torch.Generator().manual_seed(0)))
+    except Exception:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: s for n, s in sizes.items() if type(s) is int and s > 0}
+
+
+def size_key(configs, size: int) -> str | None:
+    """The config key (dotted, in a sub-config) giving a weightless norm's size: the usual names
+    first (hidden_size, head_dim, ...), then any integer key of that value."""
+    configs = list(configs)
+    for wanted in SIZE_KEYS:
+        for path, sub in configs:
+            if vars(sub).get(wanted) == size and type(vars(sub).get(wanted)) is int:
+                return path + wanted
+    for path, sub in configs:  # head_dim where the config leaves it to hidden_size // num_attention_heads
+        width, heads = vars(sub).get("hidden_size"), vars(sub).get("num_attention_heads")
+        if vars(sub).get("head_dim") is None and type(width) is int and type(heads) is int and heads \
+                and width // heads == size:
+            return path + "head_dim"
+    for path, sub in configs:
+        for key, value in sorted(vars(sub).items()):
+            if type(value) is int and value == size and not key.endswith("_id"):
+                return path + key
+    return None
+
+
 def _pattern(name: str, others=()) -> str:
     """The name with its indices as {i}, where that claims no tensor but norms' own: Sequential
     positions (`enc_output.1` beside the Linear `enc_output.0`) stay as they are."""
@@ -610,13 +691,23 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
     version = f"transformers {transformers.__version__}: {cls.__name__}"
     prefix = getattr(model, "base_model_prefix", "") or ""
     entries, unsupported, seen = [], [], set()
+    sizes = _seen_sizes(model, norms)
     for name, module in norms:
         eps = module_eps(module)
-        sem = classify(module, eps)
+        sem = classify(module, eps, name, sizes.get(name))
+        if sem.get("measured_eps") is not None:  # fixed inside a weightless norm's forward: measured
+            eps = sem["measured_eps"]
         key = stored_key(stored, module)
         tensor = key[: -len(".weight")] if key and key.endswith(".weight") else (key or name)
         pattern = _pattern(tensor, others)
         hf_class = f"{type(module).__module__}.{type(module).__qualname__}"
+        dim_key = None
+        if sem.get("weightless"):  # nothing stored: found by its parent module, sized by a config key
+            dim_key = sem.get("dim_key") or size_key(_configs(cfg), sem["size"])
+            if dim_key is None:
+                sem = {"unsupported": f"weightless norm of size {sem['size']}, which no config key gives"}
+            else:
+                key = name
         if "unsupported" in sem or key is None:
             why = sem.get("unsupported") or "its weight is not stored under a name of its own (tied or shared)"
             if pattern not in seen:
@@ -641,6 +732,16 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
             entry["eps_source"] = f"model-code ({type(module).__name__})"
         if not sem["order_exact"]:
             entry["order_exact"] = False
+        if sem["kind"] in ("group_norm", "gated_rms_norm"):
+            count = sem["groups"]
+            # a real checkpoint's group count is its config's (Mamba2's n_groups), not the shrunk model's
+            entry["groups"] = count if count == "channels" else (
+                (groups_key(_configs(cfg), count) if sem["kind"] == "gated_rms_norm" else None) or count)
+        if sem["kind"] == "gated_rms_norm":
+            entry["gate"], entry["activation"] = sem["gate"], sem["activation"]
+        if dim_key is not None:
+            entry["weightless"] = True
+            entry["dim"] = dim_key
         if prefix:  # saved from the base model or from a head on it: with or without its prefix
             bare = pattern[len(prefix) + 1:] if pattern.startswith(prefix + ".") else pattern
             entry["name"] = "{root}" + bare
@@ -693,12 +794,13 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
 
     def described(name, module):
         eps = module_eps(module)
-        sem = classify(module, eps)
+        sem = classify(module, eps, name)
         return {"module": name, "stored": stored_key(stored, module), "class": type(module).__name__, "eps": eps,
                 "plain": isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
                 or bool(re.search(r"(RMS|Layer)Norm$", type(module).__name__)),
                 "batch_norm": is_batch_norm(module), "frozen": _frozen(module),
-                "kind": sem.get("kind"), "unsupported": sem.get("unsupported")}
+                "kind": sem.get("kind"), "unsupported": sem.get("unsupported"),
+                "weightless": bool(sem.get("weightless")), "measured_eps": sem.get("measured_eps")}
 
     return {"class": cls.__name__, "norms": [described(name, module) for name, module in norms]}
 
@@ -713,9 +815,13 @@ def family_data_for_parse(data: dict) -> dict:
 
     keyed = [n for n in data["norms"] if n["eps_keys"]] or data["norms"]
     common = Counter(tuple(n["eps_keys"]) for n in keyed).most_common(1)[0][0]
-    first = next(n for n in keyed if tuple(n["eps_keys"]) == common)
+    # the header describes the model's plain norms where it has them (Qwen3-Next's RMSNorm, not the
+    # gated norm of its linear-attention layers)
+    plain = sorted(keyed, key=lambda n: (n["kind"] not in ("rms_norm", "layer_norm"), bool(n.get("weightless"))))
+    first = next(n for n in plain if tuple(n["eps_keys"]) == common)
     out = dict(data)
-    for key in ("kind", "order", "gain_offset", "eps_keys", "eps_default", "hf_class", "eps", "eps_source"):
+    for key in ("kind", "order", "gain_offset", "eps_keys", "eps_default", "hf_class", "eps", "eps_source", "groups",
+                "gate", "activation"):
         if key in first:
             out[key] = first[key]
     out["roots"] = [""]

@@ -178,15 +178,16 @@ def measured_eps(module, dim: int, centred: bool) -> float | None:
     return float(f"{eps:.3g}")
 
 
-def weightless_form(module, eps: float | None, name: str = "") -> dict:
+def weightless_form(module, eps: float | None, name: str = "", seen: int | None = None) -> dict:
     """A norm with no parameter: RMSNorm or LayerNorm with a gain of 1, its eps the module's own
     (an attribute, or measured where the model code fixes it inside forward), its size from the
-    module (normalized_shape, dim, ...) or, for a size-free L2Norm on q/k, head_dim."""
+    module (normalized_shape, dim, ...), else the size it was `seen` at in a forward pass of the
+    model, else, for a size-free q/k/v norm, head_dim."""
     import torch
 
     from parity_cli.model.forms import hf_forward
 
-    size = _size_of(module)
+    size = _size_of(module) or seen  # its own, or what it saw in a forward pass of the model
     dim_key = None
     if size is None:
         if not re.search(r"(^|\.|_)(q|k|v|qk)_?norm$", name):

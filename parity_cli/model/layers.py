@@ -206,10 +206,11 @@ def _weightless(ckpt: Checkpoint, family: Family) -> list:
         leaf = re.split(r"\.|\{root\}", pattern.name)[-1]
         if "{" in leaf:
             continue
-        for parent in sorted(parents):
-            name = f"{parent}.{leaf}" if parent else leaf
-            if pattern.regex.fullmatch(name):
-                found.append((name, None, pattern))
+        names = [name for name in (f"{p}.{leaf}" if p else leaf for p in sorted(parents))
+                 if pattern.regex.fullmatch(name)]
+        # `{root}norm` with roots "model." and "": the model's root is the one that stores something
+        # under it, so "norm" beside "model.norm" is the same module seen without its root
+        found += [(name, None, pattern) for name in names if not any(o.endswith("." + name) for o in names)]
     return found
 
 

@@ -86,6 +86,16 @@ LAYOUTS = {
                            for k in range(3)),
                      final=(("{root}embedder.embedder.normalization", "hidden"),), root="", eps_key="",
                      bias=True, statistics=True),
+    # Mamba2: an RMSNorm a block and the mixer's gated norm, RMSNorm(x * silu(z)) per n_groups groups
+    "mamba2": Layout((("{root}layers.{i}.norm", "hidden"), ("{root}layers.{i}.mixer.norm", "hidden")),
+                     final=(("{root}norm_f", "hidden"),), root="backbone.", eps_key="layer_norm_epsilon",
+                     config={"n_groups": 4}),
+    # Mask2Former's pixel decoder: GroupNorm(32, C) after each input projection (eps 1e-5 in the code)
+    "mask2former": Layout((), final=tuple((f"{{root}}pixel_level_module.decoder.input_projections.{k}.1", "hidden")
+                                          for k in range(3)), eps_key="", bias=True),
+    # OLMo-1: LayerNorms without parameters (eps 1e-5 inside forward): nothing stored, found by their blocks
+    "olmo": Layout((("{root}layers.{i}.input_layernorm", "none"), ("{root}layers.{i}.post_attention_layernorm", "none")),
+                   final=(("{root}norm", "none"),), eps_key=""),
 }
 LAYOUTS["gemma3"] = LAYOUTS["gemma3_text"]
 
@@ -106,9 +116,11 @@ def norm_tensors(model_type: str, layers: int, sizes: dict, root: str | None = N
     out = {}
     for i in range(layers):
         for template, size in layout.per_layer:
-            out[template.format(root=root, i=i) + ".weight"] = _size(size, sizes)
+            if size != "none":  # a weightless norm stores nothing
+                out[template.format(root=root, i=i) + ".weight"] = _size(size, sizes)
     for template, size in layout.final:
-        out[template.format(root=root) + ".weight"] = _size(size, sizes)
+        if size != "none":
+            out[template.format(root=root) + ".weight"] = _size(size, sizes)
     return out
 
 

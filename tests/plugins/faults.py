@@ -83,3 +83,46 @@ def planted(x, weight, eps, bias=None, faults="", offset=0.0, kind="rms_norm", r
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(x.dtype)
+
+
+def _act(name, z):
+    return torch.nn.functional.silu(z) if name == "silu" else torch.sigmoid(z)
+
+
+def planted_gated(x, z, weight, eps, groups=1, faults="", gate="before", activation="silu"):
+    """A gated RMSNorm in float32 (one cast at the end), with faults (issue 26):
+      eps=V, gate_moved (after where before, or the reverse), no_gate, sigmoid / silu (the other
+      activation), groups=G (the statistic over G groups instead)"""
+    f = _parse(faults)
+    eps = f.get("eps", eps)
+    groups = int(f.get("groups", groups))
+    if f.get("gate_moved"):
+        gate = "after" if gate == "before" else "before"
+    if f.get("other_act"):
+        activation = "sigmoid" if activation == "silu" else "silu"
+    h = x.float()
+    a = _act(activation, z.float())
+    if gate == "before" and not f.get("no_gate"):
+        h = h * a
+    g = h.reshape(h.shape[0], groups, -1)
+    y = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).reshape(h.shape) * weight.float()
+    if gate == "after" and not f.get("no_gate"):
+        y = y * a
+    return y.to(x.dtype)
+
+
+def planted_group(x, weight, eps, bias=None, groups=1, faults=""):
+    """A GroupNorm on (N, C, S) maps in float32, with faults (issue 26): eps=V, groups=G (another
+    group count), eps_outside ((x - mean) / (std + eps) per group)"""
+    f = _parse(faults)
+    eps = f.get("eps", eps)
+    groups = int(f.get("groups", groups))
+    n, c, s = x.shape
+    g = x.float().reshape(n, groups, -1)
+    centred = g - g.mean(-1, keepdim=True)
+    var = centred.pow(2).mean(-1, keepdim=True)
+    h = centred / (var.sqrt() + eps) if f.get("eps_outside") else centred * torch.rsqrt(var + eps)
+    y = h.reshape(n, c, s) * weight.float()[:, None]
+    if bias is not None:
+        y = y + bias.float()[:, None]
+    return y.to(x.dtype)
