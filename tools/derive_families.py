@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "configs" / "families" / "derived"
 SUMMARY = ROOT / "tools" / "derived_families.json"
 KEY_ORDER = ("name", "dim", "roots", "kind", "order", "gain_offset", "inverse_sqrt", "eps_keys", "eps_default", "eps",
-             "eps_source", "hf_class", "order_exact", "groups", "gate", "activation", "weightless")
+             "eps_source", "hf_class", "order_exact", "groups", "gate", "activation", "weightless", "layout")
 
 
 def _value(v) -> str:

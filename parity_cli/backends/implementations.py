@@ -236,6 +236,15 @@ def _import_class(path: str):
 _EPS_KEYS = ("eps", "layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 
 
+def _parameters_of(cls) -> set:
+    import inspect
+
+    try:
+        return set(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _takes_config(cls) -> bool:
     import inspect
 
@@ -264,6 +273,8 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
         return _weightless_module(cls, size, eps).to(device=weight.device, dtype=weight.dtype).eval()
     if cls is torch.nn.LayerNorm:
         module = cls(size, eps=eps, bias=bias is not None)
+    elif layer.layout == "channels_first" and "data_format" in _parameters_of(cls):
+        module = cls(size, eps=eps, data_format="channels_first")  # ConvNextLayerNorm(..., data_format=)
     elif _takes_config(cls):  # CpmAntLayerNorm(config): the config holds the width and eps
         import types
 
@@ -276,7 +287,20 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
         module.weight.copy_(weight - baked if baked else weight)  # as transformers' GGUF loader does
         if bias is not None:
             module.bias.copy_(bias)
-    return module.eval()
+    return maps(module.eval(), layer)
+
+
+def maps(module, layer: NormLayer):
+    """A channels-first class (ConvNeXt's, SAM's LayerNorm) fed each probe row as an (N, C, 1, 1)
+    map, the output back as rows; any other module as it is."""
+    if layer.layout != "channels_first":
+        return module
+
+    def run(x):
+        y = module(x.reshape(*x.shape, 1, 1))
+        return y.reshape(x.shape) if hasattr(y, "reshape") and y.numel() == x.numel() else y
+
+    return run
 
 
 def _weightless_module(cls, size: int, eps: float):
@@ -539,7 +563,7 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
                 if bias is not None and isinstance(getattr(module, "bias", None), torch.Tensor):
                     module.bias.copy_(bias)
             module.eval()
-            return module
+            return maps(module, layer)
 
         return Implementation(spec, f"plugin module class {obj.__module__}.{obj.__qualname__}", prepare_module)
 

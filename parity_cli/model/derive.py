@@ -28,7 +28,7 @@ import re
 
 from parity_cli.errors import InputError
 from parity_cli.model.families import known_families
-from parity_cli.model.kinds import groups_key
+from parity_cli.model.kinds import ChannelsFirst, channels_first, groups_key
 
 MAX_PARAMETERS = 60_000_000  # the shrunk model: a derivation never allocates a real model
 EPS_NAME = re.compile(r"(^|_)(eps|epsilon)$|_eps_|norm_eps|eps$")
@@ -299,6 +299,9 @@ def classify(module, eps: float | None, name: str = "", size: int | None = None)
         form = gated_form(module, eps) if re.search(r"gate|^z$", gated) else {}
         return form if "kind" in form else {"unsupported": f"gated norm (forward takes a second input, {gated})"
                                             + (f": {form['unsupported']}" if form else "")}
+    if not isinstance(module, ChannelsFirst) and channels_first(module):  # a position's C channels as a row
+        form = classify(ChannelsFirst(module), eps, name, size)
+        return {**form, "layout": "channels_first"} if "kind" in form else form
     grouped = next((a for a in ("group_size", "n_groups", "num_groups", "ngroups") if isinstance(
         getattr(module, a, None), int) and not isinstance(getattr(module, a), bool)), None)
     if grouped:
@@ -739,6 +742,8 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
                 (groups_key(_configs(cfg), count) if sem["kind"] == "gated_rms_norm" else None) or count)
         if sem["kind"] == "gated_rms_norm":
             entry["gate"], entry["activation"] = sem["gate"], sem["activation"]
+        if sem.get("layout"):
+            entry["layout"] = sem["layout"]
         if dim_key is not None:
             entry["weightless"] = True
             entry["dim"] = dim_key

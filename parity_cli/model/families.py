@@ -51,6 +51,9 @@ class Semantics:
     groups: int | str | None = None
     gate: str | None = None  # gated_rms_norm: "before" or "after" the statistic
     activation: str | None = None  # gated_rms_norm: "silu" or "sigmoid" of z
+    # "channels_first": the module normalises over C at each position of an (N, C, H, W) map (ConvNeXt's,
+    # SAM's LayerNorm): its class is fed a row as an (N, C, 1, 1) map; the math is the row norm's
+    layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,15 @@ def _semantics(table: dict, base: Semantics | None, where: str) -> Semantics:
         groups=groups if kind in ("group_norm", "gated_rms_norm") else None,
         gate=gate if kind == "gated_rms_norm" else None,
         activation=activation if kind == "gated_rms_norm" else None,
+        layout=_layout(table, b, where),
     )
+
+
+def _layout(table: dict, base, where: str) -> str | None:
+    layout = table.get("layout", base.layout if base else None)
+    if layout not in (None, "channels_first"):
+        raise InputError(f"{where}: layout '{layout}' is not channels_first")
+    return layout
 
 
 def _parse(path) -> Family:

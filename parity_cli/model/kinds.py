@@ -245,3 +245,58 @@ def weightless_form(module, eps: float | None, name: str = "", seen: int | None 
         out.update(order="gemma", order_exact=False)
         return out
     return {"unsupported": "weightless norm matching no RMSNorm/LayerNorm form with a gain of 1"}
+
+
+class ChannelsFirst:
+    """A channels-first norm (ConvNeXt's and SAM's LayerNorm with data_format="channels_first",
+    normalising over C at each position of an (N, C, H, W) map) seen as a norm of rows: each row
+    is one position's C channels, fed as an (N, C, 1, 1) map. What it computes per position is then
+    exactly a LayerNorm (or RMSNorm) of the row, and is classified as one."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getattr__(self, name):
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    def __deepcopy__(self, memo):
+        return ChannelsFirst(copy.deepcopy(self.module, memo))
+
+    def to(self, *args, **kwargs):
+        self.module = self.module.to(*args, **kwargs)
+        return self
+
+    def eval(self):
+        self.module.eval()
+        return self
+
+    def __call__(self, x):
+        y = self.module(x.reshape(*x.shape, 1, 1))
+        return y.reshape(x.shape) if hasattr(y, "reshape") and y.numel() == x.numel() else y
+
+
+def channels_first(module) -> bool:
+    """A norm that refuses rows but takes an (N, C, 1, 1) map and returns one (data_format
+    "channels_first", or a class built for feature maps only)."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return False
+    if getattr(module, "data_format", None) == "channels_first":
+        return True
+    x = torch.randn(2, weight.shape[0], dtype=weight.dtype if weight.is_floating_point() else torch.float32)
+    try:
+        with torch.no_grad():
+            module(x)
+        return False
+    except Exception:
+        pass
+    try:
+        with torch.no_grad():
+            y = module(x.reshape(2, -1, 1, 1))
+    except Exception:
+        return False
+    return isinstance(y, torch.Tensor) and tuple(y.shape) == (2, weight.shape[0], 1, 1)

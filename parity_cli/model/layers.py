@@ -50,6 +50,7 @@ class NormLayer:
     # "before" the statistic (Mamba) or "after" it (Qwen3-Next)
     gate: str | None = None
     activation: str | None = None
+    layout: str | None = None  # "channels_first": its class is fed each row as an (N, C, 1, 1) map
 
     @property
     def width(self) -> int:
@@ -336,6 +337,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
                 tensor=tensor,
                 semantic_offset=sem.gain_offset,
                 tower=tower,
+                layout=sem.layout,
                 **running,
             )
         )
