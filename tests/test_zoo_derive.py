@@ -537,3 +537,30 @@ def test_a_model_whose_size_lists_are_tuples_is_shrunk_harder():
     assert {(n["kind"], tuple(n["eps_keys"]), n["eps_default"]) for n in data["norms"]} == {
         ("batch_norm", ("batch_norm_eps",), EfficientNetConfig().batch_norm_eps)}
     assert {n["hf_class"] for n in data["norms"]} == {"torch.nn.modules.batchnorm.BatchNorm2d"}
+
+
+def test_a_channels_first_layer_norm_is_a_layer_norm_at_each_position():
+    """ConvNeXt's LayerNorm with data_format="channels_first" normalises over C at each position of an
+    (N, C, H, W) map: per position, the formula of a LayerNorm over the C channels (written here), so
+    the family states it as one with layout channels_first, and its class passes as the candidate."""
+    from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+
+    norm = ConvNextLayerNorm(8, eps=1e-6, data_format="channels_first").to(torch.float64)
+    x = torch.randn(2, 8, 3, 5, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(8, dtype=torch.float64) + 0.5)
+        norm.bias.copy_(torch.randn(8, dtype=torch.float64))
+        centred = x - x.mean(1, keepdim=True)
+        want = centred / torch.sqrt(centred.pow(2).mean(1, keepdim=True) + 1e-6) * norm.weight[:, None, None] \
+            + norm.bias[:, None, None]
+        assert torch.allclose(norm(x), want, atol=1e-12)
+    entries = [n for n in derive("convnext")["norms"] if n.get("layout") == "channels_first"]
+    assert entries and all(n["kind"] == "layer_norm" and n["eps"] == 1e-6 for n in entries)
+    assert all(n["hf_class"].endswith("ConvNextLayerNorm") for n in entries)
+
+
+def test_a_channels_first_class_passes_as_the_candidate(tmp_path):
+    path = tmp_path / "convnext"
+    write_tiny_checkpoint("convnext", path)
+    report = api.check(path, candidate="transformers", layers="*downsampling_layer.0", isolation="none")
+    assert report.layers and report.passed, report.summary()
