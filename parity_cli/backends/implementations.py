@@ -369,7 +369,13 @@ def _group_norm_module(cls, layer: NormLayer, weight, bias, eps: float, loaded: 
     bias filled, fed (N, C, S) feature maps."""
     import torch
 
-    module = cls(layer.groups, layer.dim, eps=eps, **kwargs).to(device=weight.device, dtype=weight.dtype)
+    if "num_groups" in _parameters_of(cls):  # nn.GroupNorm(num_groups, num_channels, eps)
+        module = cls(layer.groups, layer.dim, eps=eps, **kwargs)
+    else:  # PoolFormerGroupNorm(num_channels): its group count is its own (checked below)
+        module = cls(layer.dim, eps=eps, **kwargs)
+    if getattr(module, "num_groups", layer.groups) != layer.groups:
+        raise InputError(f"{cls.__name__} builds {module.num_groups} groups; the layer has {layer.groups}")
+    module = module.to(device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         for attr, value in (("weight", weight), ("bias", bias)):
             target = getattr(module, attr, None)

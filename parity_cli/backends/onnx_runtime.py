@@ -4,7 +4,9 @@ What a model exported to ONNX computes: `RMSNormalization` (opset 23) or its dec
 (Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul), `LayerNormalization` (opset 17),
 Gemma's `1 + w` as an `Add` on the scale, casts where the family's Hugging Face code has them;
 an inference BatchNorm as `BatchNormalization` (opset 15 semantics, training_mode 0) on (N, C)
-rows with the layer's running statistics, or decomposed as (x - mean) / Sqrt(var + eps) * w + b.
+rows with the layer's running statistics, or decomposed as (x - mean) / Sqrt(var + eps) * w + b;
+a GroupNorm as `GroupNormalization` (opset 21: per-channel scale and bias) on its (N, C*S) rows
+reshaped to (N, C, S) maps, or decomposed (a LayerNorm over each (N, group, C/groups*S) slice).
 The weight, bias and statistics are graph inputs, so one session serves every layer of a shape
 and eps.
 
@@ -152,6 +154,72 @@ def _batch_norm_graph(dim: int, dtype: str, eps: float, offset: float, op: str, 
     return model
 
 
+def _group_norm_graph(channels: int, groups: int, spatial: int, dtype: str, eps: float, offset: float, op: str,
+                      bias: bool):
+    """A GroupNorm on probe rows (N, C*S), channel-major: inputs x, scale, (bias,) of C values, cast to
+    float32 (float64 at float64), x reshaped to (N, C, S); `GroupNormalization` (opset 21: scale and
+    bias per channel, num_groups, stash_type 1) where op is fused, else over (N, groups, C/groups*S):
+    (h - ReduceMean(h)) / Sqrt(ReduceMean((h - mean)^2) + eps), reshaped back, * scale[C, 1] + bias.
+    The output at x's dtype, as rows (N, C*S)."""
+    from onnx import TensorProto, helper
+
+    t = _ONNX_TYPES[dtype]
+    ct = TensorProto.DOUBLE if dtype == "float64" else TensorProto.FLOAT
+    i64 = TensorProto.INT64
+    names = ["scale", *(["bias"] if bias else [])]
+    inputs = [helper.make_tensor_value_info("x", t, ["n", channels * spatial])]
+    inputs += [helper.make_tensor_value_info(name, t, [channels]) for name in names]
+    nodes = [helper.make_node("Cast", [name], [name + "_c"], to=ct) for name in ["x", *names]]
+    inits = [helper.make_tensor("map_shape", i64, [3], [0, channels, spatial]),
+             helper.make_tensor("row_shape", i64, [2], [0, channels * spatial])]
+    nodes.append(helper.make_node("Reshape", ["x_c", "map_shape"], ["x_map"]))
+    gain = "scale_c"
+    if offset:
+        inits.append(helper.make_tensor("offset", ct, [], [float(offset)]))
+        nodes.append(helper.make_node("Add", ["scale_c", "offset"], ["gain_c"]))
+        gain = "gain_c"
+    if not bias:
+        nodes += [helper.make_node("Shape", [gain], ["c_shape"]),
+                  helper.make_node("ConstantOfShape", ["c_shape"], ["bias_c"],
+                                   value=helper.make_tensor("zero", ct, [1], [0.0]))]
+    if op == "fused":
+        nodes.append(helper.make_node("GroupNormalization", ["x_map", gain, "bias_c"], ["y_map"],
+                                      epsilon=float(eps), num_groups=int(groups), stash_type=1))
+        opset = 21
+    else:
+        inits += [helper.make_tensor("group_shape", i64, [3], [0, groups, -1]),
+                  helper.make_tensor("axes", i64, [1], [2]),
+                  helper.make_tensor("col", i64, [1], [1]),
+                  helper.make_tensor("eps", ct, [], [float(eps)])]
+        nodes += [helper.make_node("Reshape", ["x_map", "group_shape"], ["h"]),
+                  helper.make_node("ReduceMean", ["h", "axes"], ["mean"], keepdims=1),
+                  helper.make_node("Sub", ["h", "mean"], ["centred"]),
+                  helper.make_node("Mul", ["centred", "centred"], ["square"]),
+                  helper.make_node("ReduceMean", ["square", "axes"], ["var"], keepdims=1),
+                  helper.make_node("Add", ["var", "eps"], ["var_eps"]),
+                  helper.make_node("Sqrt", ["var_eps"], ["std"]),
+                  helper.make_node("Div", ["centred", "std"], ["normed"]),
+                  helper.make_node("Reshape", ["normed", "map_shape"], ["normed_map"]),
+                  helper.make_node("Unsqueeze", [gain, "col"], ["gain_col"]),
+                  helper.make_node("Unsqueeze", ["bias_c", "col"], ["bias_col"]),
+                  helper.make_node("Mul", ["normed_map", "gain_col"], ["scaled"]),
+                  helper.make_node("Add", ["scaled", "bias_col"], ["y_map"])]
+        opset = 18
+    nodes.append(helper.make_node("Reshape", ["y_map", "row_shape"], ["y_c"]))
+    out_type = TensorProto.FLOAT if dtype == "bfloat16" else t  # numpy has no bfloat16: its values as float32
+    if dtype == "bfloat16":
+        nodes += [helper.make_node("Cast", ["y_c"], ["y_bf16"], to=t), helper.make_node("Cast", ["y_bf16"], ["y"],
+                                                                                       to=TensorProto.FLOAT)]
+    else:
+        nodes.append(helper.make_node("Cast", ["y_c"], ["y"], to=t))
+    graph = helper.make_graph(nodes, "group_norm", inputs,
+                              [helper.make_tensor_value_info("y", out_type, ["n", channels * spatial])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="parity-cli")
+    model.ir_version = 10
+    return model
+
+
 def _session(model, device: str):
     import onnxruntime as ort
 
@@ -232,11 +300,14 @@ def _program(layer, device: str):
         _SESSIONS[key] = (session, inp.name, getattr(torch, names[elem]), rank, model.graph.output[0].name)
     session, name, dtype, rank, out = _SESSIONS[key]
     channels_first = layer.kind == "batch_norm"
+    feature_map = layer.kind == "group_norm"
 
     def run(x):
         # the graph's own rank: leading 1s added (batch), or rows folded; (n, heads, dim) kept whole;
         # a BatchNorm's rows (N, C) as N maps of C channels, 1 x 1 each (channels are its axis 1)
-        if channels_first:
+        if feature_map:  # a GroupNorm's rows (N, C*S), channel-major, as (N, C, S) maps (1s for the graph's rank)
+            shaped = x.reshape(x.shape[0], layer.dim, layer.spatial, *([1] * (rank - 3))) if x.dim() == 2 else x
+        elif channels_first:
             shaped = x.reshape(*x.shape[:2], *([1] * (rank - 2))) if x.dim() == 2 and rank > 2 else x
         elif x.dim() <= rank:
             shaped = x.reshape(*([1] * (rank - x.dim())), *x.shape)
@@ -259,19 +330,24 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
         raise InputError(f"onnxruntime: op={op!r}; use one of {', '.join(OPS)}")
     if compute not in (None, "float32"):
         raise InputError(f"onnxruntime: compute={compute!r}; only compute=float32 is known")
-    if op == "auto":  # BatchNormalization is in every opset; RMSNormalization only from 23
-        op = "fused" if layer.kind == "batch_norm" or _fused_available() else "decomposed"
+    if op == "auto":  # BatchNormalization is in every opset, GroupNormalization-21 in ORT 1.19+; RMSNormalization 23
+        op = "fused" if layer.kind in ("batch_norm", "group_norm") or _fused_available() else "decomposed"
     dtype = _name(weight.dtype)
     run_dtype = "float32" if compute == "float32" else dtype
     if run_dtype not in _ONNX_TYPES:
         raise InputError(f"onnxruntime: no ONNX type for {dtype}")
     per_head = tuple(weight.shape[:-1])
     device = str(weight.device)
+    grouping = (layer.groups, layer.spatial) if layer.kind == "group_norm" else None
     key = (layer.kind, layer.order, layer.dim, per_head, run_dtype, float(eps), float(layer.gain_offset), op,
-           bias is not None, device)
+           bias is not None, device, grouping)
     if key not in _SESSIONS:
-        model = build_graph(layer.kind, layer.order, layer.dim, per_head, run_dtype, eps, layer.gain_offset, op,
-                            bias is not None)
+        if grouping:
+            model = _group_norm_graph(layer.dim, layer.groups, layer.spatial, run_dtype, eps, layer.gain_offset, op,
+                                      bias is not None)
+        else:
+            model = build_graph(layer.kind, layer.order, layer.dim, per_head, run_dtype, eps, layer.gain_offset, op,
+                                bias is not None)
         try:
             _SESSIONS[key] = _session(model, device)
         except InputError:

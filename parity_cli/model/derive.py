@@ -797,9 +797,13 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
                     module.running_var.copy_(torch.exp(torch.rand(n, generator=gen) * math.log(1e7)) * 1e-6)
     stored, _ = _saved_by_value(model, out)
 
+    sizes = _seen_sizes(model, norms)
+
     def described(name, module):
         eps = module_eps(module)
-        sem = classify(module, eps, name)
+        sem = classify(module, eps, name, sizes.get(name))
+        if sem.get("weightless") and not (sem.get("dim_key") or size_key(_configs(cfg), sem["size"])):
+            sem = {"unsupported": f"weightless norm of size {sem['size']}, which no config key gives"}  # as derive
         return {"module": name, "stored": stored_key(stored, module), "class": type(module).__name__, "eps": eps,
                 "plain": isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
                 or bool(re.search(r"(RMS|Layer)Norm$", type(module).__name__)),

@@ -46,8 +46,8 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             norm = dataclasses.replace(norm, name=f"{norm.name}#{k}")
         seen[norm.name] = norm
         ref = by_name.get(norm.name)
-        if ref is not None and "batch_norm" in (ref.kind, norm.kind) and ref.kind != norm.kind:
-            ref = None  # a BatchNorm is no other kind's copy: the layer is missing, this norm extra
+        if ref is not None and {"batch_norm", "group_norm"} & {ref.kind, norm.kind} and ref.kind != norm.kind:
+            ref = None  # a BatchNorm (GroupNorm) is no other kind's copy: the layer is missing, this norm extra
             norm = dataclasses.replace(norm, name=f"{norm.name} ({norm.kind})")
         eps = Eps(norm.eps, norm.eps_source)
         stats = {"running_mean": norm.running_mean, "running_var": norm.running_var}
@@ -60,13 +60,18 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
         else:
             layer = NormLayer(name=norm.name, kind=norm.kind, dim=norm.dim, order="native", gain_offset=norm.offset,
                               eps=eps, weight=norm.weight, bias=norm.bias, family="onnx", tensor=norm.name,
-                              program=norm.program, **stats)
+                              program=norm.program, **stats, **({"groups": norm.groups} if norm.groups else {}))
         graph_findings = []  # findings of the copy's graph itself: pairing reports them for the layer
         if norm.reduced:
             graph_findings.append({"code": "reduced_precision_reduction", "message": reduced_words(norm.reduced),
                                    "reduction_dtype": norm.reduced})
         if norm.training:
             graph_findings.append({"code": "batch_statistics", "message": TRAINING_WORDS})
+        if ref is not None and norm.groups is not None and norm.groups != ref.groups:
+            graph_findings.append({"code": "group_count_mismatch", "groups": norm.groups, "checkpoint_groups": ref.groups,
+                                   "message": f"the graph's GroupNormalization normalises {norm.groups} groups of "
+                                              f"{norm.dim // norm.groups} channels; the checkpoint's GroupNorm has "
+                                              f"{ref.groups} of {ref.dim // max(ref.groups, 1)}"})
         if graph_findings:
             layer.graph_findings = graph_findings
         layers.append(layer)

@@ -12,6 +12,11 @@ An exporter rarely keeps a norm as one op. What is found:
   opset's `is_test=0`) normalises with each batch's statistics, which the layer then reports;
   an export that folded the BatchNorm into the preceding Conv (torch.onnx.export's constant
   folding, the dynamo optimizer) has no BatchNorm left to find;
+- `GroupNormalization` (opset 21: scale and bias per channel, `num_groups`, `epsilon` default
+  1e-5), what torch's dynamo exporter emits for nn.GroupNorm at opset 21; opset 18's op (scale
+  and bias per group) holds no GroupNorm's per-channel gain and is refused with one line. The
+  TorchScript exporter (every opset) and dynamo at opset 18 decompose GroupNorm into
+  Reshape -> InstanceNormalization -> Reshape -> Mul -> Add, which is not found here;
 - then `Mul` by the gain, through `Cast`s, where the gain is an initializer, or an initializer
   plus a constant (`Add(w, 1)`: Gemma's offset kept in the graph); an exporter that folded
   `1 + w` into one initializer stores the offset baked in, as llama.cpp's Gemma does.
@@ -42,6 +47,7 @@ FUSED = {  # op -> (kind, input index of the gain, of the bias, default epsilon)
     "LayerNormalization": ("layer_norm", 1, 2, 1e-5),
     "SkipLayerNormalization": ("layer_norm", 2, 3, 1e-12),
     "BatchNormalization": ("batch_norm", 1, 2, 1e-5),  # X, scale, B, input_mean, input_var (_batch_norm)
+    "GroupNormalization": ("group_norm", 1, 2, 1e-5),  # X, scale, bias; num_groups (_group_norm)
 }
 _PASS = ("Cast", "Identity")
 SKIP_EXTRA = {"SkipSimplifiedLayerNormalization": (1, 3), "SkipLayerNormalization": (1, 4)}  # skip, folded bias
@@ -72,6 +78,7 @@ class OnnxNorm:
     running_mean: object = None  # BatchNormalization: input_mean and input_var as stored
     running_var: object = None
     training: bool = False  # BatchNormalization with training_mode=1: the batch's statistics, not these
+    groups: int | None = None  # GroupNormalization: its num_groups
 
 
 def load_model(path: Path):
@@ -418,6 +425,8 @@ def find_norms(model, path: Path) -> list[OnnxNorm]:
     for node in model.graph.node:
         if node.op_type == "BatchNormalization":
             norm = _batch_norm(graph, node)
+        elif node.op_type == "GroupNormalization":
+            norm = _group_norm(graph, node)
         elif node.op_type in FUSED:
             norm = _fused(graph, node)
         elif node.op_type == "ReduceMean":
@@ -506,6 +515,46 @@ def _batch_norm(graph: _Graph, node):
                  casts[::-1] + [node], channels_first=True)
     if norm is not None:
         norm.running_mean, norm.running_var, norm.training = mean, var, training
+    return norm
+
+
+def _opset(graph: _Graph, domain: str = "") -> int:
+    return max((o.version for o in graph.model.opset_import if (o.domain or "") in (domain, "ai.onnx")), default=0)
+
+
+def _group_norm(graph: _Graph, node):
+    """GroupNormalization(X, scale, bias) over (N, C, ...): num_groups, epsilon (default 1e-5) and,
+    from opset 21, a scale and bias of C values each (stored vectors, sizes checked before
+    reading). Opset 18's op takes scale and bias per group: no GroupNorm's gain, refused."""
+    where = f"GroupNormalization node {node.name!r}" if node.name else "a GroupNormalization node"
+    if node.domain not in ("", "ai.onnx") or len(node.input) < 3 or not all(node.input[1:3]):
+        return None
+    groups = _int_attribute(graph, node, "num_groups")
+    if groups is None or groups < 1:
+        raise InputError(f"{graph.path}: {where} has no positive num_groups attribute; refused")
+    if _opset(graph) < 21:
+        raise InputError(f"{graph.path}: {where} is opset {_opset(graph)}'s GroupNormalization, whose scale and bias "
+                         "are per group (per channel only from opset 21): no GroupNorm's per-channel gain to "
+                         "compare; export at opset 21 or later; refused")
+    w, offset = graph.gain(node.input[1])
+    b = _vector(graph, node.input[2])
+    if w is None or b is None:
+        return None
+    attr = next((a for a in node.attribute if a.name == "epsilon"), None)
+    if attr is not None and attr.type != 1:
+        raise InputError(f"{graph.path}: {where} has an epsilon attribute that is not a float; refused")
+    eps = float(attr.f) if attr is not None else FUSED[node.op_type][3]
+    source = f"onnx:{node.name or node.op_type}.epsilon" if attr is not None else f"onnx:{node.op_type} default"
+    shapes = [list(w.dims), list(b.dims)]
+    if len(shapes[0]) != 1 or shapes[1] != shapes[0] or shapes[0][0] % groups:
+        raise InputError(f"{graph.path}: {where} has scale and bias of shapes {shapes[0]}, {shapes[1]} with "
+                         f"num_groups {groups}; each must be [C], C a multiple of num_groups; refused")
+    bias = _tensor(graph, b)
+    x, casts = graph.back(node.input[0])
+    norm = _norm(graph, "group_norm", w, offset, bias, eps, source, node.op_type, x, node.output[0],
+                 casts[::-1] + [node], channels_first=True)
+    if norm is not None:
+        norm.groups = groups
     return norm
 
 
@@ -837,6 +886,7 @@ def _same(a: OnnxNorm, b: OnnxNorm) -> bool:
     def equal(x, y):
         return (x is None) == (y is None) and (x is None or (x.shape == y.shape and bool(torch.equal(x, y))))
 
-    return (a.kind, a.form, a.eps, a.offset, a.training) == (b.kind, b.form, b.eps, b.offset, b.training) \
+    return (a.kind, a.form, a.eps, a.offset, a.training, a.groups) == \
+        (b.kind, b.form, b.eps, b.offset, b.training, b.groups) \
         and equal(a.weight, b.weight) and equal(a.bias, b.bias) and equal(a.running_mean, b.running_mean) \
         and equal(a.running_var, b.running_var)
