@@ -177,6 +177,8 @@ def _inspect_onnx(path) -> dict:
                        "weight": stats, "gain": gain, "gain_offset": n.offset, "form": n.form, "dtype": n.dtype,
                        "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps),
                        "warnings": [reduced_words(n.reduced)] if n.reduced else []})
+        if n.kind == "group_norm" and getattr(n, "groups", None):
+            layers[-1]["groups"] = n.groups
         if n.kind == "batch_norm" and getattr(n, "running_var", None) is not None:
             layers[-1]["statistics"] = running_summary(n, n.eps)
             if getattr(n, "training", False):
