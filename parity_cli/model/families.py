@@ -29,7 +29,8 @@ ACTIVATIONS = ("silu", "sigmoid")
 #   gemma  - fp32 normalise and gain, cast to the input dtype last
 #   t5     - fp32 variance, cast to the weight dtype when it is half, multiply by the weight
 #   native - torch.nn.LayerNorm / F.layer_norm (F.batch_norm in eval mode) at the parameter dtype
-ORDERS = ("llama", "gemma", "t5", "native")
+#   native_fp32 - F.layer_norm on the input upcast to float32, cast back last (OLMo's parameterless LayerNorm)
+ORDERS = ("llama", "gemma", "t5", "native", "native_fp32")
 INVERSE_SQRTS = ("rsqrt", "pow")  # torch.rsqrt(v) or torch.pow(v, -0.5): not bitwise equal in fp32
 
 

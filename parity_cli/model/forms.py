@@ -25,6 +25,15 @@ def hf_forward(kind: str, order: str, gain_offset: float, inverse_sqrt: str, dim
     if kind == "group_norm":  # nn.GroupNorm: F.group_norm at the parameter dtype, on (N, C, *) maps
         gain = weight + gain_offset if gain_offset else weight
         return lambda x: F.group_norm(x, groups, gain, bias, eps)
+    if order == "native_fp32":  # F.layer_norm of x.float(), then cast: OLMo's OlmoLayerNorm
+        if kind != "layer_norm":
+            raise InputError(f"hf: order 'native_fp32' is only defined for LayerNorm ({where})")
+
+        def native_fp32(x):
+            gain = None if weight is None else (weight.float() + gain_offset if gain_offset else weight.float())
+            return F.layer_norm(x.float(), (dim,), gain, None if bias is None else bias.float(), eps).to(x.dtype)
+
+        return native_fp32
     if order == "native":  # nn.LayerNorm runs at the parameter dtype
         if kind != "layer_norm":
             raise InputError(f"hf: order 'native' is only defined for LayerNorm ({where})")

@@ -218,7 +218,7 @@ def weightless_form(module, eps: float | None, name: str = "", seen: int | None 
             continue
         out = {"kind": kind, "gain_offset": 0.0, "bias": False, "weightless": True, "size": size,
                "dim_key": dim_key, "measured_eps": value if eps is None else None, "inverse_sqrt": "rsqrt"}
-        orders = ("gemma", "llama", "native") if kind == "layer_norm" else ("gemma", "llama")
+        orders = ("native_fp32", "gemma", "llama", "native") if kind == "layer_norm" else ("gemma", "llama")
         # bit for bit at float32 too where one transcription is (rsqrt and pow part there), else at the halves
         tries = [(o, s, dtypes) for dtypes in ((torch.bfloat16, torch.float16, torch.float32),
                                                (torch.bfloat16, torch.float16))
