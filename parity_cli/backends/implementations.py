@@ -270,7 +270,8 @@ def _transformers(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     if layer.kind == "gated_rms_norm":
         return _gated_module(cls, layer, weight, eps)
     if layer.weightless:  # OlmoLayerNorm(hidden), Llama4TextL2Norm(eps): as the class's signature asks
-        return _weightless_module(cls, size, eps).to(device=weight.device, dtype=weight.dtype).eval()
+        return maps(_weightless_module(cls, size, eps, layer.eps.value).to(device=weight.device,
+                                                                            dtype=weight.dtype).eval(), layer)
     if cls is torch.nn.LayerNorm:
         module = cls(size, eps=eps, bias=bias is not None)
     elif layer.layout == "channels_first" and "data_format" in _parameters_of(cls):
@@ -303,7 +304,7 @@ def maps(module, layer: NormLayer):
     return run
 
 
-def _weightless_module(cls, size: int, eps: float):
+def _weightless_module(cls, size: int, eps: float, fixed_eps: float | None = None):
     """A parameterless norm class built as its signature allows: its size and eps where it takes
     them (an eps the model code fixes inside forward is the class's own, as in the model)."""
     import inspect as _inspect
@@ -314,6 +315,8 @@ def _weightless_module(cls, size: int, eps: float):
         params = []
     names = {p.name for p in params}
     kwargs = {"eps": eps} if "eps" in names else {}
+    if "eps" not in names and fixed_eps is not None and eps != fixed_eps:
+        raise InputError(f"{cls.__name__} fixes its eps inside forward ({fixed_eps:g}); it cannot run at eps {eps:g}")
     if "with_scale" in names:  # Gemma 4's RMSNorm(dim, eps, with_scale=False)
         kwargs["with_scale"] = False
     positional = [p for p in params if p.name not in ("eps", "with_scale") and p.default is p.empty
@@ -558,6 +561,9 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
                 return _group_norm_module(obj, layer, weight, bias, eps, loaded=False, **args)
             if layer.kind == "gated_rms_norm":  # built as its signature asks, called as module(x, gate=z)
                 return _gated_module(obj, layer, weight, eps)
+            if layer.weightless:  # OlmoLayerNorm(hidden), Llama4TextL2Norm(eps): as its signature asks
+                return maps(_weightless_module(obj, layer.dim, eps, layer.eps.value).to(
+                    device=weight.device, dtype=weight.dtype).eval(), layer)
             module = obj(layer.shape if weight.dim() > 1 else layer.dim, eps=eps, **args)
             if layer.weightless and not isinstance(getattr(module, "weight", None), torch.Tensor):
                 return module.to(device=weight.device, dtype=weight.dtype).eval()  # nothing to fill
