@@ -292,10 +292,11 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
     if mismatch:  # first: every accepted finding below rests on it
         said = f"the baseline {baseline_path} is from another run: " + "; ".join(mismatch)
         console.print(f"[yellow]warning:[/] {escape(said)}", soft_wrap=True)
+    written = [str(p) for p in (json_path if not to_stdout else None, junit_path, markdown_path, plot_path) if p]
     if quiet:
-        console.print(terminal.quiet_line(data), soft_wrap=True, markup=False)
+        console.print(terminal.quiet_line(data, console.width), soft_wrap=True, markup=False)
     else:
-        terminal.render(data, console, verbose=verbose)
+        terminal.render(data, console, verbose=verbose, written=written)
         worse = [f for f in data["gate"]["new_findings"] if "worse" in f]
         if worse:  # "new" above: these the baseline had, at a smaller size
             f = worse[0]
@@ -310,35 +311,48 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
 
 
 class _progress:
-    """A progress bar on stderr while layers run: only on a terminal and never with --quiet,
-    so CI logs and pipes get no control characters."""
+    """What the run is doing, on stderr, from its first second: a status line while torch loads,
+    the checkpoint is read and the candidate's worker starts, then a bar that counts layers as
+    they finish. Only on a terminal and never with --quiet, so CI logs and pipes get no control
+    characters; transient, so nothing of it stays on the screen."""
 
     def __init__(self, quiet: bool):
-        self.bar = None
+        self.console = None
         if not quiet:
             console = _console(stderr=True)
             if console.is_terminal:
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-                self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                    TimeElapsedColumn(), console=console, transient=True)
-                self.task = None
+                self.console = console
+        self.spinner = self.bar = self.task = None
 
     def __enter__(self):
-        if self.bar is None:
+        if self.console is None:
             return None
-        self.bar.start()
+        self.spinner = self.console.status("loading torch")
+        self.spinner.start()
+        return self
 
-        def update(done, total, name):
-            if self.task is None:
-                self.task = self.bar.add_task("layers", total=total)
-            self.bar.update(self.task, completed=done, description=escape(name))  # a name is no markup
+    def status(self, text: str) -> None:
+        if self.spinner is not None:
+            self.spinner.update(escape(text))
 
-        return update
+    def __call__(self, done: int, total: int, name: str) -> None:
+        if self.bar is None and done == 0:  # the first layer also pays the worker's start
+            self.status(f"checking {total} layers" if name.endswith(" layers") else f"layer 1 of {total}: {name}")
+            return
+        if self.bar is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.spinner.stop()
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=self.console, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("layers", total=total)
+        self.bar.update(self.task, completed=done, description=escape(name))  # a name is no markup
 
     def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
+        for live in (self.spinner, self.bar):
+            if live is not None:
+                live.stop()
         return False
 
 
@@ -378,7 +392,8 @@ def report(report_path, fmt, verbose, quiet):
 
     data = load_report(report_path)
     if fmt == "table" and quiet:
-        _console().print(quiet_line(data), soft_wrap=True, markup=False)
+        console = _console()
+        console.print(quiet_line(data, console.width), soft_wrap=True, markup=False)
     elif fmt == "table":
         render(data, _console(), verbose=verbose)
     elif fmt == "markdown":

@@ -334,8 +334,10 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     ref_plugin = supervisor.reference_supervised(opts.reference, opts.isolation)
     ref_impl = impls.precheck(opts.reference) if ref_plugin else impls.resolve(opts.reference)
 
+    _say(progress, f"reading {path}")
     ckpt, fam, eps = load(path, opts.family, opts.eps)
     found = discover_layers(ckpt, fam, eps, opts.layers)
+    _say(progress, f"{len(found.layers)} norm layers read; preparing the candidate")
     if not found.layers:
         raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
     # the fingerprint covers the whole model, whatever --layers picked
@@ -392,6 +394,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     if sharded:  # whole layers in worker processes: our own code end to end (parity_cli.check.parallel)
         cand_impl, runners = impls.resolve(opts.candidate, cand_args), []
     else:
+        if supervisor.supervised(opts.candidate, opts.device, opts.isolation):
+            _say(progress, f"starting the candidate's worker process{'es' if workers > 1 else ''}")
         cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers,
                                           threads=opts.threads)
     ref_runner = None
@@ -477,3 +481,11 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     }
     return Report(header=header, layers=results, warnings=warnings,
                   findings=pairing.report_findings if pairing else [])
+
+
+def _say(progress, text: str) -> None:
+    """A status line for the CLI's display while nothing is counted yet (torch, the files, the
+    worker's start); a plain progress callable has none."""
+    status = getattr(progress, "status", None)
+    if status is not None:
+        status(text)

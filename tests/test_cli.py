@@ -59,7 +59,8 @@ def test_fail_exit_1_and_the_report_explains(ckpt, tmp_path):
     r = run_parity("check", path, "--candidate", plugin("eps_missing"), "--dtype", "float32", "--json", out, "-q")
     # -q: one line, the verdict with its counts and the largest group of findings
     assert r.returncode == 1 and len(r.stdout.splitlines()) == 1
-    assert r.stdout.startswith("FAIL: 3 of 3 layers fail") and "3 layers (" in r.stdout and "eps_missing" in r.stdout
+    assert r.stdout == ("FAIL: 3 of 3 layers: eps_missing (eps dropped: an all-zero row computes 0/0) | "
+                        "model.layers.*.{input,post_attention}_layernorm, model.norm\n")
     rep = load_json(out)
     validate(rep)
     assert rep["summary"]["verdict"] == "fail" and rep["summary"]["failed"] == 3

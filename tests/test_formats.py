@@ -123,21 +123,31 @@ def test_heat_grid_has_a_cell_per_layer_and_stratum(ckpt):
     assert set(rows["tiny"]) <= {"▓", "█"} and set(rows["normal"]) <= {"·", "░", "▒"}
 
 
-def test_heat_grid_wraps_a_126_layer_model_to_the_width():
+def test_heat_grid_is_one_line_a_stratum_under_120_columns_and_wraps_at_120():
     from rich.console import Console
 
     from parity_cli.report.terminal import render_heat
 
-    stratum = {"name": "normal", "status": "pass", "nonfinite": {"reference": 0, "candidate": 0},
+    passing = {"name": "normal", "status": "pass", "nonfinite": {"reference": 0, "candidate": 0},
                "worst": {"candidate": 1.0, "reference": 1.0, "allowed": 0.1}}
-    data = {"layers": [{"name": f"l{k}", "strata": [stratum]} for k in range(126)], "probes": {"strata": ["normal"]}}
-    console = Console(width=80, record=True, color_system=None)
-    render_heat(data, console)
-    lines = console.export_text().splitlines()
-    cells = "".join(line.split()[1] for line in lines if line.split()[:1] == ["normal"])
-    assert cells == "·" * 126 and max(len(line) for line in lines) <= 80
-    # 80 columns less the label ("normal" + 1) and 2 spare leave 71 cells a line: 126 layers wrap to 2 blocks
-    assert sum(1 for line in lines if line.split()[:1] == ["normal"]) == 2
+    failing = dict(passing, status="fail", worst={"candidate": 2.0, "reference": 1.0, "allowed": 0.01})  # 100x
+    layers = [{"name": f"l{k}", "strata": [failing if k == 125 else passing]} for k in range(126)]
+    data = {"layers": layers, "probes": {"strata": ["normal"]}}
+
+    def rows(width):
+        console = Console(width=width, record=True, color_system=None)
+        render_heat(data, console)
+        lines = console.export_text().splitlines()
+        assert max(len(line) for line in lines) <= width
+        return lines, [line.split()[1] for line in lines if line.split()[:1] == ["normal"]]
+
+    # 80 columns less the label ("normal" + 1) and 1 spare leave 72 cells: 2 layers a cell, 63 cells
+    lines, cells = rows(80)
+    assert len(lines) == 2 and cells == ["·" * 62 + "█"]  # the legend, the row; the worst of a pair shows
+    assert "2 layers a cell" in lines[0]
+    # at 120, a cell per layer: 120 - 7 - 2 = 111 a line, 126 layers in 2 blocks
+    lines, cells = rows(120)
+    assert "".join(cells) == "·" * 125 + "█" and len(cells) == 2
 
 
 def test_no_color_is_honoured(ckpt):

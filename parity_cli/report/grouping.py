@@ -21,7 +21,7 @@ def unpadded(text: str) -> str:
 
 
 def sci(value) -> str:
-    """Two significant digits: 1.0e-5 (what a config file would say)."""
+    """At most two significant digits, as a config file would say it: 1e-5, 9.9e-6."""
     from parity_cli.check.results import unjfloat
 
     value = unjfloat(value)
@@ -29,7 +29,7 @@ def sci(value) -> str:
         return "?"
     if value == 0 or not math.isfinite(value):
         return f"{value:g}"
-    return unpadded(f"{value:.1e}")
+    return unpadded(f"{value:.1e}".replace(".0e", "e"))
 
 
 def g(value) -> str:
@@ -149,6 +149,47 @@ class Group:
             "max_rel_err": worst(s["max_rel_err"] for s in compared),
             "max_ulp": worst(s.get("max_ulp") for s in compared),
         }
+
+
+    def elements(self) -> tuple[int, int]:
+        """(failing, compared) elements over every stratum of the group's layers."""
+        bad = total = 0
+        for layer in self.layers:
+            for s in layer["strata"] + layer.get("grad", []):
+                if s["status"] == "error":
+                    continue
+                bad += int(s.get("violations") or 0)
+                total += int(s.get("elements") or 0)
+        return bad, total
+
+    def worst_element(self) -> dict | None:
+        """The element furthest past what it was allowed, over the group's failing strata: where a
+        person starts looking (torch.testing.assert_close prints the same)."""
+        best, best_ratio = None, -1.0
+        for layer in self.layers:
+            for s in layer["strata"] + layer.get("grad", []):
+                if s["status"] != "fail" or not s.get("worst"):
+                    continue
+                ratio = times_allowed(s["worst"])
+                if ratio > best_ratio:
+                    best, best_ratio = dict(s["worst"], layer=layer["name"], stratum=s["name"], ratio=ratio), ratio
+        return best
+
+
+def times_allowed(worst: dict) -> float:
+    """|cand - ref| / allowed for one element: inf where either side is non-finite or nothing
+    was allowed (--exact) and they differ, 0 where they are equal."""
+    from parity_cli.check.results import unjfloat
+
+    vals = [unjfloat(worst.get(k)) for k in ("candidate", "reference", "allowed")]
+    if any(v is None for v in vals):
+        return math.inf
+    cand, ref, allowed = vals
+    if cand == ref or (math.isnan(cand) and math.isnan(ref)):
+        return 0.0
+    if not (math.isfinite(cand) and math.isfinite(ref)):
+        return math.inf
+    return abs(cand - ref) / allowed if allowed > 0 else math.inf
 
 
 def _clusters(values: list[float], spread: float = 1.1) -> dict[float, float]:

@@ -41,6 +41,7 @@ class Column:
     label: str = ""  # in the folded layout: `label value`; empty: the value alone
     right: bool = False
     with_name: bool = False  # folded: on the name's line (a status), not among the pairs
+    optional: bool = False  # folded: left out where the row's pairs would take a second line
 
 
 def table(columns: list[Column], rows: list[list], width: int, indent: int = 1) -> list:
@@ -94,8 +95,13 @@ def table(columns: list[Column], rows: list[list], width: int, indent: int = 1) 
             if col.label:
                 piece.append(col.label + " ", style="dim")
             piece.append(text, style=st or None)
-            pairs.append(piece)
-        out.extend(_flow(pairs, width, indent + 4))
+            pairs.append((piece, col.optional))
+        flowed = _flow([p for p, _ in pairs], width, indent + 4)
+        while len(flowed) > 1 and any(opt for _, opt in pairs):  # a row is two lines: name, figures
+            last = max(k for k, (_, opt) in enumerate(pairs) if opt)
+            pairs.pop(last)
+            flowed = _flow([p for p, _ in pairs], width, indent + 4)
+        out.extend(flowed)
     return out
 
 
