@@ -313,15 +313,14 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
 class _progress:
     """What the run is doing, on stderr, from its first second: a status line while torch loads,
     the checkpoint is read and the candidate's worker starts, then a bar that counts layers as
-    they finish. Only on a terminal and never with --quiet, so CI logs and pipes get no control
-    characters; transient, so nothing of it stays on the screen."""
+    they finish. Only on a terminal, so CI logs and pipes get no control characters; transient,
+    so nothing of it stays on the screen (--quiet too: its one line is all that is left)."""
 
-    def __init__(self, quiet: bool):
+    def __init__(self, quiet: bool = False):
         self.console = None
-        if not quiet:
-            console = _console(stderr=True)
-            if console.is_terminal:
-                self.console = console
+        console = _console(stderr=True)
+        if console.is_terminal:
+            self.console = console
         self.spinner = self.bar = self.task = None
 
     def __enter__(self):

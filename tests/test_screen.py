@@ -201,5 +201,6 @@ def test_the_status_shows_from_the_first_second_on_a_terminal(ckpt, monkeypatch)
     assert seen == [True, True]
     assert said[0] == "loading torch" and any(t.startswith("reading ") for t in said)
     assert "5 norm layers read; preparing the candidate" in said and "layer 1 of 5" in out and "5/5" not in out
+    monkeypatch.setattr(cli, "_console", lambda stderr=False: Console(file=io.StringIO()))  # a pipe
     with cli._progress(quiet=True) as progress:
         assert progress is None

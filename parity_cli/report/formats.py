@@ -149,7 +149,7 @@ def to_markdown(report: dict) -> str:
     diagnosis' full message once), then the per-layer rows folded away in <details>. Strings
     from the report reach the file with their control characters escaped."""
     from parity_cli.report import grouping
-    from parity_cli.report.terminal import captured_line, fmt, verdict
+    from parity_cli.report.terminal import captured_line, fmt, share, verdict, worst_words
 
     report = printable_tree(report)
     cand, ref, tol = report["candidate"], report["reference"], report["tolerance"]
@@ -198,6 +198,11 @@ def to_markdown(report: dict) -> str:
                 lines.append(f"- **error** ({len(g.layers)} layer(s)): {_cell(rep['error'])}")
             if rep.get("conclusion"):
                 lines.append(f"- **explain** ({_code(rep['name'])}): {_cell(rep['conclusion']['text'])}")
+            w = g.worst_element()
+            if w is not None:
+                bad, total = g.elements()
+                lines.append(f"- **{share(bad, total)}** ({len(g.layers)} layer(s)); "
+                             f"{_cell(worst_words(w, tol.get('exact')))}")
             real = captured_line(g.layers)
             if real:
                 lines.append(f"- **real rows** ({len(g.layers)} layer(s)): {_cell(real)}")
