@@ -128,6 +128,9 @@ def verdict_line(d: dict, width: int | None = None) -> str:
         return head + what + assumed
     found = [g for g in grouping.groups(d) if g.new is not False]
     if found:
+        sm = d["summary"]
+        if sm["errors"] and sm["errors"] == sm["failed"] + sm["errors"] and found[0].status == "error":
+            what = what.replace(f" ({sm['errors']} with an error)", "")  # the cause says it: error (...)
         for verb in (" layers fail", " layer fails"):
             if what.endswith(verb):
                 what = what[:-len(verb)] + " " + verb.split()[0]
