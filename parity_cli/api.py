@@ -17,11 +17,13 @@ from parity_cli.options import (
     dtype_name,
     is_oracle,
     reference_device,
+    reference_dtype_for,
 )
 from parity_cli.pipeline import check, inspect
 
 __all__ = ["DTYPES", "FAST_FLOAT64", "ONE_PERCENT_Q_OVER_EPS", "CheckOptions", "check", "check_device", "dtype_name",
-           "explain", "inspect", "is_oracle", "load", "reference_device"]
+           "explain", "inspect", "is_oracle", "load", "reference_device",
+           "reference_dtype_for"]
 
 
 def explain(path: str | Path, options: CheckOptions | None = None, layer_names: list[str] | None = None,

@@ -52,14 +52,19 @@ def _output_path(raw: str, flag: str) -> Path:
     """An output as an absolute path, checked before the run: it leads (through any links) to a
     regular file or a new one, not into /proc, a device, FIFO, terminal or directory ('/dev/stdout'
     is /proc/self/fd/1; '--json -' is stdout), and the directory it lands in exists and is
-    writable. The name given is kept: the link, if it is one, is written through at the end."""
+    writable, or can be made (outputs.new_directories: made only when the run writes, so a run
+    refused leaves none behind). The name given is kept: the link, if it is one, is written
+    through at the end."""
     import os
 
-    from parity_cli.outputs import output_target
+    from parity_cli.outputs import new_directories, output_target
 
     path = Path(raw).expanduser().absolute()  # now: a candidate may chdir later
+    new = new_directories(path, flag)  # a file on the way, a link to nothing, /proc, /sys, /dev: refused
     parent = output_target(path, flag).parent  # the staged file and the rename happen beside the target
-    if not parent.is_dir():
+    if new:
+        return path
+    if not parent.is_dir():  # a link whose target's directory is missing: never made through a link
         raise InputError(f"{raw}: {flag}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{raw}: {flag}: directory {parent} is not writable")
@@ -183,7 +188,9 @@ def cli():
               help="A converted copy (HF, GGUF, or an exported .onnx graph): compare its eps and weights with "
                    "CHECKPOINT's, then probe the candidate with them (an .onnx graph: its own norm subgraphs).")
 @click.option("--reference", default="oracle", show_default=True, help="Implementation to compare against (any IMPL form).")
-@click.option("--reference-dtype", default="float64", show_default=True, help="dtype the reference runs at.")
+@click.option("--reference-dtype", default=None,
+              help="dtype the reference runs at [default: float64; with --exact and a --reference other than the "
+                   "oracle, the candidate's dtype].")
 @click.option("--reference-device", default="auto", show_default=True,
               help="Device the reference runs on (auto: the candidate's GPU if it has fast float64, else cpu).")
 @click.option("--exact", is_flag=True, help="Bitwise parity: --atol 0 --rtol 0, no allowance.")
@@ -205,7 +212,9 @@ def cli():
               help="For each failing layer, change one factor at a time (dtype, kernel, eps) and show which carries the error.")
 @click.option("--dtype", default=None, help="Candidate input/weight dtype (float32, bfloat16, float16, float64); default: as stored.")
 @click.option("--device", default="cpu", show_default=True, help="Candidate device: cpu, cuda, cuda:N.")
-@click.option("--family", default=None, help="Force a model family instead of config.json's model_type.")
+@click.option("--family", default=None,
+              help="Force a model family instead of the checkpoint's model_type: a family's name (layer_norm) or a "
+                   "model type, read as the family that lists it (bert: layer_norm) or its derived family.")
 @click.option("--eps", type=float, default=None, help="Override the checkpoint's eps (both sides).")
 @click.option("--candidate-eps", type=float, default=None, help="eps the candidate is built with (simulates a deployment config).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the dtype's profile).")
@@ -406,7 +415,9 @@ def report(report_path, fmt, verbose, quiet):
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
-@click.option("--family", default=None, help="Force a model family instead of config.json's model_type.")
+@click.option("--family", default=None,
+              help="Force a model family instead of the checkpoint's model_type: a family's name (layer_norm) or a "
+                   "model type, read as the family that lists it (bert: layer_norm) or its derived family.")
 @click.option("--eps", type=float, default=None, help="Override the checkpoint's eps.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the result as JSON.")
 def inspect(checkpoint, family, eps, json_path):

@@ -72,7 +72,7 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
     opts, _ = pipeline.with_captured(opts, checked_layers, lambda: list(found.values()))  # the check's real rows too
     cand_dtype_name = options.dtype_name(opts.dtype) if opts.dtype else (copy_dtype or options.stored_dtype(checked_layers))
     cand_dtype = getattr(torch, cand_dtype_name)
-    ref_dtype = getattr(torch, options.dtype_name(opts.reference_dtype))
+    ref_dtype = getattr(torch, options.reference_dtype_for(opts, cand_dtype_name)[0])  # as check() resolves it
     reference = Side(impls.resolve(opts.reference), opts.reference, ref_dtype, options.reference_device(opts.reference_device, opts.device, options.is_oracle(opts)))
     device = options.check_device(opts.device)
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
@@ -98,7 +98,10 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
             steps.append(_step(f"candidate at {cand_dtype_name} (as checked)", "nothing", checked))
             # 1. the candidate at the reference's dtype: does the error belong to the dtype?
             ref_dtype_name = str(ref_dtype).removeprefix("torch.")
-            if other is not None and other.program:
+            if ref_dtype == cand_dtype:  # --exact against an implementation, or --reference-dtype: nothing to change
+                steps.append(_skipped(f"candidate at {ref_dtype_name}", "dtype",
+                                      "the reference already runs at the candidate's dtype"))
+            elif other is not None and other.program:
                 steps.append(_skipped(f"candidate at {ref_dtype_name}", "dtype",
                                       "an exported graph computes in the dtype it was exported at"))
             else:

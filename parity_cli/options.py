@@ -33,7 +33,9 @@ class CheckOptions:
     seed: int = 0
     layers: str | None = None
     max_violation_fraction: float = 0.0
-    reference_dtype: str = "float64"
+    # None: float64, except under --exact with a reference other than the oracle, where it is the
+    # candidate's dtype (reference_dtype_for): a bitwise-equal candidate then passes
+    reference_dtype: str | None = None
     reference_device: str = "auto"  # auto: the candidate's GPU when it has fast float64, else the CPU
     exact: bool = False  # bitwise: atol = rtol = 0, no allowance
     candidate_args: list[str] | dict | None = None  # KEY=VALUE for the candidate's constructor/function
@@ -77,7 +79,27 @@ def reference_device(option: str, candidate_device: str, oracle: bool = True) ->
 
 def is_oracle(opts) -> bool:
     """The reference is the float64 oracle (what --reference-device auto may move to a GPU)."""
-    return opts.reference == "oracle" and dtype_name(opts.reference_dtype) == "float64"
+    return opts.reference == "oracle" and dtype_name(opts.reference_dtype or "float64") == "float64"
+
+
+# the report's reference.dtype_source: where the reference's dtype came from
+REFERENCE_DTYPE_SOURCES = {
+    "option:--reference-dtype": "given with --reference-dtype",
+    "candidate:--exact": "the candidate's, for --exact",
+    "default": "the default",
+}
+
+
+def reference_dtype_for(opts, candidate_dtype: str) -> tuple[str, str]:
+    """(the reference's dtype, where it came from: a REFERENCE_DTYPE_SOURCES key). --reference-dtype
+    when given; else, under --exact with a reference other than the oracle (hf, a plugin), the
+    candidate's dtype, since bitwise equality with an implementation is asked at the dtype both
+    run at (at float64 a bitwise-equal float32 candidate fails); else float64."""
+    if opts.reference_dtype is not None:
+        return dtype_name(opts.reference_dtype), "option:--reference-dtype"
+    if opts.exact and opts.reference != "oracle":
+        return dtype_name(candidate_dtype), "candidate:--exact"
+    return "float64", "default"
 
 
 def check_device(device: str) -> str:

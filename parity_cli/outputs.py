@@ -1,6 +1,7 @@
 """Files parity writes (the report set, a capture): all or nothing, through links and never
-over one, never into /proc or onto a device. Below every stage, so that a capture and a report
-are written by the same rules."""
+over one, never into /proc or onto a device; a missing directory on the name given is made as
+the set is written (as pytest's --junitxml does), and taken back if the set is not. Below every
+stage, so that a capture and a report are written by the same rules."""
 
 from __future__ import annotations
 
@@ -77,6 +78,95 @@ def _in_proc(p: Path) -> bool:
     return p.parts[:2] == ("/", "proc")
 
 
+# kernel and device trees: no directory of a report is ever made there (as root, mkdir in /dev succeeds)
+_SYSTEM_TREES = ("proc", "sys", "dev")
+NAME_MAX = 255  # where pathconf cannot say
+
+
+def new_directories(path: str | Path, flag: str = "output") -> list[Path]:
+    """The directories an output's name needs that do not exist yet, outermost first, where they
+    will be made (pytest's --junitxml makes them too); [] when its directory exists. Only the
+    name as given is extended: the nearest existing directory on it may be reached through a link
+    (a link to a larger disk), but a link to nothing, a file on the way, a name past NAME_MAX, an
+    unwritable directory and anything under /proc, /sys or /dev are refused, one line naming the
+    output. Nothing is made here: make_directories does that, when the output is written."""
+    from parity_cli.errors import InputError
+
+    p = Path(os.path.abspath(os.fspath(path)))
+    missing: list[str] = []
+    d = p.parent
+    while True:
+        try:
+            st = os.lstat(d)
+        except (FileNotFoundError, NotADirectoryError):  # the root always exists: this ends
+            missing.append(d.name)
+            d = d.parent
+            continue
+        except OSError as exc:
+            raise InputError(f"{path}: {flag}: {exc.strerror or exc}") from None
+        except ValueError:  # an embedded NUL
+            raise InputError(f"{path}: {flag}: not a usable file name") from None
+        break
+    missing.reverse()
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(d)
+        except OSError:
+            raise InputError(f"{path}: {flag}: {d} is a link to {os.readlink(d)}, which does not exist; parity "
+                             "makes no directory through a link") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InputError(f"{path}: {flag}: {d} is a file, not a directory")
+    if not missing:
+        return []
+    base = Path(os.path.realpath(d))
+    top = base.parts[1] if len(base.parts) > 1 else missing[0]
+    if top in _SYSTEM_TREES:
+        raise InputError(f"{path}: {flag}: {base / missing[0]} would be made under /{top}, a kernel or device "
+                         "tree; refused")
+    try:
+        limit = os.pathconf(base, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = NAME_MAX
+    for name in [*missing, p.name]:
+        if len(os.fsencode(name)) > limit:
+            raise InputError(f"{path}: {flag}: '{name[:40]}...' is longer than the {limit} bytes a name may have")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise InputError(f"{path}: {flag}: directory {base} is not writable, so {missing[0]} cannot be made in it")
+    made, at = [], base
+    for name in missing:
+        at = at / name
+        made.append(at)
+    return made
+
+
+def make_directories(path: str | Path, flag: str = "output") -> list[Path]:
+    """Make the directories new_directories names (checked again: time has passed since the
+    run's preflight), one at a time, mode 0777 & ~umask as mkdir -p; returns those this call
+    made, so that a failed write can take them back. A name that appears meanwhile is accepted
+    only as a real directory, never as a link or a file."""
+    from parity_cli.errors import InputError
+
+    made = []
+    for d in new_directories(path, flag):
+        try:
+            os.mkdir(d)
+            made.append(d)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                raise InputError(f"{path}: {flag}: {d} appeared as something other than a directory; "
+                                 "refused") from None
+    return made
+
+
+def remove_directories(made: list[Path]) -> None:
+    """Take back directories make_directories made, innermost first, each only if still empty."""
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+
+
 def write_files(outputs: dict, what: str = "report") -> None:
     """All or nothing: every output goes to a temporary file next to the file it lands on (through
     a link: the link's target), then all are renamed, so an interrupted or failed run leaves no
@@ -85,8 +175,13 @@ def write_files(outputs: dict, what: str = "report") -> None:
     from parity_cli.errors import InputError
 
     staged = []
+    made: list[Path] = []  # directories made for this set: taken back (if empty) when it is not written
+    written = False
     current = None
     try:
+        for path in outputs:
+            current = path
+            made += make_directories(path)
         targets = [(output_target(path), path, text) for path, text in outputs.items()]
         for target, path, text in targets:
             current = path
@@ -95,12 +190,15 @@ def write_files(outputs: dict, what: str = "report") -> None:
             for tmp, target, path in staged:
                 current = path
                 os.replace(tmp, target)
+        written = True
     except OSError as exc:
         raise InputError(f"{current}: cannot write {what}: {exc.strerror or exc}") from None
     finally:
         for tmp, _, _ in staged:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        if not written:
+            remove_directories(made)
 
 
 class _signals_held:

@@ -11,6 +11,7 @@ from parity_cli import __version__
 from parity_cli.check import parallel
 from parity_cli.check.parallel import resolve_jobs
 from parity_cli.errors import InputError
+from parity_cli.model.families import family_choice
 from parity_cli.model.fingerprint import fingerprint
 from parity_cli.model.load import load
 from parity_cli.options import (
@@ -21,6 +22,7 @@ from parity_cli.options import (
     dtype_name,
     is_oracle,
     reference_device,
+    reference_dtype_for,
     stored_dtype,
 )
 from parity_cli.report.grouping import g as _g
@@ -144,6 +146,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         "schema_version": 1,
         "tool": {"name": "parity-cli", "version": __version__},
         "checkpoint": {"path": str(ckpt.path), "format": ckpt.format, "family": fam.name,
+                       "family_from": family_choice(family, fam, ckpt.model_type, ckpt.format),
                        "model_type": ckpt.model_type, "files": [f.name for f in ckpt.files],
                        "unmatched": found.unmatched},
         "eps": _eps_dict(resolved),
@@ -327,7 +330,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     strata = select_strata(opts.strata)
     device = check_device(opts.device)
     ref_device = reference_device(opts.reference_device, device, is_oracle(opts))
-    ref_dtype_name = dtype_name(opts.reference_dtype)
+    if opts.reference_dtype is not None:  # a wrong name is refused before the checkpoint is read
+        dtype_name(opts.reference_dtype)
     cand_args = candidate_args(opts)
     memory = parse_memory(opts.candidate_memory)
     # a plugin reference is loaded in its own supervised process (below), never here
@@ -373,6 +377,9 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else (copy_dtype or stored_dtype(found.layers))
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
     grad_tol = grad_tolerance_for(cand_dtype_name, exact=opts.exact) if opts.grad else None
+    # float64, or the candidate's dtype under --exact against an implementation; --jobs workers get it resolved
+    ref_dtype_name, ref_dtype_source = reference_dtype_for(opts, cand_dtype_name)
+    opts = dataclasses.replace(opts, reference_dtype=ref_dtype_name)
 
     warnings = list(found.warnings)
     if eps.source == "family-default":
@@ -441,12 +448,14 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             "family": fam.name,
             "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
             "family_forced": bool(opts.family),
+            "family_from": family_choice(opts.family, fam, ckpt.model_type, ckpt.format),
             "model_type": ckpt.model_type,
             "files": [f.name for f in ckpt.files],
             "unmatched": found.unmatched,
         },
         "eps": _eps_dict(eps),
         "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,
+                      "dtype_source": ref_dtype_source,
                       "device": ref_device, "eps": eps.value},
         "candidate": {"impl": recorded_spec(cand_impl.name), "source": cand_impl.source, "dtype": cand_dtype_name,
                       "device": device, "args": cand_args,

@@ -23,7 +23,7 @@ _MISSING = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # what Path.exists() read
 
 
 def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate_checkpoint=None, dtype=None,
-                 reference_dtype="float64", device="cpu", reference_device="cpu", family=None, strata=None,
+                 reference_dtype=None, device="cpu", reference_device="cpu", family=None, strata=None,
                  baseline=None, options: dict | None = None) -> None:
     """Everything `parity check` can refuse without torch (outputs are cli.py's to check);
     `options` the numeric and free-form ones (option_values)."""
@@ -40,7 +40,8 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
     candidate = candidate or "torch"
     if dtype is not None:
         dtype_input(dtype, "--dtype")
-    dtype_input(reference_dtype, "--reference-dtype")
+    if reference_dtype is not None:  # None: float64, or the candidate's under --exact (options.reference_dtype_for)
+        dtype_input(reference_dtype, "--reference-dtype")
     device_input(device, "--device")
     if reference_device != "auto":
         device_input(reference_device, "--reference-device")

@@ -122,7 +122,7 @@ def bad_inputs(ckpt, tmp_path):
         "no cuda": ["check", good, "--device", "cuda:7"],
         "bad fraction": ["check", good, "--max-violation-fraction", "2"],
         "unknown option": ["check", good, "--frobnicate"],
-        "bad json dir": ["check", good, "--json", tmp_path / "no" / "dir" / "r.json"],
+        "bad json dir": ["check", good, "--json", good / "config.json" / "dir" / "r.json"],  # a file on the way
         "no checkable layer": ["check", three_d, "--layers", "model.norm"],
         "inspect bad eps": ["inspect", good, "--eps", "-1"],
     }

@@ -145,7 +145,7 @@ def test_json_dash_is_stdout_and_the_table_goes_to_stderr(llama_dir):
     (lambda d, t: ["--json", d / "config.json"], "input of this run"),
     (lambda d, t: ["--json", t / "r.out", "--junit", t / "r.out"], "given to both"),
     (lambda d, t: ["--json", "/dev/stdout"], "--json - for stdout"),
-    (lambda d, t: ["--json", t / "no" / "such" / "r.json"], "does not exist"),
+    (lambda d, t: ["--json", d / "config.json" / "such" / "r.json"], "is a file, not a directory"),
     (lambda d, t: ["--markdown", t], "directory"),
 ])
 def test_bad_outputs_are_refused_before_the_run(llama_dir, tmp_path, make_args, words):

@@ -339,6 +339,24 @@ def family_by_name(name: str) -> Family:
     return family
 
 
+def family_choice(given: str | None, family: Family, model_type=None, fmt: str | None = None) -> str:
+    """How the family was chosen, one phrase for the report's checkpoint.family_from and the
+    header: `--family layer_norm`, `--family bert: a model type of layer_norm`, `--family albert:
+    a model type, its derived family`, or from the checkpoint: `model_type 'bert' in config.json`
+    (`in the GGUF metadata`), with `; no family file claims it, derived from its transformers
+    classes` where the family was derived as the check ran."""
+    if given:
+        written = written_families()
+        if given in written and written[given].source == family.source:
+            return f"--family {given}"
+        if family.derived_from and given == family.name:
+            return f"--family {given}: a model type, its derived family"
+        return f"--family {given}: a model type of {family.name}"
+    where = "the GGUF metadata" if fmt == "gguf" else "config.json"
+    live = "" if family.source.endswith(".toml") else "; no family file claims it, derived from its transformers classes"
+    return f"model_type '{model_type}' in {where}{live}"
+
+
 def derived_count() -> int:
     """How many generated families there are, without parsing one."""
     return len(_derived_stems())

@@ -45,6 +45,17 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
 
     saved_report.check(data, where)  # every field below has its schema type from here on
     cand, ref, probes, tol = data["candidate"], data["reference"], data["probes"], data["tolerance"]
+    from parity_cli.options import DTYPES
+
+    for role, side in (("candidate", cand), ("reference", ref)):  # named here, not as an option never given
+        if side["dtype"].lower().removeprefix("torch.") not in DTYPES:
+            raise InputError(f"{where}: {role}.dtype '{side['dtype']}' is not a dtype parity runs at "
+                             "(float32, bfloat16, float16, float64)")
+    if probes.get("layers"):  # a check refuses a glob that matches no layer: a report's matches one of its own
+        import fnmatch
+
+        if not any(fnmatch.fnmatchcase(layer["name"], probes["layers"]) for layer in data["layers"]):
+            raise InputError(f"{where}: probes.layers '{probes['layers']}' matches none of the report's layers")
     for role, flag, spec, given in (("candidate", "--candidate", cand["impl"], candidate),
                                     ("reference", "--reference", ref["impl"], reference)):
         if not given and not trust:
