@@ -204,3 +204,15 @@ def test_the_status_shows_from_the_first_second_on_a_terminal(ckpt, monkeypatch)
     monkeypatch.setattr(cli, "_console", lambda stderr=False: Console(file=io.StringIO()))  # a pipe
     with cli._progress(quiet=True) as progress:
         assert progress is None
+
+
+def test_the_header_says_which_family_a_model_type_chose_and_the_exact_reference_dtype(tmp_path):
+    from parity_cli.sources.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "bert", "bert", layers=1, hidden=64)
+    r = run_parity("check", path, "--family", "bert", env={"COLUMNS": "200"})
+    assert r.returncode == 0 and "family layer_norm (--family bert: a model type of layer_norm)" in r.stdout
+    # bitwise against transformers' own class: both at the stored bfloat16, and the header says why
+    r = run_parity("check", path, "--candidate", "hf", "--reference", "hf", "--exact", env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout
+    assert "reference hf bfloat16 (the candidate's, for --exact)" in r.stdout

@@ -215,10 +215,16 @@ def render(d: dict, console, verbose: bool = False, written: list[str] | None = 
     out = wrap(verdict_markup(d, width), width)
     source = d['checkpoint'].get('family_source') or ''
     derived = f" ({_e(source)})" if source.startswith('transformers') else ''
+    chosen = d['checkpoint'].get('family_from') or ''
+    if d['checkpoint'].get('family_forced') and chosen:  # --family bert: say which family that is
+        derived = f" ({_e(chosen)})"
     out += wrap(f"[bold]{_e(d['checkpoint']['path'])}[/]: family [bold]{_e(d['checkpoint']['family'])}[/]{derived}, "
                 f"eps {fmt(d['eps']['value'])} ({_e(d['eps']['source'])})", width)
+    ref_dtype = _e(ref['dtype'])
+    if ref.get("dtype_source") == "candidate:--exact":  # not float64: bitwise at the dtype both run at
+        ref_dtype += " (the candidate's, for --exact)"
     out += wrap(f"candidate [bold]{_e(cand['impl'])}[/] {_e(cand['dtype'])} on {_e(cand['device'])}, "
-                f"eps {fmt(cand['eps'])}; reference {_e(ref['impl'])} {_e(ref['dtype'])}, eps {fmt(ref['eps'])}", width)
+                f"eps {fmt(cand['eps'])}; reference {_e(ref['impl'])} {ref_dtype}, eps {fmt(ref['eps'])}", width)
     rule = ("bitwise: cand == ref" if tol.get("exact") else
             f"pass: |cand - ref| <= atol + rtol*|ref|, atol {fmt(tol['atol'])}, rtol {fmt(tol['rtol'])}")
     out += wrap(f"{rule}; strata {_e(', '.join(d['probes']['strata']))}" + (" +grad" if d["probes"].get("grad") else ""),
@@ -532,8 +538,9 @@ def render_inspect(info: dict, console, verbose: bool = False) -> None:
     info = printable_tree(info)  # tensor names and config values are data from files
     width = console.width
     ck = info["checkpoint"]
+    chosen = f"; {_e(ck['family_from'])}" if ck.get("family_from") else ""
     _print(console, wrap(f"[bold]{_e(ck['path'])}[/]: family [bold]{_e(ck['family'])}[/] (model_type "
-                         f"{_e(ck['model_type'])}), eps {fmt(info['eps']['value'])} ({_e(info['eps']['source'])}), "
+                         f"{_e(ck['model_type'])}{chosen}), eps {fmt(info['eps']['value'])} ({_e(info['eps']['source'])}), "
                          f"{len(info['layers'])} norm layers", width))
     towers = towers_line(info["layers"])
     if towers:
