@@ -422,6 +422,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         # (213 s against 14.7 s measured, BENCHMARKS.md). Parallelism comes from --jobs.
         torch.set_num_threads(opts.threads)
         if sharded:
+            _say(progress, f"starting {workers} worker processes")
             plan = parallel.Plan(str(path), opts, cand_dtype_name, tol, grad_tol, tuple(strata), timeout)
             results = parallel.check_shards(plan, [layer.name for layer in found.layers], workers, progress)
         else:
