@@ -86,9 +86,12 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     from parity_cli.check.layer import running_summary, weight_stats
     from parity_cli.model.layers import discover_layers
     from parity_cli.sources.onnx_graph import is_onnx
+    from parity_cli.sources.openvino_ir import is_openvino_ir
 
     if is_onnx(path):
         return _inspect_onnx(path)
+    if is_openvino_ir(path):
+        return _inspect_openvino(path)
     ckpt, fam, resolved = load(path, family, eps)
     found = discover_layers(ckpt, fam, resolved)
     warnings = list(found.warnings)
@@ -202,17 +205,60 @@ def _inspect_onnx(path) -> dict:
     }
 
 
+def _inspect_openvino(path) -> dict:
+    """An OpenVINO IR on its own: each norm found, its form, eps and where that came from (the
+    element type a compressed IR stores it in), its gain, and the type it computes in."""
+    import math
+    from collections import Counter
+
+    from parity_cli.check.layer import weight_stats
+    from parity_cli.model.openvino_layers import graph_findings
+    from parity_cli.sources.openvino_ir import find_norms, read_model
+
+    path = Path(path)
+    model, ops = read_model(path)
+    norms = find_norms(model, ops, path)
+    if not norms:
+        raise InputError(f"{path}: no norm found in the IR")
+    layers = []
+    for n in norms:
+        stats = weight_stats(n.weight)
+        gain = None if stats["min"] is None else {"min": n.offset + stats["min"], "max": n.offset + stats["max"]}
+        layers.append({"name": n.name, "kind": n.kind, "dim": n.dim, "shape": list(n.weight.shape), "order": n.form,
+                       "bias": n.bias is not None, "eps": {"value": n.eps, "source": n.eps_source},
+                       "weight": stats, "gain": gain, "gain_offset": n.offset, "form": n.form, "dtype": n.dtype,
+                       "eps_mode": n.eps_mode, "eps_stored_as": n.eps_stored,
+                       "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps),
+                       "warnings": [f["message"] for f in graph_findings(n, None)]})
+    eps = Counter(n.eps for n in norms).most_common(1)[0][0]
+    forms = Counter(n.form for n in norms)
+    distinct = len(set(n.eps for n in norms))
+    return {
+        "schema_version": 1,
+        "tool": {"name": "parity-cli", "version": __version__},
+        "checkpoint": {"path": str(path), "format": "openvino", "family": "openvino IR",
+                       "model_type": ", ".join(f"{k} x{v}" for k, v in forms.items()),
+                       "files": [path.name, path.with_suffix(".bin").name], "unmatched": []},
+        "eps": {"value": eps, "source": "the most common eps of its norms"},
+        "layers": layers,
+        "warnings": [],
+        "notes": [f"{distinct} distinct eps values across {len(norms)} norms"] if distinct > 1 else [],
+    }
+
+
 def effective(opts: CheckOptions) -> CheckOptions:
     """The candidate when none is named: an exported .onnx copy runs its own subgraphs in ONNX
-    Runtime; anything else gets torch's fused kernel."""
+    Runtime, an OpenVINO IR (.xml) on OpenVINO's plugin; anything else gets torch's fused kernel."""
     import dataclasses
 
     from parity_cli.sources.onnx_graph import is_onnx
+    from parity_cli.sources.openvino_ir import is_openvino_ir
 
     if opts.candidate:
         return opts
     onnx_copy = opts.candidate_checkpoint and is_onnx(opts.candidate_checkpoint)
-    return dataclasses.replace(opts, candidate="onnxruntime" if onnx_copy else "torch")
+    ir_copy = opts.candidate_checkpoint and is_openvino_ir(opts.candidate_checkpoint)
+    return dataclasses.replace(opts, candidate="onnxruntime" if onnx_copy else "openvino" if ir_copy else "torch")
 
 
 def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
@@ -225,12 +271,23 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     from parity_cli.model.onnx_layers import candidate_layers
     from parity_cli.sources.gguf import MMPROJ
     from parity_cli.sources.onnx_graph import is_onnx
+    from parity_cli.sources.openvino_ir import is_openvino_ir
 
     if is_onnx(opts.candidate_checkpoint):
         layers, info = candidate_layers(opts.candidate_checkpoint, reference_layers)
         described = {"path": recorded_path(opts.candidate_checkpoint), "format": "onnx",
                      "family": reference_layers[0].family if reference_layers else None, "model_type": None,
                      "eps": info["eps"], "layers": len(layers), "unmatched": [], "onnx": info}
+        dtype = info["dtype"]
+    elif is_openvino_ir(opts.candidate_checkpoint):  # model.openvino_layers: the IR's norms and subgraphs
+        from parity_cli.model.openvino_layers import candidate_layers as ir_layers
+
+        layers, info = ir_layers(opts.candidate_checkpoint, reference_layers)
+        if opts.candidate != "openvino":  # another candidate runs its own kernel with the IR's eps and gains
+            layers = [dataclasses.replace(layer, program=None) for layer in layers]
+        described = {"path": recorded_path(opts.candidate_checkpoint), "format": "openvino",
+                     "family": reference_layers[0].family if reference_layers else None, "model_type": None,
+                     "eps": info["eps"], "layers": len(layers), "unmatched": [], "openvino": info}
         dtype = info["dtype"]
     else:
         ckpt2, fam2, eps2 = load(opts.candidate_checkpoint, model=model)
@@ -363,6 +420,15 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                 if given:
                     raise InputError(f"{flag}: an exported .onnx copy runs its own subgraphs, with the eps and form "
                                      "it has; edit the graph, or check another candidate against its weights")
+        if conversion["format"] == "openvino" and opts.candidate == "openvino":
+            # the IR's own subgraphs run with their eps and form; only the plugin's precision is the run's
+            ignored = sorted(set(candidate_args(opts)) - {"precision"})
+            for flag, given in (("--candidate-eps", opts.candidate_eps is not None),
+                                (f"--candidate-arg {', '.join(ignored)}", bool(ignored))):
+                if given:
+                    raise InputError(f"{flag}: an OpenVINO IR runs its own subgraphs, with the eps and form it has "
+                                     "(--candidate-arg precision= still sets the plugin's precision); edit the IR, "
+                                     "or check another candidate against its weights")
         pairing = pair(found.layers, copy_layers, conversion["path"])
         folded = conversion.get("onnx", {}).get("batch_norm_folded")
         if folded:  # each BatchNorm the exporter folded into its Conv says so where it is missing
@@ -390,6 +456,15 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     if found.unmatched:
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
                         f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
+
+    openvino_info = None
+    if opts.candidate == "openvino":  # the plugin and the precision it runs at; an absent plugin is one line
+        from parity_cli.backends.openvino_runtime import describe, precision_note
+
+        impls.precheck(opts.candidate, cand_args)  # its arguments first, in their words
+        openvino_info = describe(device, cand_args.get("precision"))
+        if precision_note(openvino_info):
+            warnings.append(precision_note(openvino_info))
 
     workers = max(1, min(resolve_jobs(opts.jobs), len(found.layers)))
     if not (isinstance(opts.threads, int) and opts.threads >= 1):
@@ -467,7 +542,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                       "checkpoint": conversion,
                       "timeout": timeout, "isolation": opts.isolation, "isolated": isolated,
                       "memory_cap": memory if isolated else None, "workers": workers,
-                      "threads": opts.threads},
+                      "threads": opts.threads, **({"openvino": openvino_info} if openvino_info else {})},
         "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "source": tol.source,
                       "mean_rounding": tol.mean_rounding,
                       "max_violation_fraction": opts.max_violation_fraction,

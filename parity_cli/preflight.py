@@ -31,10 +31,14 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
     checkpoint_input(checkpoint, family)
     if candidate_checkpoint:
         from parity_cli.sources.onnx_graph import is_onnx
+        from parity_cli.sources.openvino_ir import is_openvino_ir
 
         if is_onnx(candidate_checkpoint):
             onnx_input(candidate_checkpoint)
             candidate = candidate or "onnxruntime"
+        elif is_openvino_ir(candidate_checkpoint):
+            openvino_input(candidate_checkpoint)
+            candidate = candidate or "openvino"
         else:
             checkpoint_input(candidate_checkpoint)
     candidate = candidate or "torch"
@@ -57,9 +61,12 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
 
 def inspect_inputs(checkpoint, family=None) -> None:
     from parity_cli.sources.onnx_graph import is_onnx
+    from parity_cli.sources.openvino_ir import is_openvino_ir
 
     if is_onnx(checkpoint):
         return onnx_input(checkpoint)
+    if is_openvino_ir(checkpoint):
+        return openvino_input(checkpoint)
     return _inspect_inputs(checkpoint, family)
 
 
@@ -93,6 +100,11 @@ def checkpoint_input(path, family=None) -> None:
     if is_onnx(path):
         raise InputError(f"{path}: an exported ONNX graph has no config to check against; check the model it was "
                          f"exported from with --candidate-checkpoint {path} (or: parity inspect {path})")
+    from parity_cli.sources.openvino_ir import is_openvino_ir
+
+    if is_openvino_ir(path):
+        raise InputError(f"{path}: an OpenVINO IR has no config to check against; check the model it was converted "
+                         f"from with --candidate-checkpoint {path} (or: parity inspect {path})")
     gguf_file = stat.S_ISREG(st.st_mode) and is_gguf(path)
     if gguf_file:  # its model type is in metadata only gguf can read
         if not _findable("gguf"):
@@ -133,6 +145,19 @@ def onnx_input(path) -> None:
         if not _findable(module):
             raise InputError(f"{path}: reading ONNX needs the {module} package: pip install onnx onnxruntime "
                              "(from a checkout: pip install -e '.[onnx]')")
+
+
+def openvino_input(path) -> None:
+    """An OpenVINO IR: the .xml and its .bin regular files within their caps, and openvino installed."""
+    from parity_cli.sources.openvino_ir import check_files
+
+    path = Path(path)
+    if _stat(path) is None:
+        raise InputError(f"{path}: no such file or directory")
+    check_files(path)
+    if not _findable("openvino"):
+        raise InputError(f"{path}: reading an OpenVINO IR needs the openvino package: pip install openvino "
+                         "(from a checkout: pip install -e '.[openvino]')")
 
 
 def dtype_input(name, option: str = "--dtype") -> None:

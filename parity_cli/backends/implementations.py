@@ -425,11 +425,22 @@ def _onnxruntime(layer: NormLayer, weight, bias, eps: float, op: str = "auto", c
     return prepare(layer, weight, bias, eps, op=op, compute=compute)
 
 
+def _openvino(layer: NormLayer, weight, bias, eps: float, precision: str | None = None, form: str = "auto",
+              eps_mode: str = "inside_sqrt") -> Prepared:
+    """The family's norm as an OpenVINO model on its plugin (parity_cli.backends.openvino_runtime)."""
+    from parity_cli.backends.openvino_runtime import prepare
+
+    return prepare(layer, weight, bias, eps, precision=precision, form=form, eps_mode=eps_mode)
+
+
 # built-in -> (the module it imports, the extra of pyproject.toml that installs it)
 OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"),
-                         "onnxruntime": (("onnx", "onnxruntime"), "onnx")}
+                         "onnxruntime": (("onnx", "onnxruntime"), "onnx"),
+                         "openvino": (("openvino",), "openvino")}
 # built-ins that take --candidate-arg, and which
-BUILTIN_ARGS = {"onnxruntime": {"op": ("auto", "fused", "decomposed"), "compute": ("float32",)}}
+BUILTIN_ARGS = {"onnxruntime": {"op": ("auto", "fused", "decomposed"), "compute": ("float32",)},
+                "openvino": {"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
+                             "eps_mode": ("inside_sqrt", "outside_sqrt")}}
 
 
 def _builtin_args(spec: str, args: dict | None) -> dict:
@@ -474,6 +485,10 @@ BUILTINS = {
                                   "the family's norm as an ONNX graph (RMSNormalization-23 or decomposed, "
                                   "LayerNormalization-17) in ONNX Runtime (needs onnx, onnxruntime); "
                                   "--candidate-arg op=fused|decomposed, compute=float32"),
+    "openvino": Implementation("openvino", "built-in", _openvino,
+                               "the family's norm as an OpenVINO model (decomposed RMS pattern, MVN-6 for LayerNorm) "
+                               "compiled on its CPU plugin (needs openvino); --candidate-arg precision=f32|bf16|f16, "
+                               "form=decomposed|mvn, eps_mode=inside_sqrt|outside_sqrt"),
 }
 
 
