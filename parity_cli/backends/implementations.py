@@ -611,6 +611,13 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
     return Implementation(spec, f"plugin function {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', spec)}", prepare_function)
 
 
+def from_object(spec: str, obj, args: dict | None = None) -> Implementation:
+    """An implementation from a Python object already in hand (parity_cli.testing): the rules of a
+    loaded MODULE:ATTR, a torch.nn.Module subclass built as ATTR(dim, eps=eps), any other callable
+    called as ATTR(x, weight, eps)."""
+    return _plugin(spec, obj, args)
+
+
 ENTRY_POINT_GROUP = "parity_cli.implementations"  # a public contract: plugins register under it
 
 
