@@ -14,16 +14,33 @@ missing upcast, ...). `check_norm` returns the result instead. The pytest plugin
 marker and the --parity-strata / --parity-dtypes options; `norm_cases()` parametrises a test over
 families x dtypes x sizes. Importing this package does not import torch."""
 
-from parity_cli.testing.api import (
-    DEFAULT_DTYPES,
-    DEFAULT_FAMILIES,
-    PER_HEAD_FAMILIES,
-    NormCase,
-    NormParityResult,
-    assert_norm_parity,
-    check_norm,
-    norm_cases,
-)
+from typing import TYPE_CHECKING
 
 __all__ = ["DEFAULT_DTYPES", "DEFAULT_FAMILIES", "PER_HEAD_FAMILIES", "NormCase", "NormParityResult",
            "assert_norm_parity", "check_norm", "norm_cases"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parity_cli.testing.api import (
+        DEFAULT_DTYPES,
+        DEFAULT_FAMILIES,
+        PER_HEAD_FAMILIES,
+        NormCase,
+        NormParityResult,
+        assert_norm_parity,
+        check_norm,
+        norm_cases,
+    )
+
+
+def __getattr__(name: str):
+    """The names load with parity_cli.testing.api on first use: pytest imports this package for its plugin in
+    every session of a project that has parity-cli installed, and such a session should not pay for it."""
+    if name in __all__:
+        from parity_cli.testing import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'parity_cli.testing' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
