@@ -349,7 +349,7 @@ def prepare(layer, weight, bias, eps: float, precision: str | None = None, form:
         except Exception as exc:
             raise InputError(f"openvino: cannot build the {form} {layer.kind} model at {dtype}: "
                              f"{' '.join(str(exc).split())[:240]}") from None
-        if len(_MODELS) > 64:  # one compiled model per layer: keep the last few, not a 405B model's 253
+        if len(_MODELS) > 4:  # one compiled model per layer (each holds its own executor): the last few
             _MODELS.pop(next(iter(_MODELS)))
         _MODELS[key] = _compile(model, device, precision)
     return _runner(_MODELS[key], weight.dtype, f"{form} {layer.kind}", None)
