@@ -475,3 +475,20 @@ def test_hostile_irs_are_one_line(irs, tmp_path):
             assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and words in r.stderr, (args, r.stderr)
     r = run_parity("check", xml)
     assert r.returncode == 2 and "--candidate-checkpoint" in r.stderr
+
+
+def test_an_ir_converted_from_an_onnx_export_pairs_by_node_path(irs, tmp_path):
+    """ONNX -> OpenVINO (convert_model of a TorchScript export): the ONNX frontend keeps the node
+    paths (/model/layers.0/input_layernorm/Pow) as friendly names, which name the layers."""
+    pytest.importorskip("onnx")
+    from onnx_exports import export
+
+    from parity_cli.model.pairing import BY_VALUE
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        onnx_path = export(irs["llama"], tmp_path / "m.onnx", "torchscript")
+        ov.save_model(ov.convert_model(str(onnx_path)), str(tmp_path / "m.xml"), compress_to_fp16=False)
+    report = api.check(irs["llama"], candidate_checkpoint=str(tmp_path / "m.xml"), isolation="none")
+    assert report.header["candidate"]["checkpoint"]["findings"] == 0
+    assert not any(BY_VALUE in l.warnings for l in report.layers) and report.passed, _fails(report)

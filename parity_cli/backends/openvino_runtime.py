@@ -34,6 +34,7 @@ FORMS = ("auto", "decomposed", "mvn")
 EPS_MODES = ("inside_sqrt", "outside_sqrt")
 _OV_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _MODELS: dict = {}
+_DEVICES: dict = {}  # --device -> the OpenVINO device, once checked
 _CORE = []
 
 
@@ -57,6 +58,8 @@ def plugin_device(device: str) -> str:
 
 def _check_device(device: str) -> str:
     """The OpenVINO device for --device, refused in one line where its plugin is absent."""
+    if device in _DEVICES:
+        return _DEVICES[device]
     name = plugin_device(device)
     try:
         available = list(core().available_devices)
@@ -69,6 +72,7 @@ def _check_device(device: str) -> str:
     if name not in available and not (name == "GPU" and any(d.startswith("GPU") for d in available)):
         raise InputError(f"openvino: --device {device} maps to OpenVINO's {name} device, which is not present "
                          f"(OpenVINO sees: {', '.join(available) or 'nothing'}); --device cpu runs the CPU plugin")
+    _DEVICES[device] = name
     return name
 
 

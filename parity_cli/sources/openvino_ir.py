@@ -358,15 +358,11 @@ def _names(gain, nodes) -> list:
     Constant's name (`self.model.norm.weight`, or an ONNX initializer's), the module path of the
     PyTorch frontend's friendly names (`__module.model.norm/aten::pow/Power`), the ONNX frontend's
     node path (`/model/layers.0/input_layernorm/Mul_1`); else the gain's own name."""
-    import re
-
     names = []
-    constant_names = [gain.get_friendly_name(), *sorted(gain.output(0).get_names())]
-    for name in constant_names:
-        bare = name.removeprefix("self.")
+    for name in [gain.get_friendly_name(), *sorted(gain.output(0).get_names())]:
+        bare = name.removeprefix("self.")  # a module's parameter as the PyTorch frontend names it
         for suffix in (".weight", ".scale", ".gamma"):
-            if bare.endswith(suffix) and "." in bare[: -len(suffix)] + suffix and not re.fullmatch(
-                    r"Constant_\d+", bare):
+            if bare.endswith(suffix) and len(bare) > len(suffix):
                 names.append(bare[: -len(suffix)])
     for node in nodes:
         friendly = node.get_friendly_name()
