@@ -98,6 +98,10 @@ def _inputs(items: list, wanted: set) -> set:
                 found |= {p.resolve()} & wanted
                 if p.suffix.lower() == ".onnx":
                     found |= _onnx_external(p, wanted)
+                elif p.suffix.lower() == ".xml":  # an OpenVINO IR reads its weights from NAME.bin beside it
+                    weights = p.with_suffix(".bin")
+                    if weights.exists():
+                        found |= {weights.resolve()} & wanted
         except (OSError, ValueError):
             continue  # not readable here: the run itself says so
     return found
@@ -179,14 +183,14 @@ def cli():
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--candidate", default=None,
-              help="Implementation under test: a built-in (oracle, torch, hf, transformers, onnxruntime), an installed "
+              help="Implementation under test: a built-in (oracle, torch, hf, transformers, onnxruntime, openvino), an installed "
                    "plugin name ('parity implementations'), MODULE:ATTR or FILE.py:ATTR [default: torch; onnxruntime "
-                   "with an .onnx --candidate-checkpoint].")
+                   "with an .onnx --candidate-checkpoint, openvino with an .xml one].")
 @click.option("--candidate-arg", "candidate_args", multiple=True, metavar="KEY=VALUE",
               help="Keyword for the candidate's constructor or function (repeatable; VALUE parsed as JSON if it parses).")
 @click.option("--candidate-checkpoint", default=None, type=click.Path(),
-              help="A converted copy (HF, GGUF, or an exported .onnx graph): compare its eps and weights with "
-                   "CHECKPOINT's, then probe the candidate with them (an .onnx graph: its own norm subgraphs).")
+              help="A converted copy (HF, GGUF, an exported .onnx graph or an OpenVINO IR .xml): compare its eps and "
+                   "weights with CHECKPOINT's, then probe the candidate with them (a graph: its own norm subgraphs).")
 @click.option("--reference", default="oracle", show_default=True, help="Implementation to compare against (any IMPL form).")
 @click.option("--reference-dtype", default=None,
               help="dtype the reference runs at [default: float64; with --exact and a --reference other than the "

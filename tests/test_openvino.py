@@ -492,3 +492,15 @@ def test_an_ir_converted_from_an_onnx_export_pairs_by_node_path(irs, tmp_path):
     report = api.check(irs["llama"], candidate_checkpoint=str(tmp_path / "m.xml"), isolation="none")
     assert report.header["candidate"]["checkpoint"]["findings"] == 0
     assert not any(BY_VALUE in l.warnings for l in report.layers) and report.passed, _fails(report)
+
+
+def test_an_irs_weights_are_an_input_no_report_overwrites(irs):
+    """NAME.bin is read with NAME.xml: a report written over it would destroy the copy under test."""
+    xml = irs["llama.xml"]
+    weights = xml.with_suffix(".bin")
+    before = weights.read_bytes()
+    for argv in (("inspect", xml, "--json", weights),
+                 ("check", irs["llama"], "--candidate-checkpoint", xml, "--json", weights)):
+        r = run_parity(*argv)
+        assert r.returncode == 2 and "would overwrite an input" in r.stderr, r.stderr
+    assert weights.read_bytes() == before
