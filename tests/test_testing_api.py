@@ -431,6 +431,8 @@ def test_checkpoint_layer(ckpt):
     d = result.to_dict()
     assert d["testing"]["dtype"] == "bfloat16" and d["eps"]["source"] == "config:rms_norm_eps"
     assert d["layers"][0]["name"] == layer
+    assert Path(d["checkpoint"]["path"]).resolve() == Path(path).resolve()
+    assert (d["checkpoint"]["format"], d["checkpoint"]["model_type"]) == ("safetensors", "llama")
     with pytest.raises(AssertionError, match="eps_mismatch"):
         assert_norm_parity(k.rms_norm_eps_1e5, checkpoint=path, layer=layer)
     # eps given overrides the config's (the checkpoint's 1e-6, checked as if it were 1e-5): the kernel then passes
@@ -539,3 +541,23 @@ def test_one_call_at_hidden_4096_is_fast():
         assert_norm_parity(k.fused_rms_norm, **llama(dtype=torch.bfloat16, seed=100 + seed))
         times.append(time.perf_counter() - t0)
     assert sorted(times)[1] < 0.5, times
+
+
+def test_probes_cross_to_a_device_once_per_probe_set():
+    """On a GPU each stratum's rows are views of one probe batch: the batch goes to the device once and
+    every view is cut from that copy at its own offset (here with the CPU standing in for the device)."""
+    import gc
+
+    from parity_cli.testing import api
+
+    base = torch.arange(6 * 5, dtype=torch.float32).reshape(6, 5).clone()  # a batch of its own, not a view
+    views = [base[0:1], base[1:4], base[4:6]]
+    placed = [api._on_device(v, "cpu") for v in views]
+    for v, p in zip(views, placed):
+        assert torch.equal(v, p) and p.shape == v.shape
+    assert len([key for key in api._DEVICE_COPIES if key[0] == id(base)]) == 1  # one copy for the three
+    key = (id(base), "cpu")
+    del views, placed, v, p, base
+    gc.collect()
+    assert key not in api._DEVICE_COPIES  # gone with its batch
+

@@ -371,6 +371,7 @@ class _Setup:
     strata: list
     module: Any = None  # the candidate's module instance, when it is one
     weight_source: str = "init"
+    checkpoint: dict | None = None  # the report's checkpoint block, for a layer read from one
 
 
 def _layer_from_family(candidate, fam, hidden_size, eps, dtype, weight, bias, heads, seed) -> _Setup:
@@ -464,7 +465,16 @@ def _layer_from_checkpoint(candidate, checkpoint, name, family, eps, dtype, hidd
         raise ValueError(f"layer: '{name}' is a {layer.kind}; assert_norm_parity checks RMSNorm and LayerNorm layers")
     module = candidate if isinstance(candidate, torch.nn.Module) else None
     dt = _dtype_name(dtype if dtype is not None else layer.stored_dtype)
-    return _Setup(layer=layer, family=fam, dtype=dt, strata=[], module=module, weight_source="checkpoint")
+    from parity_cli.model.families import family_choice
+    from parity_cli.report.replay import recorded_path
+
+    described = {"path": recorded_path(ckpt.path), "format": ckpt.format, "family": fam.name,
+                 "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
+                 "family_forced": fam_name is not None,
+                 "family_from": family_choice(fam_name, fam, ckpt.model_type, ckpt.format),
+                 "model_type": ckpt.model_type, "files": [f.name for f in ckpt.files], "unmatched": []}
+    return _Setup(layer=layer, family=fam, dtype=dt, strata=[], module=module, weight_source="checkpoint",
+                  checkpoint=described)
 
 
 def _implementation(candidate, spec: str, setup: _Setup):
@@ -567,7 +577,7 @@ def _on_device(x, device: str):
     key = (id(base), device)
     entry = _DEVICE_COPIES.get(key)
     if entry is None or entry[0]() is not base:
-        copy = base.to(device)
+        copy = base.to(device, copy=True)  # never the batch itself: the entry must not keep it alive
         _DEVICE_COPIES[key] = (weakref.ref(base, lambda _, k=key: _DEVICE_COPIES.pop(k, None)), copy)
     else:
         copy = entry[1]
@@ -595,7 +605,8 @@ def _check(candidate, *, family, hidden_size, eps, dtype, device, weight, bias, 
             raise TypeError("checkpoint: layer= names a layer of a checkpoint; give its path as checkpoint=")
         setup = _layer_from_checkpoint(candidate, checkpoint, layer, family, eps, dtype, hidden_size, weight, heads)
     else:
-        setup = _layer_from_family(candidate, _family("llama" if family is None else family), hidden_size, eps, dtype, weight, bias, heads, seed)
+        setup = _layer_from_family(candidate, _family("llama" if family is None else family), hidden_size, eps,
+                                   dtype, weight, bias, heads, seed)
     setup.strata = _strata(strata)
     atol, rtol = _tolerance(atol, "atol"), _tolerance(rtol, "rtol")
     dev, dt = _device(device, setup.dtype)
@@ -702,15 +713,15 @@ def _report(result, setup: _Setup, spec: str, impl, tol, grad_tol, dev: str, ref
 
     layer, fam = setup.layer, setup.family
     strata = setup.strata
-    from_checkpoint = setup.weight_source == "checkpoint"
     header = {
         "tool": {"name": "parity-cli", "version": __version__},
         "environment": environment(dev),
-        "checkpoint": {"path": "parity_cli.testing" if not from_checkpoint else str(setup.layer.tensor or ""),
-                       "format": "arguments" if not from_checkpoint else "checkpoint", "family": fam.name,
-                       "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
-                       "family_forced": True, "family_from": "family=" + fam.name, "model_type": None,
-                       "files": [], "unmatched": []},
+        # no checkpoint: the layer is the call's arguments
+        "checkpoint": setup.checkpoint or {
+            "path": "parity_cli.testing", "format": "arguments", "family": fam.name,
+            "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
+            "family_forced": True, "family_from": f"family={fam.name}", "model_type": None, "files": [],
+            "unmatched": []},
         "eps": {"value": layer.eps.value, "source": layer.eps.source},
         "reference": {"impl": "oracle", "source": "built-in", "dtype": "float64", "dtype_source": "default",
                       "device": ref_device, "eps": layer.eps.value},

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 
+DTYPES = pytest.StashKey[set]()  # --parity-dtypes, as dtype names
 KEYWORDS = ("family", "hidden_size", "eps", "dtype", "device", "weight", "bias", "heads", "strata", "atol", "rtol",
             "grad", "seed", "checkpoint", "layer")
 
@@ -54,7 +55,7 @@ def pytest_configure(config) -> None:
         from parity_cli.testing.api import _dtype_name
 
         try:
-            config._parity_dtypes = {_dtype_name(d) for d in dtypes}
+            config.stash[DTYPES] = {_dtype_name(d) for d in dtypes}
         except ValueError as exc:
             raise pytest.UsageError(str(exc).replace("dtype:", "--parity-dtypes:", 1)) from None
 
@@ -74,7 +75,7 @@ def _case(item):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    wanted = getattr(config, "_parity_dtypes", None)
+    wanted = config.stash.get(DTYPES, None)
     if wanted is None:
         return
     keep, drop = [], []
