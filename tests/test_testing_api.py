@@ -419,6 +419,7 @@ def test_model_type_and_family_object():
     r1 = check_norm(k.fused_rms_norm, family="qwen3", hidden_size=128, eps=1e-6, dtype=torch.bfloat16)
     r2 = check_norm(k.fused_rms_norm, family=find_family("llama"), hidden_size=128, eps=1e-6, dtype=torch.bfloat16)
     assert r1 and r2 and r1.to_dict()["testing"]["family"] == "llama" == r2.to_dict()["testing"]["family"]
+    assert r1.to_dict()["checkpoint"]["family_from"] == "family='qwen3': a model type of llama"
 
 
 # --- from a checkpoint -------------------------------------------------------------------------------------

@@ -372,6 +372,7 @@ class _Setup:
     module: Any = None  # the candidate's module instance, when it is one
     weight_source: str = "init"
     checkpoint: dict | None = None  # the report's checkpoint block, for a layer read from one
+    family_from: str | None = None  # how the family was named, where not by its name
 
 
 def _layer_from_family(candidate, fam, hidden_size, eps, dtype, weight, bias, heads, seed) -> _Setup:
@@ -605,8 +606,10 @@ def _check(candidate, *, family, hidden_size, eps, dtype, device, weight, bias, 
             raise TypeError("checkpoint: layer= names a layer of a checkpoint; give its path as checkpoint=")
         setup = _layer_from_checkpoint(candidate, checkpoint, layer, family, eps, dtype, hidden_size, weight, heads)
     else:
-        setup = _layer_from_family(candidate, _family("llama" if family is None else family), hidden_size, eps,
-                                   dtype, weight, bias, heads, seed)
+        given = "llama" if family is None else family
+        setup = _layer_from_family(candidate, _family(given), hidden_size, eps, dtype, weight, bias, heads, seed)
+        if isinstance(given, str) and given != setup.family.name:
+            setup.family_from = f"family={given!r}: a model type of {setup.family.name}"
     setup.strata = _strata(strata)
     atol, rtol = _tolerance(atol, "atol"), _tolerance(rtol, "rtol")
     dev, dt = _device(device, setup.dtype)
@@ -720,7 +723,8 @@ def _report(result, setup: _Setup, spec: str, impl, tol, grad_tol, dev: str, ref
         "checkpoint": setup.checkpoint or {
             "path": "parity_cli.testing", "format": "arguments", "family": fam.name,
             "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
-            "family_forced": True, "family_from": f"family={fam.name}", "model_type": None, "files": [],
+            "family_forced": True, "family_from": setup.family_from or f"family={fam.name!r}", "model_type": None,
+            "files": [],
             "unmatched": []},
         "eps": {"value": layer.eps.value, "source": layer.eps.source},
         "reference": {"impl": "oracle", "source": "built-in", "dtype": "float64", "dtype_source": "default",
