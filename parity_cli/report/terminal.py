@@ -193,8 +193,25 @@ def worst_words(w: dict, exact: bool = False) -> str:
         times = "non-finite"
     else:
         times = f"{fmt(ratio)}x allowed"
+    row = f", row q/eps {fmt(w['q_over_eps'])}" if w.get("q_over_eps") is not None else ""
     return (f"worst {where}: x {fmt(w.get('input'))}, ref {fmt(w.get('reference'))}, "
-            f"cand {fmt(w.get('candidate'))}, allowed {fmt(w.get('allowed'))} ({times})")
+            f"cand {fmt(w.get('candidate'))}, allowed {fmt(w.get('allowed'))} ({times}){row}")
+
+
+def summary_lines(d: dict, width: int = 100) -> list[str]:
+    """The verdict with its cause, then each failing group with its strata, q/eps, failing share
+    and worst element: what a failing check says first, as plain text (parity_cli.testing's
+    assertion message is this)."""
+    import io
+
+    from rich.console import Console
+
+    d = printable_tree(d)
+    console = Console(file=io.StringIO(), width=width, record=True, color_system=None, highlight=False,
+                      soft_wrap=False)
+    _render_groups(d, console, verbose=True)
+    body = [line.rstrip() for line in console.export_text().splitlines()]
+    return [verdict_line(d, width)] + [line for line in body if line]
 
 
 def share(bad: int, total: int) -> str:

@@ -759,7 +759,8 @@ def _report(result, setup: _Setup, spec: str, impl, tol, grad_tol, dev: str, ref
 
 def _message(d: dict) -> str:
     """The finding first (pytest's one-line summary shows it), then what was checked and how."""
-    from parity_cli.testing.message import _fmt, finding_lines
+    from parity_cli.report.terminal import fmt as _fmt
+    from parity_cli.testing.message import finding_lines
 
     lines = finding_lines(d)
     t, tol = d["testing"], d["tolerance"]
