@@ -597,8 +597,10 @@ def _plain(value):
 @click.option("-o", "--output", "out_path", required=True, type=click.Path(dir_okay=False),
               help="The safetensors file to write.")
 def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, out_path):
-    """Run MODEL (an HF directory with full weights) on real text and keep, per norm layer, a
-    bounded sample of the rows it sees; `parity check MODEL --activations FILE` probes with them."""
+    """Run MODEL (an HF directory with full weights, or a llama.cpp .gguf that transformers can
+    dequantize) on real text and keep, per norm layer, a bounded sample of the rows it sees;
+    `parity check MODEL --activations FILE` probes with them, as does a check of another copy of
+    the same model (GGUF or HF, its norms equal within their storage dtype's rounding)."""
     from parity_cli import preflight
 
     preflight.inspect_inputs(model)
@@ -623,8 +625,9 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
     tensors, meta = run_capture(model, text, max_tokens=max_tokens, rows_per_layer=rows_per_layer, device=device,
                                 seed=seed)
     write(tensors, meta, outputs["-o"])
-    click.echo(f"{out_path}: {len(tensors)} layers x up to {rows_per_layer} rows from {meta['tokens']} tokens"
-               + (f"; not reached: {', '.join(meta['not_seen'])}" if meta["not_seen"] else ""))
+    layers = len(tensors) - sum(1 for name in tensors if name.startswith("norm:"))
+    click.echo(f"{out_path}: {meta['rows']:,} rows from {meta['tokens']} tokens in {layers} layers (at most "
+               f"{rows_per_layer} a layer)" + (f"; not reached: {', '.join(meta['not_seen'])}" if meta["not_seen"] else ""))
     return EXIT_PASS
 
 

@@ -81,8 +81,8 @@ def test_capture_sees_every_norm_and_keeps_the_smallest_rows(which, llama, bert,
     ckpt, fam, eps = api.load(model)
     names = {l.name for l in discover_layers(ckpt, fam, eps).layers}
     with safe_open(str(out), framework="pt") as fh:
-        assert set(fh.keys()) == names  # every norm layer parity checks was hooked
-        rows = {n: fh.get_tensor(n).double() for n in fh.keys()}
+        assert {k for k in fh.keys() if not k.startswith("norm:")} == names  # every norm layer was hooked
+        rows = {n: fh.get_tensor(n).double() for n in names}
     first = sorted(names)[0]
     seen = _all_inputs(model, first, TEXT)
     kind_mean = seen.mean(-1, keepdim=True) if which == "bert" else 0.0
@@ -109,7 +109,7 @@ def test_an_eps_fault_on_real_rows_matches_a_float64_recomputation(llama, tmp_pa
 
     weights = load_file(str(llama / "model.safetensors"))
     with safe_open(str(out), framework="pt") as fh:
-        rows = {n: fh.get_tensor(n).double() for n in fh.keys()}
+        rows = {n: fh.get_tensor(n).double() for n in fh.keys() if not n.startswith("norm:")}
     for layer in data["layers"]:
         cap = layer["captured"]
         (diag,) = [d for d in layer["diagnoses"] if d["code"] == "eps_mismatch"]
@@ -143,6 +143,7 @@ def test_rows_stay_bounded_by_k_whatever_the_tokens(llama):
 
     for tokens in (30, 400):  # in-process: the sample, not the command, is under test here
         rows, meta = capture(llama, TEXT + " " + TEXT, max_tokens=tokens, rows_per_layer=9)
+        rows = {n: t for n, t in rows.items() if not n.startswith("norm:")}  # the rows, not the norms
         assert meta["tokens"] == tokens and all(1 <= t.shape[0] <= 9 for t in rows.values())
 
 def _write_gguf(hf, out):
@@ -201,7 +202,8 @@ def test_capture_from_a_gguf(llama, tmp_path):
     ckpt, fam, eps = api.load(path)
     names = {l.name for l in discover_layers(ckpt, fam, eps).layers}
     with safe_open(str(out), framework="pt") as fh:
-        assert set(fh.keys()) == names and all(fh.get_tensor(n).shape[0] > 3 for n in names)
+        assert {k for k in fh.keys() if not k.startswith("norm:")} == names
+        assert all(fh.get_tensor(n).shape[0] > 3 for n in names)
     r = run_parity("check", path, "--activations", out, "--candidate-eps", "1e-5", "-q")
     assert r.returncode == 1 and "eps_mismatch" in r.stdout
 
@@ -309,3 +311,98 @@ def test_explain_probes_with_the_real_rows_and_replays_them(llama, tmp_path):
                       "--layers", "model.norm").returncode == 1
     r = run_parity("explain", rep, "--json", tmp_path / "ladder.json")
     assert r.returncode == 0, r.stderr
+
+
+# --- one capture for every copy of a model (issue 27) -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    """One Llama three ways: HF float32 with gains that are not bfloat16 values, the GGUF written
+    from it (float32, gguf-py's names), and the HF copy saved in bfloat16 (each gain rounded)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("copies")
+    torch.manual_seed(3)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, rms_norm_eps=1e-6)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))  # float32 values bfloat16 cannot hold
+    hf = root / "hf32"
+    model.save_pretrained(hf, safe_serialization=True)
+    _tokenizer(["<unk>", "<pad>"] + [f"w{i}" for i in range(98)]).save_pretrained(hf)
+    bf16 = root / "hf16"
+    model.to(torch.bfloat16).save_pretrained(bf16, safe_serialization=True)
+    for f in hf.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, bf16 / f.name)
+    return {"hf32": hf, "gguf": _write_gguf(hf, root / "model.gguf"), "hf16": bf16}
+
+
+PROMPT = " " + " ".join(f"w{i % 40}" for i in range(120))
+
+
+def _rows_in(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        shapes = [fh.get_slice(k).get_shape() for k in fh.keys() if not k.startswith("norm:")]
+    return sum(s[0] for s in shapes), len(shapes)
+
+
+def test_a_gguf_capture_serves_the_bfloat16_hf_copy_and_back(copies, tmp_path):
+    from safetensors.torch import load_file
+
+    # the copies really differ: bfloat16 gains are the float32 ones rounded, not equal
+    a = load_file(f"{copies['hf32']}/model.safetensors")["model.norm.weight"]
+    b = load_file(f"{copies['hf16']}/model.safetensors")["model.norm.weight"]
+    assert b.dtype.is_floating_point and not (a == b.float()).all() and (a.bfloat16() == b).all()
+    for source, target in (("gguf", "hf16"), ("hf16", "gguf")):
+        out = tmp_path / f"{source}.safetensors"
+        r = run_parity("capture", copies[source], "--prompt", PROMPT, "-o", out)
+        assert r.returncode == 0, r.stderr
+        # the summary's count is the rows the file holds, not the per-layer cap
+        rows, layers = _rows_in(out)
+        assert f"{rows:,} rows from " in r.stdout and f" in {layers} layers (at most 96 a layer)" in r.stdout
+        # no third-party progress bar or warning in either stream
+        assert "de-quantizing" not in r.stdout + r.stderr and "%|" not in r.stdout + r.stderr and r.stderr == ""
+        report = tmp_path / f"{target}.json"
+        r = run_parity("check", copies[target], "--activations", out, "--json", report)
+        assert r.returncode == 0, r.stdout + r.stderr
+        acts = load_json(report)["probes"]["activations"]
+        assert acts["match"].startswith("the same norm layers") and "bfloat16 rounding" in acts["match"]
+        assert acts["rows"] == rows
+        assert f"{rows:,} real rows from " in r.stdout and "within bfloat16 rounding" in r.stdout
+    # the float32 GGUF holds the HF float32 copy's very tensors: the same fingerprint, an exact match
+    r = run_parity("check", copies["hf32"], "--activations", tmp_path / "gguf.safetensors", "--json",
+                   tmp_path / "exact.json")
+    assert r.returncode == 0
+    assert load_json(tmp_path / "exact.json")["probes"]["activations"]["match"] == "exact: the same norm tensors"
+
+
+def test_a_copy_whose_norms_differ_beyond_rounding_is_refused(copies, llama, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "gguf.safetensors"
+    assert run_parity("capture", copies["gguf"], "--prompt", PROMPT, "-o", out).returncode == 0
+    # one gain moved by 1 %, far past bfloat16's half step (2**-8 relative)
+    changed = tmp_path / "changed"
+    shutil.copytree(copies["hf16"], changed)
+    sd = load_file(f"{changed}/model.safetensors")
+    sd["model.norm.weight"] = sd["model.norm.weight"].clone()
+    sd["model.norm.weight"][5] *= 1.01
+    save_file(sd, f"{changed}/model.safetensors", metadata={"format": "pt"})
+    r = run_parity("check", changed, "--activations", out)
+    assert r.returncode == 2 and "captured from another model" in r.stderr and "model.norm's weight differs" in r.stderr
+    # another model altogether (another seed, the same names and shapes) is refused the same way
+    r = run_parity("check", llama, "--activations", out)
+    assert r.returncode == 2 and "captured from another model" in r.stderr and r.stderr.count("\n") == 1

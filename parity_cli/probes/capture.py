@@ -9,6 +9,7 @@ checkpoint's norm fingerprint (replay.fingerprint), so a check refuses rows from
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import random
@@ -18,6 +19,7 @@ from pathlib import Path
 from parity_cli.errors import InputError
 
 MAX_ROWS_PER_LAYER = 4096
+NORM_PREFIX = "norm:"  # beside the rows, the norm tensors the capture was made with (float32)
 MAX_FILE_BYTES = 1 << 30
 
 
@@ -83,6 +85,27 @@ def _model_class(config, gguf: bool = False):
     return transformers.AutoModelForCausalLM if gguf else transformers.AutoModel
 
 
+@contextlib.contextmanager
+def _quiet():
+    """transformers' own output off while it loads: its progress bars (the GGUF dequantizer's tqdm
+    is not behind its logging switch) and its warnings would land in the middle of ours. Its
+    exceptions still come through, and become one line."""
+    import io
+
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 96, device: str = "cpu",
             seed: int = 0, chunk: int | None = None) -> tuple[dict, dict]:
     """({layer name: float32 rows (k, dim)}, metadata) for the norm layers parity checks."""
@@ -112,18 +135,17 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     path = str(source.parent if gguf else source)
     extra = {"gguf_file": source.name} if gguf else {}  # transformers dequantizes it (needs gguf, accelerate)
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False, **extra)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False, **extra)
+        with _quiet():
+            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False, **extra)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False, **extra)
     except Exception as exc:
         raise InputError(f"{model_dir}: cannot load its config or bundled tokenizer: "
                          f"{' '.join(str(exc).split())[:200]}") from None
     cls = _model_class(config, gguf)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     try:
-        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=False, torch_dtype="auto",
-                                    **(extra or {"use_safetensors": True}))
+        with _quiet():
+            model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=False, torch_dtype="auto",
+                                        **(extra or {"use_safetensors": True}))
     except Exception as exc:
         raise InputError(f"{model_dir}: transformers cannot load the model ({cls.__name__}): "
                          f"{' '.join(str(exc).split())[:200]}") from None
@@ -165,6 +187,10 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         raise InputError(f"{model_dir}: no module of {cls.__name__} is a norm layer parity checks "
                          f"(looked for {', '.join(sorted(names)[:3])}, ...); nothing captured")
     tensors = {name: samples[name].rows().contiguous() for name in names if name in seen}
+    for layer in layers:  # the norms themselves: a copy in another format is the same model within rounding
+        for part, t in (("weight", layer.weight), ("bias", layer.bias)):
+            if t is not None:
+                tensors[f"{NORM_PREFIX}{part}:{layer.name}"] = t.detach().to("cpu", torch.float32).contiguous()
     meta = {
         "fingerprint": fingerprint(layers)["sha256"],
         "checkpoint": str(model_dir),
@@ -175,6 +201,9 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         "seed": seed,
         "device": str(device),
         "not_seen": missing,
+        "rows": int(sum(t.shape[0] for name, t in tensors.items() if not name.startswith(NORM_PREFIX))),
+        "norms": {layer.name: {"dtype": str(layer.weight.dtype).removeprefix("torch."),
+                               "shape": list(layer.weight.shape)} for layer in layers if layer.weight is not None},
     }
     return tensors, meta
 
@@ -203,9 +232,10 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
             meta = parse((fh.metadata() or {}).get("parity", "null"), path, "the capture's metadata")
             if not isinstance(meta, dict) or "fingerprint" not in meta:
                 raise InputError(f"{path}: not a parity capture (no parity metadata)")
-            if meta["fingerprint"] != fingerprint(all_layers)["sha256"]:
-                raise InputError(f"{path}: captured from another model (its norm fingerprint "
-                                 f"{str(meta['fingerprint'])[:12]}... is not this checkpoint's); refused")
+            if meta["fingerprint"] == fingerprint(all_layers)["sha256"]:
+                meta["match"] = "exact: the same norm tensors"
+            else:
+                meta["match"] = _same_norms(fh, meta, all_layers, path)
             rows = {}
             by_name = {layer.name: layer for layer in layers}
             for name in fh.keys():
@@ -228,6 +258,52 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
     if not rows:
         raise InputError(f"{path}: holds rows for none of the checked layers; refused")
     return rows, meta
+
+
+_MANTISSA = {"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7}
+
+
+def _same_norms(fh, meta: dict, layers, path) -> str:
+    """Another copy of the capture's model (a GGUF's float32 norms against the HF copy's bfloat16
+    ones): the same layer names and shapes, and every stored value equal once both are rounded to
+    the coarser of the two storage dtypes. Anything else is another model: refused in one line."""
+    import torch
+
+    def other(why: str) -> InputError:
+        return InputError(f"{path}: captured from another model ({why}; its norm fingerprint "
+                          f"{str(meta['fingerprint'])[:12]}... is not this checkpoint's); refused")
+
+    stored = meta.get("norms")
+    if not isinstance(stored, dict):
+        raise other("the capture does not record its norms")
+    here = {layer.name: layer for layer in layers if layer.weight is not None}
+    if set(stored) != set(here):
+        only = sorted(set(stored) ^ set(here))
+        raise other(f"{len(only)} norm layer(s) in one and not the other, e.g. {only[0]}")
+    keys = set(fh.keys())
+    worst, coarsest = 0.0, "float64"
+    for name, layer in here.items():
+        info = stored[name]
+        mine = str(layer.weight.dtype).removeprefix("torch.")
+        theirs = info.get("dtype") if isinstance(info, dict) else None
+        if theirs not in _MANTISSA or mine not in _MANTISSA or info.get("shape") != list(layer.weight.shape):
+            raise other(f"{name} is {info} there, {mine} {list(layer.weight.shape)} here")
+        coarse = min((mine, theirs), key=_MANTISSA.get)
+        coarsest = min((coarsest, coarse), key=_MANTISSA.get)
+        for part, t in (("weight", layer.weight), ("bias", layer.bias)):
+            key = f"{NORM_PREFIX}{part}:{name}"
+            if t is None:
+                continue
+            if key not in keys or list(fh.get_slice(key).get_shape()) != list(t.shape):
+                raise other(f"{name}'s {part} is not in the capture as this checkpoint has it")
+            a, b = fh.get_tensor(key).to(torch.float64), t.detach().cpu().to(torch.float64)
+            dt = getattr(torch, coarse)
+            if not torch.equal(a.to(dt), b.to(dt)):
+                diff = float((a - b).abs().max())
+                raise other(f"{name}'s {part} differs by up to {diff:.3g}, more than {coarse} rounding")
+            worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
+    return (f"the same norm layers, names and shapes, values equal within {coarsest} rounding "
+            f"(largest difference {worst:.3g})")
 
 
 def q_summary(rows, eps: float, kind: str) -> dict:

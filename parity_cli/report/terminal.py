@@ -249,6 +249,11 @@ def render(d: dict, console, verbose: bool = False, written: list[str] | None = 
     towers = towers_line(d["layers"])
     if towers:
         out += wrap(towers, width)
+    acts = d["probes"].get("activations")
+    if isinstance(acts, dict) and acts.get("path"):  # which rows, and why they belong to this model
+        rows = f"{acts['rows']:,} real rows" if isinstance(acts.get("rows"), int) else "real rows"
+        match = f"; {_e(acts['match'])}" if acts.get("match") else ""
+        out += wrap(f"activations {_e(acts['path'])}: {rows} from {_e(acts.get('tokens', '?'))} tokens{match}", width)
     conv = cand.get("checkpoint")
     if conv:
         out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({_e(conv['format'])}, family {_e(conv['family'])}), "
