@@ -406,3 +406,21 @@ def test_a_copy_whose_norms_differ_beyond_rounding_is_refused(copies, llama, tmp
     # another model altogether (another seed, the same names and shapes) is refused the same way
     r = run_parity("check", llama, "--activations", out)
     assert r.returncode == 2 and "captured from another model" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_gguf_parsed_once_gives_the_rows_transformers_alone_gives(copies, monkeypatch):
+    """One parse of the GGUF serves transformers' four loads (benchmarks/bench_capture_gguf.py: 2x
+    faster on a SmolLM2-135M shape): the same rows as when it parses the file for each, and
+    gguf-py's functions are its own again afterwards."""
+    import gguf
+    import torch
+
+    import parity_cli.probes.capture as c
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    once, _ = c.capture(copies["gguf"], PROMPT, max_tokens=64)
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
+    real = c._gguf_parsed_once
+    monkeypatch.setattr(c, "_gguf_parsed_once", lambda active: real(False))
+    each, _ = c.capture(copies["gguf"], PROMPT, max_tokens=64)
+    assert once.keys() == each.keys() and all(torch.equal(once[k], each[k]) for k in once)
