@@ -4,7 +4,7 @@ worst element), so a kernel's test and `parity check` say the same words."""
 
 from __future__ import annotations
 
-WIDTH = 100  # an assertion message is read in a log: lines are kept under this where the words allow
+WIDTH = 160  # an assertion message is read in a log, as the CLI writes one without a terminal
 
 
 def finding_lines(d: dict, width: int = WIDTH) -> list[str]:
