@@ -162,10 +162,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
 def _inspect_onnx(path) -> dict:
     """An exported graph on its own: each norm found, its form, eps and where that came from,
     its gain (with any offset the graph adds), and the dtype it computes in."""
-    import math
-    from collections import Counter
-
-    from parity_cli.check.layer import running_summary, weight_stats
+    from parity_cli.check.layer import running_summary
     from parity_cli.model.onnx_layers import TRAINING_WORDS
     from parity_cli.sources.onnx_graph import find_norms, load_model, reduced_words
 
@@ -176,42 +173,53 @@ def _inspect_onnx(path) -> dict:
         raise InputError(f"{path}: no norm found in the graph")
     layers = []
     for n in norms:
-        stats = weight_stats(n.weight)
-        gain = None if stats["min"] is None else {"min": n.offset + stats["min"], "max": n.offset + stats["max"]}
-        layers.append({"name": n.name, "kind": n.kind, "dim": n.dim, "shape": list(n.weight.shape), "order": n.form,
-                       "bias": n.bias is not None, "eps": {"value": n.eps, "source": n.eps_source},
-                       "weight": stats, "gain": gain, "gain_offset": n.offset, "form": n.form, "dtype": n.dtype,
-                       "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps),
-                       "warnings": [reduced_words(n.reduced)] if n.reduced else []})
+        layers.append(_graph_layer(n, warnings=[reduced_words(n.reduced)] if n.reduced else []))
         if n.kind == "group_norm" and getattr(n, "groups", None):
             layers[-1]["groups"] = n.groups
         if n.kind == "batch_norm" and getattr(n, "running_var", None) is not None:
             layers[-1]["statistics"] = running_summary(n, n.eps)
             if getattr(n, "training", False):
                 layers[-1]["warnings"].append(TRAINING_WORDS)
+    return _graph_inspection(path, "onnx", "onnx graph", [path.name], norms, layers)
+
+
+def _graph_layer(n, **extra) -> dict:
+    """One norm of an exported graph as inspect shows it (ONNX, OpenVINO IR)."""
+    import math
+
+    from parity_cli.check.layer import weight_stats
+
+    stats = weight_stats(n.weight)
+    gain = None if stats["min"] is None else {"min": n.offset + stats["min"], "max": n.offset + stats["max"]}
+    return {"name": n.name, "kind": n.kind, "dim": n.dim, "shape": list(n.weight.shape), "order": n.form,
+            "bias": n.bias is not None, "eps": {"value": n.eps, "source": n.eps_source},
+            "weight": stats, "gain": gain, "gain_offset": n.offset, "form": n.form, "dtype": n.dtype,
+            "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps), **extra}
+
+
+def _graph_inspection(path: Path, fmt: str, family: str, files: list, norms, layers: list) -> dict:
+    """inspect's answer for a graph: no config, so the eps shown is the most common of its norms."""
+    from collections import Counter
+
     eps = Counter(n.eps for n in norms).most_common(1)[0][0]
     forms = Counter(n.form for n in norms)
+    distinct = len(set(n.eps for n in norms))
     return {
         "schema_version": 1,
         "tool": {"name": "parity-cli", "version": __version__},
-        "checkpoint": {"path": str(path), "format": "onnx", "family": "onnx graph",
-                       "model_type": ", ".join(f"{k} x{v}" for k, v in forms.items()), "files": [path.name],
+        "checkpoint": {"path": str(path), "format": fmt, "family": family,
+                       "model_type": ", ".join(f"{k} x{v}" for k, v in forms.items()), "files": files,
                        "unmatched": []},
         "eps": {"value": eps, "source": "the most common eps of its norms"},
         "layers": layers,
         "warnings": [],
-        "notes": [f"{len(set(n.eps for n in norms))} distinct eps values across {len(norms)} norms"]
-        if len(set(n.eps for n in norms)) > 1 else [],
+        "notes": [f"{distinct} distinct eps values across {len(norms)} norms"] if distinct > 1 else [],
     }
 
 
 def _inspect_openvino(path) -> dict:
     """An OpenVINO IR on its own: each norm found, its form, eps and where that came from (the
     element type a compressed IR stores it in), its gain, and the type it computes in."""
-    import math
-    from collections import Counter
-
-    from parity_cli.check.layer import weight_stats
     from parity_cli.model.openvino_layers import graph_findings
     from parity_cli.sources.openvino_ir import find_norms, read_model
 
@@ -220,30 +228,10 @@ def _inspect_openvino(path) -> dict:
     norms = find_norms(model, ops, path)
     if not norms:
         raise InputError(f"{path}: no norm found in the IR")
-    layers = []
-    for n in norms:
-        stats = weight_stats(n.weight)
-        gain = None if stats["min"] is None else {"min": n.offset + stats["min"], "max": n.offset + stats["max"]}
-        layers.append({"name": n.name, "kind": n.kind, "dim": n.dim, "shape": list(n.weight.shape), "order": n.form,
-                       "bias": n.bias is not None, "eps": {"value": n.eps, "source": n.eps_source},
-                       "weight": stats, "gain": gain, "gain_offset": n.offset, "form": n.form, "dtype": n.dtype,
-                       "eps_mode": n.eps_mode, "eps_stored_as": n.eps_stored,
-                       "rms_1pct": math.sqrt(ONE_PERCENT_Q_OVER_EPS * n.eps),
-                       "warnings": [f["message"] for f in graph_findings(n, None)]})
-    eps = Counter(n.eps for n in norms).most_common(1)[0][0]
-    forms = Counter(n.form for n in norms)
-    distinct = len(set(n.eps for n in norms))
-    return {
-        "schema_version": 1,
-        "tool": {"name": "parity-cli", "version": __version__},
-        "checkpoint": {"path": str(path), "format": "openvino", "family": "openvino IR",
-                       "model_type": ", ".join(f"{k} x{v}" for k, v in forms.items()),
-                       "files": [path.name, path.with_suffix(".bin").name], "unmatched": []},
-        "eps": {"value": eps, "source": "the most common eps of its norms"},
-        "layers": layers,
-        "warnings": [],
-        "notes": [f"{distinct} distinct eps values across {len(norms)} norms"] if distinct > 1 else [],
-    }
+    layers = [_graph_layer(n, eps_mode=n.eps_mode, eps_stored_as=n.eps_stored,
+                           warnings=[f["message"] for f in graph_findings(n, None)]) for n in norms]
+    return _graph_inspection(path, "openvino", "openvino IR", [path.name, path.with_suffix(".bin").name], norms,
+                             layers)
 
 
 def effective(opts: CheckOptions) -> CheckOptions:
