@@ -13,7 +13,7 @@ from parity_cli.sources.onnx_graph import (
     FUSED,
     _match_by_gain,
     _match_by_name,
-    _same,
+    distinct_norms,
     find_norms,
     load_model,
     reduced_words,
@@ -34,17 +34,8 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
     by_name = {layer.name: layer for layer in reference}
     _match_by_name(norms, reference)
     _match_by_gain(norms, reference)  # only where no name or path says anything
-    layers, seen = [], {}
-    for norm in norms:
-        first = seen.get(norm.name)
-        if first is not None and _same(first, norm):
-            continue  # the same norm reached twice (a shared module): once
-        if first is not None:  # another norm under that name: its own layer, which pairing reports
-            k = 2
-            while f"{norm.name}#{k}" in seen:
-                k += 1
-            norm = dataclasses.replace(norm, name=f"{norm.name}#{k}")
-        seen[norm.name] = norm
+    layers = []
+    for norm in distinct_norms(norms):
         ref = by_name.get(norm.name)
         if ref is not None and {"batch_norm", "group_norm"} & {ref.kind, norm.kind} and ref.kind != norm.kind:
             ref = None  # a BatchNorm (GroupNorm) is no other kind's copy: the layer is missing, this norm extra

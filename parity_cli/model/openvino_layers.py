@@ -9,7 +9,7 @@ from pathlib import Path
 from parity_cli.errors import InputError
 from parity_cli.model.layers import NormLayer
 from parity_cli.model.pairing import BY_VALUE
-from parity_cli.sources.onnx_graph import _match_by_gain, _match_by_name, _same, reduced_words
+from parity_cli.sources.onnx_graph import _match_by_gain, _match_by_name, distinct_norms, reduced_words
 from parity_cli.sources.openvino_ir import find_norms, read_model
 from parity_cli.sources.tensors import Eps
 
@@ -57,17 +57,8 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
     by_name = {layer.name: layer for layer in reference}
     _match_by_name(norms, reference)
     _match_by_gain(norms, reference)  # only where no name says anything
-    layers, seen = [], {}
-    for norm in norms:
-        first = seen.get(norm.name)
-        if first is not None and _same(first, norm):
-            continue  # the same norm reached twice: once
-        if first is not None:
-            k = 2
-            while f"{norm.name}#{k}" in seen:
-                k += 1
-            norm = dataclasses.replace(norm, name=f"{norm.name}#{k}")
-        seen[norm.name] = norm
+    layers = []
+    for norm in distinct_norms(norms):
         ref = by_name.get(norm.name)
         eps = Eps(norm.eps, norm.eps_source)
         if ref is not None and ref.kind not in ("rms_norm", "layer_norm"):

@@ -879,6 +879,26 @@ def is_onnx(path) -> bool:
     return str(path).lower().endswith(".onnx")
 
 
+def distinct_norms(norms):
+    """Each norm once under its own name: a norm reached twice (a shared module) once, another
+    norm found under a name already taken as `name#2`, `name#3` (its own layer, which pairing
+    reports). Graph readers (ONNX, OpenVINO IR) find norms by walking from each output."""
+    import dataclasses
+
+    seen: dict = {}
+    for norm in norms:
+        first = seen.get(norm.name)
+        if first is not None and _same(first, norm):
+            continue
+        if first is not None:
+            k = 2
+            while f"{norm.name}#{k}" in seen:
+                k += 1
+            norm = dataclasses.replace(norm, name=f"{norm.name}#{k}")
+        seen[norm.name] = norm
+        yield norm
+
+
 def _same(a: OnnxNorm, b: OnnxNorm) -> bool:
     """Two finds of one norm: the same form, eps, offset, gain and bias (and running statistics)."""
     import torch
