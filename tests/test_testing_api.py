@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import parity_cli
 from kernel_examples import fused_norms as k
 
+import parity_cli
 from parity_cli.testing import NormParityResult, assert_norm_parity, check_norm
 
 ROOT = Path(__file__).resolve().parent.parent
