@@ -1,13 +1,13 @@
 """Time to capture 16 tokens from a llama.cpp GGUF of SmolLM2-135M's shape (random weights, F16 as
 llama.cpp's converter writes the big matrices, F32 norms), against the same model as an HF directory,
-measured in the same run: where the GGUF path's time goes (transformers dequantizes every tensor).
+measured in the same run, and against transformers' own GGUF loader (the whole file dequantized).
 
     python benchmarks/bench_capture_gguf.py [--repeat 3] [--tokens 16]
 
 Builds the files under a temporary directory with gguf-py and transformers (no download), runs
 `parity capture` in a fresh interpreter for each (a capture's cost includes transformers' import),
-and prints medians and their ratios; the baseline is the same GGUF capture with transformers left
-to parse the file for each of its calls (what `parity capture` did before)."""
+and prints medians and their ratios; the baselines are the same GGUF capture through transformers'
+loader, parsing the file for each of its calls (what `parity capture` did first) or once."""
 
 from __future__ import annotations
 
@@ -74,21 +74,26 @@ def build(root: Path) -> tuple[Path, Path]:
     return out, hf
 
 
-# the GGUF as transformers alone loads it: every parse and name map of its own (the baseline)
+# the baselines, in the same run: transformers' own GGUF loader on the whole file, parsing it for each
+# of its calls (what `parity capture` did first), and with one parse lent to those calls (the step after)
 AS_TRANSFORMERS = """
 import sys
 import parity_cli.probes.capture as c
-real = c._gguf_parsed_once
-c._gguf_parsed_once = lambda active: real(False)
+SHARED = {shared}
+def load(model_dir, source, names):
+    return c._gguf_via_transformers(model_dir, source, None, c._read_gguf(model_dir, source) if SHARED else None)
+c._load_gguf = load
 from parity_cli.cli import main
 main(sys.argv[1:])
 """
+BASELINES = {"gguf_transformers_each_call": AS_TRANSFORMERS.format(shared=False),
+             "gguf_transformers_one_parse": AS_TRANSFORMERS.format(shared=True)}
 
 
-def timed(model: Path, tokens: int, out: Path, baseline: bool = False) -> float:
+def timed(model: Path, tokens: int, out: Path, baseline: str | None = None) -> float:
     prompt = " " + " ".join(f"w{i % 100}" for i in range(tokens))
     start = time.perf_counter()
-    head = [sys.executable, "-c", AS_TRANSFORMERS] if baseline else [sys.executable, "-m", "parity_cli"]
+    head = [sys.executable, "-c", BASELINES[baseline]] if baseline else [sys.executable, "-m", "parity_cli"]
     r = subprocess.run(head + ["capture", str(model), "--prompt", prompt,
                                "--max-tokens", str(tokens), "-o", str(out)], capture_output=True, text=True)
     took = time.perf_counter() - start
@@ -105,17 +110,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="parity-bench-capture-") as tmp:
         root = Path(tmp)
         gguf_path, hf = build(root)
-        times = {"gguf": [], "gguf_parsed_by_transformers": [], "hf": []}
+        names = ("gguf", *BASELINES, "hf")
+        times = {name: [] for name in names}
         for k in range(args.repeat):  # interleaved: a load on the machine hits all alike
-            for name, model in (("gguf", gguf_path), ("gguf_parsed_by_transformers", gguf_path), ("hf", hf)):
+            for name in names:
+                model = hf if name == "hf" else gguf_path
                 times[name].append(timed(model, args.tokens, root / f"{name}{k}.safetensors",
-                                         baseline=name == "gguf_parsed_by_transformers"))
+                                         baseline=name if name in BASELINES else None))
         med = {k: statistics.median(v) for k, v in times.items()}
         print(json.dumps({"tokens": args.tokens, "repeat": args.repeat, "median_s": med,
                           "gguf_over_hf": med["gguf"] / med["hf"],
-                          "transformers_parse_over_gguf": med["gguf_parsed_by_transformers"] / med["gguf"],
+                          **{f"{b}_over_gguf": med[b] / med["gguf"] for b in BASELINES},
                           "runs_s": times}, indent=2))
-
 
 if __name__ == "__main__":
     main()

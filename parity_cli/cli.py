@@ -589,7 +589,8 @@ def _plain(value):
 @click.argument("model", type=click.Path())
 @click.option("--text", "text_path", default=None, type=click.Path(dir_okay=False), help="A text file to run.")
 @click.option("--prompt", default=None, help="A text to run (instead of --text).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens run, from the start of the text.")
 @click.option("--rows-per-layer", type=click.IntRange(min=3, max=4096), default=96, show_default=True,
               help="Rows kept per layer: a third the smallest q, a third the largest, a third uniform.")
 @click.option("--device", default="cpu", show_default=True)
@@ -597,10 +598,15 @@ def _plain(value):
 @click.option("-o", "--output", "out_path", required=True, type=click.Path(dir_okay=False),
               help="The safetensors file to write.")
 def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, out_path):
-    """Run MODEL (an HF directory with full weights, or a llama.cpp .gguf that transformers can
-    dequantize) on real text and keep, per norm layer, a bounded sample of the rows it sees;
-    `parity check MODEL --activations FILE` probes with them, as does a check of another copy of
-    the same model (GGUF or HF, its norms equal within their storage dtype's rounding)."""
+    """Run MODEL on real text and keep, per norm layer, a bounded sample of the rows it sees.
+
+    MODEL is an HF model directory (full weights) or a llama.cpp .gguf file (F32, F16, BF16 or
+    quantized tensors, an architecture transformers reads from GGUF): parity dequantizes the
+    tensors the forward needs up to the last norm layer itself, and says when transformers' loader
+    has to load the whole file instead. `parity check MODEL --activations FILE` probes with the
+    rows, as does a check of another copy of the same model, GGUF or HF (norm layers with the same
+    names and shapes, values equal within their storage dtypes' rounding: the report states the
+    match)."""
     from parity_cli import preflight
 
     preflight.inspect_inputs(model)
@@ -620,14 +626,13 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
     else:
         text = prompt
     from parity_cli.probes.capture import capture as run_capture
-    from parity_cli.probes.capture import write
+    from parity_cli.probes.capture import summary, write
 
     tensors, meta = run_capture(model, text, max_tokens=max_tokens, rows_per_layer=rows_per_layer, device=device,
                                 seed=seed)
     write(tensors, meta, outputs["-o"])
-    layers = len(tensors) - sum(1 for name in tensors if name.startswith("norm:"))
-    click.echo(f"{out_path}: {meta['rows']:,} rows from {meta['tokens']} tokens in {layers} layers (at most "
-               f"{rows_per_layer} a layer)" + (f"; not reached: {', '.join(meta['not_seen'])}" if meta["not_seen"] else ""))
+    for line in summary(out_path, tensors, meta):
+        click.echo(line)
     return EXIT_PASS
 
 

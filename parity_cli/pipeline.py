@@ -322,7 +322,7 @@ def _as_named(layers, reference_layers, family):
 
 # what `parity capture` writes in a capture's metadata, and so what a report repeats of it
 CAPTURE_KEYS = ("fingerprint", "checkpoint", "model_class", "tokens", "rows_per_layer", "sampling", "seed", "device",
-                "not_seen", "rows", "match")
+                "not_seen", "rows", "match", "norms_match")
 
 
 def with_captured(opts: CheckOptions, layers, everything):

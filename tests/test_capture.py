@@ -146,9 +146,10 @@ def test_rows_stay_bounded_by_k_whatever_the_tokens(llama):
         rows = {n: t for n, t in rows.items() if not n.startswith("norm:")}  # the rows, not the norms
         assert meta["tokens"] == tokens and all(1 <= t.shape[0] <= 9 for t in rows.values())
 
-def _write_gguf(hf, out):
+def _write_gguf(hf, out, embedding_length=None):
     """A whole tiny Llama as a GGUF transformers can dequantize: llama.cpp's tensor names (gguf-py's
-    map), its metadata keys, and a gpt2-style byte-level BPE vocabulary with merges."""
+    map), its metadata keys, and a gpt2-style byte-level BPE vocabulary with merges.
+    `embedding_length` writes another width in the metadata than the tensors have."""
     import json
 
     import gguf
@@ -158,7 +159,7 @@ def _write_gguf(hf, out):
     sd = load_file(f"{hf}/model.safetensors")
     L = cfg["num_hidden_layers"]
     w = gguf.GGUFWriter(out, "llama")
-    w.add_block_count(L); w.add_context_length(cfg["max_position_embeddings"]); w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(L); w.add_context_length(cfg["max_position_embeddings"]); w.add_embedding_length(embedding_length or cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"]); w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"]); w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_vocab_size(cfg["vocab_size"]); w.add_file_type(0)
@@ -357,70 +358,217 @@ def _rows_in(path):
     return sum(s[0] for s in shapes), len(shapes)
 
 
-def test_a_gguf_capture_serves_the_bfloat16_hf_copy_and_back(copies, tmp_path):
+def _norms(path):
+    """Every norm gain of an HF copy as float64, read from its safetensors file by the test."""
     from safetensors.torch import load_file
 
+    return {k: v.double() for k, v in load_file(f"{path}/model.safetensors").items() if k.endswith("norm.weight")}
+
+
+def _half_ulp(values, mantissa_bits):
+    """Half the spacing of a binary float with `mantissa_bits` at each value: 2^(floor(log2|v|) - p - 1)
+    (no value here is zero or subnormal)."""
+    import math
+
+    return [2.0 ** (math.floor(math.log2(abs(v))) - mantissa_bits - 1) for v in values]
+
+
+def test_a_gguf_capture_serves_the_bfloat16_hf_copy_and_back(copies, tmp_path):
+    import json
+
+    import torch
+
+    from parity_cli.resources import schema_path
+
     # the copies really differ: bfloat16 gains are the float32 ones rounded, not equal
-    a = load_file(f"{copies['hf32']}/model.safetensors")["model.norm.weight"]
-    b = load_file(f"{copies['hf16']}/model.safetensors")["model.norm.weight"]
-    assert b.dtype.is_floating_point and not (a == b.float()).all() and (a.bfloat16() == b).all()
+    f32, b16 = _norms(copies["hf32"]), _norms(copies["hf16"])
+    assert not all(torch.equal(f32[k], b16[k]) for k in f32)
+    # what the match must report, from the two files: the largest |f32 - bf16| of any gain, and its
+    # share of the bound (half a float32 step at the float32 value + half a bfloat16 step at the bfloat16 one)
+    diffs = [(abs(a - b), abs(a - b) / (ha + hb))
+             for k in f32 for a, b, ha, hb in zip(f32[k].tolist(), b16[k].tolist(),
+                                                  _half_ulp(f32[k].tolist(), 23), _half_ulp(b16[k].tolist(), 7))]
+    largest, share = max(d for d, _ in diffs), max(r for _, r in diffs)
+    assert 0 < largest and 0.5 < share <= 1  # somewhere close to half a bfloat16 step
     for source, target in (("gguf", "hf16"), ("hf16", "gguf")):
         out = tmp_path / f"{source}.safetensors"
         r = run_parity("capture", copies[source], "--prompt", PROMPT, "-o", out)
         assert r.returncode == 0, r.stderr
-        # the summary's count is the rows the file holds, not the per-layer cap
-        rows, layers = _rows_in(out)
-        assert f"{rows:,} rows from " in r.stdout and f" in {layers} layers (at most 96 a layer)" in r.stdout
-        # no third-party progress bar or warning in either stream
-        assert "de-quantizing" not in r.stdout + r.stderr and "%|" not in r.stdout + r.stderr and r.stderr == ""
         report = tmp_path / f"{target}.json"
         r = run_parity("check", copies[target], "--activations", out, "--json", report)
         assert r.returncode == 0, r.stdout + r.stderr
-        acts = load_json(report)["probes"]["activations"]
-        assert acts["match"].startswith("the same norm layers") and "bfloat16 rounding" in acts["match"]
-        assert acts["rows"] == rows
-        assert f"{rows:,} real rows from " in r.stdout and "within bfloat16 rounding" in r.stdout
+        data = load_json(report)
+        pytest.importorskip("jsonschema").validate(data, json.loads(schema_path().read_text()))
+        acts = data["probes"]["activations"]
+        assert acts["match"].startswith("within bfloat16 rounding") and f"{largest:.3g}" in acts["match"]
+        m = acts["norms_match"]
+        assert m["kind"] == "within_rounding" and m["coarsest"] == "bfloat16"
+        assert sorted(m["dtypes"]) == ["bfloat16", "float32"]
+        assert m["max_abs_diff"] == largest and m["max_diff_over_bound"] == pytest.approx(share, rel=1e-12)
+        assert acts["rows"] == _rows_in(out)[0] and "within bfloat16 rounding" in r.stdout
     # the float32 GGUF holds the HF float32 copy's very tensors: the same fingerprint, an exact match
     r = run_parity("check", copies["hf32"], "--activations", tmp_path / "gguf.safetensors", "--json",
                    tmp_path / "exact.json")
     assert r.returncode == 0
-    assert load_json(tmp_path / "exact.json")["probes"]["activations"]["match"] == "exact: the same norm tensors"
+    acts = load_json(tmp_path / "exact.json")["probes"]["activations"]
+    assert acts["match"] == "exact: the same norm tensors" and acts["norms_match"]["max_abs_diff"] == 0
+
+
+def test_the_rounding_bound_is_half_a_step_of_each_dtype():
+    import torch
+
+    from parity_cli.probes.capture import rounding_bound
+
+    one = torch.tensor([1.0, 3.0, -1.5, 0.0], dtype=torch.float64)
+    # by hand: at 1 a float32 step is 2^-23 and a bfloat16 step 2^-7; at 3 (in [2, 4)) twice that; at 0 the
+    # smallest normal (2^-126) times each dtype's epsilon
+    want = [2**-24 + 2**-8, 2**-23 + 2**-7, 2**-24 + 2**-8, 2**-126 * (2**-24 + 2**-8)]
+    assert rounding_bound(one, "float32", one, "bfloat16").tolist() == want
+    torch.manual_seed(0)
+    a = (torch.randn(20000) * torch.logspace(-6, 6, 20000)).to(torch.float32)
+    b = a.to(torch.bfloat16)
+    a64, b64 = a.double(), b.double()
+    bound = rounding_bound(a64, "float32", b64, "bfloat16")
+    assert bool(((a64 - b64).abs() <= bound).all())  # every bfloat16 rounding of a float32 value is within
+    # one bfloat16 step away from the rounded value is out, wherever the rounding itself was small
+    step = 2.0 ** (torch.floor(torch.log2(b64.abs())) - 7)
+    small = (a64 - b64).abs() < step / 4
+    assert bool(((a64 - (b64 + step)).abs() > bound)[small].all()) and int(small.sum()) > 5000
 
 
 def test_a_copy_whose_norms_differ_beyond_rounding_is_refused(copies, llama, tmp_path):
     import shutil
 
+    import torch
     from safetensors.torch import load_file, save_file
 
     out = tmp_path / "gguf.safetensors"
     assert run_parity("capture", copies["gguf"], "--prompt", PROMPT, "-o", out).returncode == 0
-    # one gain moved by 1 %, far past bfloat16's half step (2**-8 relative)
-    changed = tmp_path / "changed"
-    shutil.copytree(copies["hf16"], changed)
-    sd = load_file(f"{changed}/model.safetensors")
-    sd["model.norm.weight"] = sd["model.norm.weight"].clone()
-    sd["model.norm.weight"][5] *= 1.01
-    save_file(sd, f"{changed}/model.safetensors", metadata={"format": "pt"})
-    r = run_parity("check", changed, "--activations", out)
-    assert r.returncode == 2 and "captured from another model" in r.stderr and "model.norm's weight differs" in r.stderr
+    f32 = _norms(copies["hf32"])["model.norm.weight"]
+    sd = load_file(f"{copies['hf16']}/model.safetensors")
+    b16 = sd["model.norm.weight"]
+    # one gain moved by one bfloat16 step, where the float32 value sat within a quarter step of it
+    step = 2.0 ** (torch.floor(torch.log2(b16.double().abs())) - 7)
+    k = int(torch.argmin((f32 - b16.double()).abs() / step))
+    assert float((f32[k] - b16.double()[k]).abs()) < float(step[k]) / 4
+    for name, moved in (("one_step", b16.double()[k] + step[k]), ("one_percent", b16.double()[k] * 1.01)):
+        changed = tmp_path / name
+        shutil.copytree(copies["hf16"], changed)
+        weights = dict(sd)
+        weights["model.norm.weight"] = b16.clone()
+        weights["model.norm.weight"][k] = moved.to(torch.bfloat16)
+        save_file(weights, f"{changed}/model.safetensors", metadata={"format": "pt"})
+        r = run_parity("check", changed, "--activations", out)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (name, r.stderr)
+        assert "captured from another model" in r.stderr and "model.norm's weight differs" in r.stderr
+        assert str(out) in r.stderr
     # another model altogether (another seed, the same names and shapes) is refused the same way
     r = run_parity("check", llama, "--activations", out)
     assert r.returncode == 2 and "captured from another model" in r.stderr and r.stderr.count("\n") == 1
 
 
-def test_a_gguf_parsed_once_gives_the_rows_transformers_alone_gives(copies, monkeypatch):
-    """One parse of the GGUF serves transformers' four loads (benchmarks/bench_capture_gguf.py: 2x
-    faster on a SmolLM2-135M shape): the same rows as when it parses the file for each, and
-    gguf-py's functions are its own again afterwards."""
+def test_the_summary_states_the_rows_the_file_holds(copies, tmp_path):
+    import json
+
+    cfg = json.loads((copies["hf32"] / "config.json").read_text())
+    layers = 2 * cfg["num_hidden_layers"] + 1  # input and post-attention norms per block, and the final norm
+    out = tmp_path / "few.safetensors"
+    r = run_parity("capture", copies["hf32"], "--prompt", "w1 w2 w3 w4 w5 w6 w7", "-o", out)  # 7 word tokens
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"{out}: {7 * layers} rows from 7 tokens, {layers} layers x 7 each "
+                                     "(at most 96 a layer)"]
+    assert _rows_in(out) == (7 * layers, layers)
+    # past the cap: 12 kept of 120 seen, fewer where a sampled row is also among the smallest or largest
+    out = tmp_path / "many.safetensors"
+    r = run_parity("capture", copies["hf32"], "--prompt", PROMPT, "--rows-per-layer", "12", "-o", out)
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as fh:
+        per = sorted(fh.get_slice(k).get_shape()[0] for k in fh.keys() if not k.startswith("norm:"))
+    each = f"{per[0]} each" if per[0] == per[-1] else f"{per[0]} to {per[-1]} each"
+    assert r.stdout.splitlines() == [f"{out}: {sum(per)} rows from 120 tokens, {layers} layers x {each} "
+                                     "(at most 12 a layer)"]
+    assert per[-1] <= 12 < sum(per)
+
+
+def test_third_party_progress_bars_and_warnings_stay_out(copies, monkeypatch, capfd, tmp_path):
+    """transformers' GGUF loader draws a tqdm bar ("Converting and de-quantizing GGUF tensors...")
+    and logs; neither reaches parity's output, by parity's own loader or by transformers' when it takes
+    the file, and transformers' settings are its own again afterwards."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    import parity_cli.probes.capture as c
+
+    gguf_path = copies["gguf"]
+    # the bar is real: transformers' loader alone draws it on this file
+    transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    alone = capfd.readouterr()
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    _, meta = c.capture(gguf_path, PROMPT, max_tokens=32)
+    quiet = capfd.readouterr()
+    assert meta["loaded"].startswith("read ")
+    monkeypatch.setattr(c, "_gguf_direct", lambda *a, **k: (_ for _ in ()).throw(c._Fallback("forced by the test")))
+    _, meta = c.capture(gguf_path, PROMPT, max_tokens=32)
+    whole = capfd.readouterr()
+    assert meta["loaded"] == "the whole model loaded by transformers' GGUF loader: forced by the test"
+    assert "de-quantizing" in alone.err or "%|" in alone.err  # what would leak
+    for seen in (quiet, whole):
+        text = seen.out + seen.err
+        assert "de-quantizing" not in text and "%|" not in text and "Loading weights" not in text, text
+        assert text == ""
+    assert (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()) == (bars, verbosity)
+    # and through a real process: stderr empty, stdout parity's two lines
+    monkeypatch.undo()
+    r = run_parity("capture", gguf_path, "--prompt", PROMPT, "-o", tmp_path / "p.safetensors",
+                   process=True)  # the process's own file descriptors, not a captured stream
+    assert r.returncode == 0 and r.stderr == "" and len(r.stdout.splitlines()) == 2, r.stdout + r.stderr
+
+
+def test_the_gguf_loaded_here_gives_the_rows_transformers_gives(copies, monkeypatch):
+    """parity's GGUF load (one parse, the tensors the forward needs, transformers' own name map and
+    tensor processors) runs the same model as transformers' from_pretrained(gguf_file=...): the same
+    rows, bit for bit; gguf-py's functions are its own again afterwards."""
     import gguf
     import torch
 
     import parity_cli.probes.capture as c
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    once, _ = c.capture(copies["gguf"], PROMPT, max_tokens=64)
+    here, meta = c.capture(copies["gguf"], PROMPT, max_tokens=64)
     assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is name_map
-    real = c._gguf_parsed_once
-    monkeypatch.setattr(c, "_gguf_parsed_once", lambda active: real(False))
-    each, _ = c.capture(copies["gguf"], PROMPT, max_tokens=64)
-    assert once.keys() == each.keys() and all(torch.equal(once[k], each[k]) for k in once)
+    names = [t.name for t in gguf.GGUFReader(str(copies["gguf"])).tensors]  # the file's tensors, by gguf-py
+    assert "output.weight" in names  # an untied head (LlamaConfig's default): the one tensor not needed
+    assert meta["loaded"] == (f"read {len(names) - 1} of {len(names)} tensors, all the forward needs up to the last "
+                              "norm layer; skipped output.weight (the output head is not run)")
+    monkeypatch.setattr(c, "_load_gguf", lambda model_dir, source, names: c._gguf_via_transformers(model_dir, source,
+                                                                                                     None))
+    theirs, meta = c.capture(copies["gguf"], PROMPT, max_tokens=64)
+    assert meta["loaded"] is None
+    assert here.keys() == theirs.keys() and all(torch.equal(here[k], theirs[k]) for k in here)
+
+
+def test_the_fast_reader_reads_the_fields_gguf_py_reads(copies):
+    import gguf
+    import numpy as np
+
+    from parity_cli.probes.capture import _fast_reader_class
+
+    theirs, mine = gguf.GGUFReader(str(copies["gguf"])), _fast_reader_class()(str(copies["gguf"]))
+    assert list(theirs.fields) == list(mine.fields) and len(theirs.fields["tokenizer.ggml.tokens"].data) == 100
+    for key, field in theirs.fields.items():
+        other = mine.fields[key]
+        assert field.types == other.types and field.contents() == other.contents(), key
+        assert all(np.array_equal(field.parts[i], other.parts[j]) for i, j in zip(field.data, other.data)), key
+    assert [(t.name, t.data_offset, t.n_bytes) for t in theirs.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in mine.tensors]
+
+
+def test_a_gguf_declaring_more_than_it_holds_is_refused(copies, tmp_path):
+    """Metadata that declares a model 64x wider than its tensors: refused in one line before the
+    model is allocated (the size is counted on the meta device)."""
+    liar = _write_gguf(copies["hf32"], tmp_path / "liar.gguf", embedding_length=4096)
+    r = run_parity("capture", liar, "--prompt", PROMPT, "-o", tmp_path / "a.safetensors")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "its metadata declares a LlamaForCausalLM of" in r.stderr and "its tensors hold" in r.stderr
+    assert not (tmp_path / "a.safetensors").exists()

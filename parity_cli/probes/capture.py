@@ -106,37 +106,90 @@ def _quiet():
             hf_logging.enable_progress_bar()
 
 
+def _fast_reader_class():
+    """gguf-py's GGUFReader, but an array in the metadata is read in one piece: the real one makes two
+    numpy memory-map views per item (a 49,152-token vocabulary, its merges and token types: 1.7 s of a
+    SmolLM2 capture). The fields are the same (tests/test_capture.py compares them); only little-endian
+    files and arrays of strings or numbers take this way, anything else is gguf-py's own."""
+    import struct
+
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    class FastReader(GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            itype, count, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+            flat = getattr(self, "_flat", None)
+            if flat is None:
+                flat = self._flat = self.data.view(np.ndarray)  # plain views: no memmap bookkeeping per item
+            end = flat.shape[0]
+            if itype == GGUFValueType.STRING:
+                parts, idxs = [raw_itype, alen], []
+                for _ in range(count):  # each declared length checked against the file before it is used
+                    if offs + 8 > end:
+                        raise ValueError(f"string array at {orig_offs} runs past the end of the file")
+                    (n,) = struct.unpack_from("<Q", flat, offs)
+                    if n > end - offs - 8:
+                        raise ValueError(f"string array at {orig_offs} declares a {n}-byte string")
+                    parts.append(flat[offs + 8:offs + 8 + n])
+                    idxs.append(len(parts) - 1)
+                    offs += 8 + n
+                return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, GGUFValueType.STRING]
+            np_type = self.gguf_scalar_to_np.get(GGUFValueType(itype))
+            if np_type is None:  # arrays of arrays
+                return super()._get_field_parts(orig_offs, raw_type)
+            size = np.dtype(np_type).itemsize * count
+            if size > end - offs:
+                raise ValueError(f"array at {orig_offs} declares {count} items past the end of the file")
+            items = flat[offs:offs + size].view(np_type).reshape(count, 1)
+            return 12 + size, [raw_itype, alen, *items], list(range(2, 2 + count)), \
+                [GGUFValueType.ARRAY, GGUFValueType(itype)]
+
+    return FastReader
+
+
 @contextlib.contextmanager
-def _gguf_parsed_once(active: bool):
-    """transformers parses a GGUF whole for its config, again for its tokenizer and twice for the
-    weights (3 s each with SmolLM2's 49,152-token vocabulary), and builds gguf-py's tensor name map
-    anew for each of the model's modules (400 times, 17 ms each): 25 s of a 16-token capture. Here
-    one parse (a read-only memory map) and one map serve every call; both are put back after."""
-    if not active:
-        yield
-        return
+def _gguf_served(source: Path, reader):
+    """transformers reads a GGUF whole for its config, again for its tokenizer and for the weights, and
+    builds gguf-py's tensor name map anew for each of the model's modules (400 times, 17 ms each). Here
+    `reader` (one parse, a read-only memory map) serves every GGUFReader(source) it makes and one map
+    each name-map call; both are gguf-py's own again after."""
     import functools
+    import os
 
     import gguf
 
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
+    here = os.path.realpath(source)
 
-    def reader(path, *args, **kwargs):
-        key = (str(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = real_reader(path, *args, **kwargs)
-        return readers[key]
+    def served(path, *args, **kwargs):
+        return reader if os.path.realpath(path) == here and not args and not kwargs else real_reader(path, *args, **kwargs)
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_map)
+    gguf.GGUFReader, gguf.get_tensor_name_map = served, functools.lru_cache(maxsize=None)(real_map)
     try:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
-def _load_model(model_dir, path: str, extra: dict, gguf: bool):
-    """(config, tokenizer, class, model) as transformers loads them, never remote code."""
+@dataclass
+class _Loaded:
+    config: object
+    tokenizer: object
+    cls: type
+    model: object  # what the hooks are put on
+    runner: object  # what runs: the model, or its base model where every norm is inside it (no output head)
+    note: str | None = None  # how a GGUF was loaded, for the summary
+
+
+class _Fallback(Exception):
+    """The GGUF is fine but this loader cannot place its tensors: transformers' own loader takes it."""
+
+
+def _config_and_tokenizer(model_dir, path: str, extra: dict):
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -146,15 +199,170 @@ def _load_model(model_dir, path: str, extra: dict, gguf: bool):
     except Exception as exc:
         raise InputError(f"{model_dir}: cannot load its config or bundled tokenizer: "
                          f"{' '.join(str(exc).split())[:200]}") from None
-    cls = _model_class(config, gguf)
+    return config, tokenizer
+
+
+def _from_pretrained(model_dir, cls, path: str, extra: dict):
     try:
         with _quiet():
-            model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=False, torch_dtype="auto",
-                                        **(extra or {"use_safetensors": True}))
+            return cls.from_pretrained(path, local_files_only=True, trust_remote_code=False, torch_dtype="auto",
+                                       **(extra or {"use_safetensors": True}))
     except Exception as exc:
         raise InputError(f"{model_dir}: transformers cannot load the model ({cls.__name__}): "
                          f"{' '.join(str(exc).split())[:200]}") from None
-    return config, tokenizer, cls, model
+
+
+def _load_hf(model_dir, source: Path) -> _Loaded:
+    """An HF directory, as transformers loads it, never remote code."""
+    config, tokenizer = _config_and_tokenizer(model_dir, str(source), {})
+    cls = _model_class(config)
+    model = _from_pretrained(model_dir, cls, str(source), {})
+    return _Loaded(config, tokenizer, cls, model, model)
+
+
+def _gguf_via_transformers(model_dir, source: Path, note: str | None, reader=None) -> _Loaded:
+    """transformers' own GGUF loader: the whole file dequantized into the model (with `reader`, one
+    parse serves its calls; without, transformers parses the file for each, as it does alone)."""
+    extra = {"gguf_file": source.name}
+    with _gguf_served(source, reader) if reader is not None else contextlib.nullcontext():
+        config, tokenizer = _config_and_tokenizer(model_dir, str(source.parent), extra)
+        cls = _model_class(config, gguf=True)
+        model = _from_pretrained(model_dir, cls, str(source.parent), extra)
+    return _Loaded(config, tokenizer, cls, model, model, note)
+
+
+def _read_gguf(model_dir, source: Path):
+    try:
+        return _fast_reader_class()(str(source))
+    except Exception as exc:
+        raise InputError(f"{model_dir}: gguf-py cannot read the file: {' '.join(str(exc).split())[:200]}") from None
+
+
+def _runner(model, names) -> object:
+    """The base model (no output head: a 49,152 x 576 matmul per token, and its weight, not needed)
+    where every norm parity checks is inside it; else the whole model."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return model
+    inside = {id(m) for m in base.modules()}
+    hooked = [m for qual, m in model.named_modules() if qual in names or f"model.{qual}" in names]
+    return base if hooked and all(id(m) in inside for m in hooked) else model
+
+
+def _load_gguf(model_dir, source: Path, names) -> _Loaded:
+    """A GGUF read here: one parse (gguf-py, memory-mapped), transformers' config and tokenizer from it,
+    the model built empty from the config, and only the tensors the forward up to the last norm needs
+    dequantized into it (gguf-py's dequantize, transformers' own name map and tensor processors, as its
+    loader does: the same values). Where this loader cannot place the tensors (an architecture whose
+    modules transformers names otherwise), transformers' loader takes the whole file, and the summary
+    says so."""
+    reader = _read_gguf(model_dir, source)
+    with _gguf_served(source, reader):
+        config, tokenizer = _config_and_tokenizer(model_dir, str(source.parent), {"gguf_file": source.name})
+        cls = _model_class(config, gguf=True)
+        try:
+            with _quiet():
+                model, runner, note = _gguf_direct(model_dir, source, reader, config, cls, names)
+            return _Loaded(config, tokenizer, cls, model, runner, note)
+        except _Fallback as why:
+            reason = str(why)
+    return _gguf_via_transformers(model_dir, source, f"the whole model loaded by transformers' GGUF loader: {reason}",
+                                  reader)
+
+
+def _gguf_direct(model_dir, source: Path, reader, config, cls, names):
+    """(model, runner, note); InputError for a file that declares more than it holds, _Fallback where
+    transformers' internals are not as this loader expects."""
+    import warnings
+
+    import numpy as np
+    import torch
+    from gguf import dequantize
+
+    try:
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            load_gguf_checkpoint,
+        )
+    except ImportError as exc:
+        raise _Fallback(f"this transformers has no {exc.name or 'GGUF helpers'}") from None
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            raise _Fallback("this transformers has no no_init_weights") from None
+
+    def build():
+        if hasattr(cls, "from_config"):  # an Auto class
+            return cls.from_config(config, trust_remote_code=False)
+        return cls._from_config(config)
+
+    # the model's size from the metadata, counted on the meta device before a byte is allocated: every
+    # parameter is filled from a tensor of the same size, so it cannot need more than the tensors hold
+    with torch.device("meta"):
+        shell = build()
+    declared = sum(p.numel() for p in shell.parameters())
+    held = sum(int(t.n_elements) for t in reader.tensors)
+    if declared > held:
+        raise InputError(f"{model_dir}: its metadata declares a {type(shell).__name__} "
+                         f"of {declared:,} parameters, its tensors hold {held:,} values; refused")
+    del shell
+    with no_init_weights():
+        model = build()
+    model = model.to(torch.float32).eval()  # what transformers' GGUF loader gives: dequantized to float32
+    runner = _runner(model, names)
+    parsed = load_gguf_checkpoint(str(source), return_tensors=False)  # the served reader: no second parse
+    parsed["tensors"] = {}
+    arch = str(reader.fields["general.architecture"].contents())
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    mapping = get_gguf_hf_weights_map(model, processor)
+    slots = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer, tied ones under each name
+    needed = {id(p) for p in runner.parameters()}
+    read, skipped, filled = 0, [], set()
+
+    def place(name, value):
+        slot = slots.get(name)
+        if slot is None:
+            raise _Fallback(f"GGUF tensor maps to {name}, which {type(model).__name__} does not have")
+        if tuple(value.shape) != tuple(slot.shape):
+            raise _Fallback(f"{name} is {list(value.shape)} in the file, {list(slot.shape)} in {type(model).__name__}")
+        with torch.no_grad():
+            slot.copy_(value)
+        filled.add(id(slot))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.from_numpy on the read-only memory map
+        for tensor in reader.tensors:
+            target = mapping.get(tensor.name)
+            if target is not None and target in slots and id(slots[target]) not in needed:
+                skipped.append(tensor.name)  # the output head of an untied model: never run
+                continue
+            if int(tensor.data.nbytes) != int(tensor.n_bytes):
+                raise InputError(f"{model_dir}: tensor {tensor.name} holds {tensor.data.nbytes} bytes of the "
+                                 f"{tensor.n_bytes} it declares; refused")
+            try:
+                weights = dequantize(tensor.data, tensor.tensor_type)
+                result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=mapping,
+                                           parsed_parameters=parsed)
+            except NotImplementedError as exc:
+                raise InputError(f"{model_dir}: tensor {tensor.name}: {exc}") from None
+            read += 1
+            if result.name is None or result.name not in mapping:
+                continue  # taken by the processor (into parsed["tensors"]) or not the model's
+            place(mapping[result.name], torch.from_numpy(np.asarray(result.weights)))
+        for name, value in parsed["tensors"].items():  # a processor's merged tensors (MoE experts)
+            place(name, value)
+    missing = [n for n, p in runner.named_parameters() if id(p) not in filled]
+    if missing:
+        raise _Fallback(f"no GGUF tensor for {len(missing)} of {type(model).__name__}'s parameters "
+                        f"(e.g. {missing[0]}) under gguf-py's names")
+    note = f"read {read} of {len(reader.tensors)} tensors, all the forward needs up to the last norm layer" + (
+        f"; skipped {', '.join(skipped)} (the output head is not run)" if skipped else "")
+    return model, runner, note
 
 
 def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 96, device: str = "cpu",
@@ -182,12 +390,12 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     from parity_cli.sources.gguf import is_gguf
 
     source = Path(model_dir)
-    gguf = source.is_file() and is_gguf(source)
-    path = str(source.parent if gguf else source)
-    extra = {"gguf_file": source.name} if gguf else {}  # transformers dequantizes it (needs gguf, accelerate)
-    with _gguf_parsed_once(gguf):
-        config, tokenizer, cls, model = _load_model(model_dir, path, extra, gguf)
-    model = model.to(check_device(device)).eval()
+    if source.is_file() and is_gguf(source):  # transformers' config, tokenizer and classes (needs gguf)
+        loaded = _load_gguf(model_dir, source, names)
+    else:
+        loaded = _load_hf(model_dir, source)
+    config, tokenizer, cls = loaded.config, loaded.tokenizer, loaded.cls
+    model = loaded.model.to(check_device(device)).eval()
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=True)["input_ids"][0][:max_tokens]
     if ids.numel() == 0:
         raise InputError("the text has no tokens")
@@ -216,7 +424,7 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     try:
         with torch.no_grad():
             for start in range(0, ids.numel(), chunk):
-                model(input_ids=ids[start:start + chunk].unsqueeze(0).to(model.device))
+                loaded.runner(input_ids=ids[start:start + chunk].unsqueeze(0).to(model.device))
     finally:
         for h in hooks:
             h.remove()
@@ -228,7 +436,8 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     for layer in layers:  # the norms themselves: a copy in another format is the same model within rounding
         for part, t in (("weight", layer.weight), ("bias", layer.bias)):
             if t is not None:
-                tensors[f"{NORM_PREFIX}{part}:{layer.name}"] = t.detach().to("cpu", torch.float32).contiguous()
+                keep = torch.float64 if t.dtype == torch.float64 else torch.float32  # exact either way
+                tensors[f"{NORM_PREFIX}{part}:{layer.name}"] = t.detach().to("cpu", keep).contiguous()
     meta = {
         "fingerprint": fingerprint(layers)["sha256"],
         "checkpoint": str(model_dir),
@@ -239,11 +448,27 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         "seed": seed,
         "device": str(device),
         "not_seen": missing,
+        "loaded": loaded.note,
         "rows": int(sum(t.shape[0] for name, t in tensors.items() if not name.startswith(NORM_PREFIX))),
         "norms": {layer.name: {"dtype": str(layer.weight.dtype).removeprefix("torch."),
-                               "shape": list(layer.weight.shape)} for layer in layers if layer.weight is not None},
+                               "shape": list(layer.weight.shape), "gain_offset": layer.gain_offset}
+                  for layer in layers if layer.weight is not None},
     }
     return tensors, meta
+
+
+def summary(out, tensors: dict, meta: dict) -> list[str]:
+    """What `parity capture` prints: how a GGUF was loaded, then the rows the file holds, counted from
+    its tensors (all layers alike: that figure per layer; else the range), against the cap."""
+    per = sorted(t.shape[0] for name, t in tensors.items() if not name.startswith(NORM_PREFIX))
+    rows, cap = sum(per), meta["rows_per_layer"]
+    each = f"{per[0]:,} each" if per[0] == per[-1] else f"{per[0]:,} to {per[-1]:,} each"
+    lines = [f"{meta['checkpoint']}: {meta['loaded']}"] if meta.get("loaded") else []
+    line = (f"{out}: {rows:,} rows from {meta['tokens']:,} tokens, {len(per)} layers x {each} "
+            f"(at most {cap:,} a layer)")
+    if meta.get("not_seen"):
+        line += f"; not reached: {', '.join(meta['not_seen'])}"
+    return lines + [line]
 
 
 def write(tensors: dict, meta: dict, out) -> None:
@@ -272,8 +497,9 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
                 raise InputError(f"{path}: not a parity capture (no parity metadata)")
             if meta["fingerprint"] == fingerprint(all_layers)["sha256"]:
                 meta["match"] = "exact: the same norm tensors"
+                meta["norms_match"] = {"kind": "exact", "max_abs_diff": 0.0}
             else:
-                meta["match"] = _same_norms(fh, meta, all_layers, path)
+                meta["match"], meta["norms_match"] = _same_norms(fh, meta, all_layers, path)
             rows = {}
             by_name = {layer.name: layer for layer in layers}
             for name in fh.keys():
@@ -298,13 +524,34 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
     return rows, meta
 
 
-_MANTISSA = {"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7}
+_STORAGE = ("float64", "float32", "float16", "bfloat16")  # the dtypes a norm is compared as stored
 
 
-def _same_norms(fh, meta: dict, layers, path) -> str:
+def _half_step(values, dtype_name: str):
+    """Half the spacing of `dtype_name`'s values at each of `values` (float64): 2^(e - p - 1) for
+    |v| in [2^e, 2^(e+1)), p the dtype's mantissa bits; constant below the smallest normal number."""
+    import torch
+
+    info = torch.finfo(getattr(torch, dtype_name))
+    _, exp = torch.frexp(values.abs())  # |v| = m * 2^exp, m in [0.5, 1): the binade is 2^(exp - 1)
+    binade = torch.where(values == 0, torch.zeros_like(values), torch.ldexp(torch.ones_like(values), exp - 1))
+    return binade.clamp_min(info.tiny) * info.eps / 2
+
+
+def rounding_bound(a, a_dtype: str, b, b_dtype: str):
+    """How far apart two stored copies of one gain can be, element by element: each copy is the gain
+    (less its own stored offset) rounded to nearest in its own dtype, and a round to nearest moves a
+    value by at most half a step of that dtype at the rounded result (the step at the true value is
+    never larger). So |a - b| <= half_step(a) + half_step(b); for float32 against bfloat16 at |a| in
+    [1, 2): 2^-24 + 2^-8. The same dtype and offset: both are one rounding of one value, bound 0."""
+    return _half_step(a, a_dtype) + _half_step(b, b_dtype)
+
+
+def _same_norms(fh, meta: dict, layers, path) -> tuple[str, dict]:
     """Another copy of the capture's model (a GGUF's float32 norms against the HF copy's bfloat16
-    ones): the same layer names and shapes, and every stored value equal once both are rounded to
-    the coarser of the two storage dtypes. Anything else is another model: refused in one line."""
+    ones, Gemma's 1 + w baked in by llama.cpp against the HF w): the same layer names and shapes, and
+    every effective gain (stored + offset) within rounding_bound of the other. Anything else is
+    another model: refused in one line. (the match line, its numbers for the report)"""
     import torch
 
     def other(why: str) -> InputError:
@@ -319,29 +566,53 @@ def _same_norms(fh, meta: dict, layers, path) -> str:
         only = sorted(set(stored) ^ set(here))
         raise other(f"{len(only)} norm layer(s) in one and not the other, e.g. {only[0]}")
     keys = set(fh.keys())
-    worst, coarsest = 0.0, "float64"
-    for name, layer in here.items():
+    worst, worst_ratio, dtypes = 0.0, 0.0, set()
+    for name, layer in sorted(here.items()):
         info = stored[name]
         mine = str(layer.weight.dtype).removeprefix("torch.")
         theirs = info.get("dtype") if isinstance(info, dict) else None
-        if theirs not in _MANTISSA or mine not in _MANTISSA or info.get("shape") != list(layer.weight.shape):
+        if theirs not in _STORAGE or mine not in _STORAGE or info.get("shape") != list(layer.weight.shape):
             raise other(f"{name} is {info} there, {mine} {list(layer.weight.shape)} here")
-        coarse = min((mine, theirs), key=_MANTISSA.get)
-        coarsest = min((coarsest, coarse), key=_MANTISSA.get)
+        offset = info.get("gain_offset", layer.gain_offset)  # a capture made before offsets were recorded
+        if not isinstance(offset, (int, float)) or isinstance(offset, bool):
+            raise other(f"{name}'s recorded gain offset is {offset!r}")
+        dtypes.update((mine, theirs))
         for part, t in (("weight", layer.weight), ("bias", layer.bias)):
             key = f"{NORM_PREFIX}{part}:{name}"
             if t is None:
                 continue
             if key not in keys or list(fh.get_slice(key).get_shape()) != list(t.shape):
                 raise other(f"{name}'s {part} is not in the capture as this checkpoint has it")
-            a, b = fh.get_tensor(key).to(torch.float64), t.detach().cpu().to(torch.float64)
-            dt = getattr(torch, coarse)
-            if not torch.equal(a.to(dt), b.to(dt)):
-                diff = float((a - b).abs().max())
-                raise other(f"{name}'s {part} differs by up to {diff:.3g}, more than {coarse} rounding")
-            worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
-    return (f"the same norm layers, names and shapes, values equal within {coarsest} rounding "
-            f"(largest difference {worst:.3g})")
+            a = fh.get_tensor(key).to(torch.float64)  # the capture's stored values, kept as float32 (exact)
+            b = t.detach().cpu().to(torch.float64)
+            shift = float(offset) - layer.gain_offset if part == "weight" else 0.0
+            # one value rounded once the same way: equal, or not the same model
+            bound = torch.zeros_like(a) if shift == 0 and mine == theirs else rounding_bound(a, theirs, b, mine)
+            a = a + shift  # the two effective gains (stored + offset), compared on this checkpoint's scale
+            finite = torch.isfinite(a) & torch.isfinite(b)
+            a_odd, b_odd = a[~finite], b[~finite]
+            if not bool(((a_odd == b_odd) | (a_odd.isnan() & b_odd.isnan())).all()):
+                raise other(f"{name}'s {part} has non-finite values that differ")
+            diff, bound = (a - b).abs()[finite], bound[finite]
+            over = diff > bound
+            if bool(over.any()):
+                k = int(torch.argmax(torch.where(over, diff - bound, torch.full_like(diff, -1.0))))
+                raise other(f"{name}'s {part} differs by up to {float(diff.max()):.3g}, more than {theirs} and "
+                            f"{mine} rounding allow ({float(diff[k]):.3g} where {float(bound[k]):.3g} is allowed)")
+            if diff.numel() and bool((diff > 0).any()):
+                worst = max(worst, float(diff.max()))
+                worst_ratio = max(worst_ratio, float((diff[diff > 0] / bound[diff > 0]).max()))
+    coarsest = max(dtypes, key=lambda d: torch.finfo(getattr(torch, d)).eps)
+    if worst == 0:
+        kind = "equal_values"
+        line = f"equal values: the same norm layers, stored as {' and '.join(sorted(dtypes))}"
+    else:
+        kind = "within_rounding"
+        line = (f"within {coarsest} rounding: the same norm layers, names and shapes; largest difference "
+                f"{worst:.3g} ({worst_ratio:.2f} of the rounding bound)")
+    return line, {"kind": kind, "dtypes": sorted(dtypes), "coarsest": coarsest, "max_abs_diff": worst,
+                  "max_diff_over_bound": worst_ratio,
+                  "bound": "per element, half a step of each copy's storage dtype at its stored value, summed"}
 
 
 def q_summary(rows, eps: float, kind: str) -> dict:
