@@ -121,6 +121,8 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         })
         if layer.kind == "batch_norm":  # its q/eps is running_var / eps, read off the checkpoint
             layers[-1]["statistics"] = running_summary(layer, layer.eps.value)
+        if layer.kind in ("group_norm", "gated_rms_norm"):  # what a port gets wrong with the eps
+            layers[-1]["groups"] = layer.groups
     # one line per kind of condition, with how many layers and which: a healthy 109-layer model
     # must not print 77 lines about it
     from parity_cli.report.grouping import layer_count, name_pattern
@@ -149,7 +151,8 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         "schema_version": 1,
         "tool": {"name": "parity-cli", "version": __version__},
         "checkpoint": {"path": str(ckpt.path), "format": ckpt.format, "family": fam.name,
-                       "family_from": family_choice(family, fam, ckpt.model_type, ckpt.format),
+                       "family_from": family_choice(family, fam, ckpt.model_type, ckpt.format,
+                                             getattr(ckpt, "architecture", None)),
                        "model_type": ckpt.model_type, "files": [f.name for f in ckpt.files],
                        "unmatched": found.unmatched},
         "eps": _eps_dict(resolved),
@@ -512,7 +515,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             "family": fam.name,
             "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
             "family_forced": bool(opts.family),
-            "family_from": family_choice(opts.family, fam, ckpt.model_type, ckpt.format),
+            "family_from": family_choice(opts.family, fam, ckpt.model_type, ckpt.format,
+                                             getattr(ckpt, "architecture", None)),
             "model_type": ckpt.model_type,
             "files": [f.name for f in ckpt.files],
             "unmatched": found.unmatched,

@@ -119,6 +119,9 @@ def test_the_preflight_takes_model_types_and_refuses_the_rest(bert):
 def test_family_choice_phrases():
     layer_norm = families.family_by_name("layer_norm")
     assert families.family_choice(None, layer_norm, "gpt2", "gguf") == "model_type 'gpt2' in the GGUF metadata"
+    assert families.family_choice(None, layer_norm, "gpt2", "gguf", "gpt2") == "model_type 'gpt2' in the GGUF metadata"
+    assert families.family_choice(None, layer_norm, "granitemoehybrid", "gguf", "granitehybrid") == (
+        "GGUF architecture 'granitehybrid', read as model_type 'granitemoehybrid'")
     assert families.family_choice("gpt2", layer_norm, "llama") == "--family gpt2: a model type of layer_norm"
     # `llama` is both a family and a type it lists: named as the family
     assert families.family_choice("llama", families.family_by_name("llama"), "qwen2") == "--family llama"

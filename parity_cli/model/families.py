@@ -339,7 +339,8 @@ def family_by_name(name: str) -> Family:
     return family
 
 
-def family_choice(given: str | None, family: Family, model_type=None, fmt: str | None = None) -> str:
+def family_choice(given: str | None, family: Family, model_type=None, fmt: str | None = None,
+                  architecture: str | None = None) -> str:
     """How the family was chosen, one phrase for the report's checkpoint.family_from and the
     header: `--family layer_norm`, `--family bert: a model type of layer_norm`, `--family albert:
     a model type, its derived family`, or from the checkpoint: `model_type 'bert' in config.json`
@@ -354,6 +355,8 @@ def family_choice(given: str | None, family: Family, model_type=None, fmt: str |
         return f"--family {given}: a model type of {family.name}"
     where = "the GGUF metadata" if fmt == "gguf" else "config.json"
     live = "" if family.source.endswith(".toml") else "; no family file claims it, derived from its transformers classes"
+    if fmt == "gguf" and architecture and architecture != model_type:  # llama.cpp's own name for the model
+        return f"GGUF architecture '{architecture}', read as model_type '{model_type}'{live}"
     return f"model_type '{model_type}' in {where}{live}"
 
 

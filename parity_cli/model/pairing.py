@@ -37,7 +37,8 @@ def eps_equal(a: float, b: float) -> bool:
         return a == b
 
 
-def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked: bool) -> dict | None:
+def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked: bool,
+                  family_offset: float = 1.0) -> dict | None:
     """Per channel |cand - ref|: exact agreement is expected, except the float32 rounding of
     offset + w when the copy stores the gain with the offset baked in (llama.cpp's Gemma)."""
     import torch
@@ -71,8 +72,12 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked:
     shift = round(mean) if math.isfinite(mean) else 0  # a NaN gain has no shift to name
     if count == ref64.numel() and shift and bool(((delta - shift).abs() < 1e-2).all()):
         finding["uniform_shift"] = float(shift)
-        finding["message"] += (f"; every channel is shifted by {shift:+g}: a gain offset (1 + w) "
-                               + ("applied twice" if shift > 0 else "missing") + " in the conversion")
+        if family_offset == 0 and shift > 0:  # a gain that is w, given a converter's + 1 (as for its 1 + w neighbours)
+            finding["message"] += (f"; every channel is shifted by {shift:+g}: an offset added in the conversion to a "
+                                   "gain that is w (this norm has no 1 + w)")
+        else:
+            finding["message"] += (f"; every channel is shifted by {shift:+g}: a gain offset (1 + w) "
+                                   + ("applied twice" if shift > 0 else "missing") + " in the conversion")
     elif bool((cand64[bad] == _rounded(ref64, cand_dtype)[bad]).all()):
         # every differing channel is the reference rounded to the copy's dtype, and nothing else
         finding["precision_loss"] = True
@@ -224,7 +229,8 @@ def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str)
         ref_gain = layer.gain_offset + layer.weight.double()
         cand_gain = other.gain_offset + other.weight.double()
         gain = _gain_finding("checkpoint_weight_mismatch", "effective gain", ref_gain, cand_gain,
-                             layer.weight.dtype, other.weight.dtype, baked=layer.gain_offset != other.gain_offset)
+                             layer.weight.dtype, other.weight.dtype, baked=layer.gain_offset != other.gain_offset,
+                             family_offset=layer.gain_offset if layer.semantic_offset is None else layer.semantic_offset)
         if gain and gain["code"] == "checkpoint_shape_mismatch":  # nothing to probe: it would only raise
             del out.candidate_layers[layer.name]
         if gain:
@@ -241,6 +247,11 @@ def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str)
         if layer.name in order:
             findings.append(order[layer.name])
         findings += getattr(other, "graph_findings", [])  # what the copy's graph itself computes (onnx_checkpoint)
+        if layer.kind in ("group_norm", "gated_rms_norm") and other.kind == layer.kind and other.groups != layer.groups:
+            findings.append({"code": "group_count_mismatch", "groups": other.groups, "checkpoint_groups": layer.groups,
+                             "message": f"the candidate checkpoint normalises {other.groups} group(s) of "
+                                        f"{other.dim // max(other.groups, 1)} channels; the reference {layer.groups} "
+                                        f"of {layer.dim // max(layer.groups, 1)}"})
         if (layer.bias is None) != (other.bias is None):
             findings.append({"code": "checkpoint_bias_mismatch",
                              "message": "bias only in the " + ("reference" if other.bias is None else "candidate")})

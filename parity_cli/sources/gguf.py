@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 from parity_cli.errors import InputError
@@ -73,6 +74,11 @@ class GGUFCheckpoint:
     # an mmproj's one eps per tower (tower -> Eps): what llama.cpp's clip code uses for each of that
     # tower's norms, whatever eps the model's classes fix (Qwen2.5-VL's vision norms: 1e-6 in code)
     tower_eps: dict = field(default_factory=dict, repr=False)
+    # HF-style name -> the (rows, columns) a gain is stored as where the converter reshaped it (a
+    # Mamba2 gated norm's (n_group, d_inner / n_group)); read flat, as the transformers checkpoint holds it
+    _reshaped: dict = field(default_factory=dict, repr=False)
+    # configs/gguf.toml lists the architecture's converter as storing a 1 + w gain as the sum
+    offset_baked: bool = False
 
     @property
     def model_type(self) -> str | None:
@@ -87,6 +93,9 @@ class GGUFCheckpoint:
     def info(self, name: str) -> TensorInfo:
         t = self._tensors[name]
         dtype = READABLE.get(t.type_name, t.type_name)
+        if name in self._reshaped:
+            rows, cols = self._reshaped[name]
+            return TensorInfo(name=name, file=self.path, dtype=dtype, shape=(rows * cols,))
         # ggml lists dimensions fastest-first; torch (and HF) slowest-first
         return TensorInfo(name=name, file=self.path, dtype=dtype, shape=tuple(int(d) for d in reversed(t.shape)))
 
@@ -102,12 +111,22 @@ class GGUFCheckpoint:
             raise InputError(f"{self.path}: norm tensor {self.gguf_names.get(name, name)} declares {t.numel} elements; "
                              f"no norm has more than {MAX_NORM_ELEMENTS}; refused")
         check_extent(self._reader, [t] + [o for o in self._tensors.values() if o is not t and o.type_name in READABLE])
-        return read_tensor(self._reader, t)
+        value = read_tensor(self._reader, t)
+        return value.reshape(-1) if name in self._reshaped else value
 
     def config_value(self, key: str):
         if key in self.config:
             return self.config[key], self._sources.get(key, key)
         return None, None
+
+
+@cache
+def conventions() -> dict:
+    """configs/gguf.toml: what llama.cpp's converter writes differently for architectures only a
+    derived family knows (their names, a baked-in 1 + w, a gated norm's stored shape)."""
+    from parity_cli.resources import configs_dir, load_toml
+
+    return load_toml(configs_dir() / "gguf.toml")
 
 
 MMPROJ = "clip"  # general.architecture of llama.cpp's multimodal projector files (mmproj-*.gguf)
@@ -138,16 +157,21 @@ def open_gguf(path: Path, families: dict, derived=None, model=None) -> GGUFCheck
         if arch in fam.gguf_architectures:
             family, model_type = fam, fam.gguf_architectures[arch]
             break
+    rules = conventions()
+    baked = tuple(rules.get("offset_baked", {}).get("architectures", ()))
     if family is None and derived is not None:
-        family = derived(arch)
-        if family is not None:
-            model_type = arch
-            if family.gain_offset or any(p.semantics.gain_offset for p in family.norms):
-                # llama.cpp's converter bakes the +1 into the gemma family's weights; for another
-                # architecture with a 1 + w gain nothing records whether it did
-                raise InputError(f"{path}: GGUF architecture '{arch}' has a family derived from transformers with a "
-                                 "1 + w gain, and whether its converter stored w or 1 + w is not known; force a "
-                                 "family with --family")
+        named = rules.get("architectures", {}).get(arch, arch)
+        types = [named] if isinstance(named, str) else list(named)  # one architecture, several model types
+        # a copy checked against a model of one of them reads as that model (Bamba's GGUF beside Bamba)
+        model_type = model[1] if model is not None and model[1] in types else types[0]
+        family = derived(model_type)
+        offset = family is not None and (family.gain_offset or any(p.semantics.gain_offset for p in family.norms))
+        if offset and arch not in baked:
+            # for an architecture configs/gguf.toml does not list, nothing records whether the
+            # converter stored w or 1 + w
+            raise InputError(f"{path}: GGUF architecture '{arch}' has a family derived from transformers with a "
+                             "1 + w gain, and whether its converter stored w or 1 + w is not known; force a "
+                             "family with --family")
     if family is None:
         known = sorted(a for f in families.values() for a in f.gguf_architectures)
         raise InputError(f"{path}: GGUF architecture '{arch}' is not a known family; known: {', '.join(known)}")
@@ -181,8 +205,47 @@ def open_gguf(path: Path, families: dict, derived=None, model=None) -> GGUFCheck
             break
 
     tensors, gguf_names = _hf_names(path, reader, arch, family)
+    reshaped = _gated_groups(path, reader, arch, family, tensors, gguf_names, config, sources,
+                             rules.get("gated_norm", {}).get("group_count"))
     return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=arch,
-                          _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names)
+                          _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names,
+                          _reshaped=reshaped, offset_baked=arch in baked)
+
+
+def _gated_groups(path, reader, arch: str, family, tensors: dict, gguf_names: dict, config: dict, sources: dict,
+                  count_key: str | None) -> dict:
+    """A gated norm's group count from the metadata (`{arch}.ssm.group_count`) under the config key
+    the family's pattern names, and its gain read flat where the converter stored it as
+    (n_group, d_inner / n_group); a file whose stored rows and group count disagree is refused.
+    Returns {HF name: (rows, columns)} of the reshaped gains."""
+    gated = {}
+    for name, t in tensors.items():
+        base = name.removesuffix(".weight")
+        pattern = family.match(base) if name.endswith(".weight") else None
+        if pattern is not None and pattern.semantics.kind == "gated_rms_norm":
+            gated[name] = (pattern.semantics.groups, t)
+    if not gated:
+        return {}
+    key = count_key.format(arch=arch) if count_key else None
+    count = _number(reader, key, path) if key else None
+    if count is not None and (isinstance(count, bool) or count != int(count) or count < 1):
+        raise InputError(f"{path}: GGUF metadata {key} must be a positive integer, got {count!r}")
+    reshaped = {}
+    for name, (groups, t) in sorted(gated.items()):
+        stored = gguf_names.get(name.removesuffix(".weight"), name)
+        if isinstance(groups, str) and count is not None:
+            config[groups] = int(count)
+            sources[groups] = f"gguf:{key}"
+        if len(t.shape) != 2:
+            continue
+        cols, rows = (int(d) for d in t.shape)  # ggml's order: fastest first
+        want = int(groups) if not isinstance(groups, str) else config.get(groups)
+        if want is not None and rows != want:
+            where = f"metadata {key}" if isinstance(groups, str) else f"the {family.name} family"
+            raise InputError(f"{path}: gated norm tensor {stored} is stored as {rows} x {cols}, for {rows} groups, "
+                             f"where {where} says {want}; refused")
+        reshaped[name] = (rows, cols)
+    return reshaped
 
 
 def _hf_names(path: Path, reader, arch: str, family) -> tuple[dict, dict]:

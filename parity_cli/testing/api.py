@@ -472,7 +472,8 @@ def _layer_from_checkpoint(candidate, checkpoint, name, family, eps, dtype, hidd
     described = {"path": recorded_path(ckpt.path), "format": ckpt.format, "family": fam.name,
                  "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
                  "family_forced": fam_name is not None,
-                 "family_from": family_choice(fam_name, fam, ckpt.model_type, ckpt.format),
+                 "family_from": family_choice(fam_name, fam, ckpt.model_type, ckpt.format,
+                                             getattr(ckpt, "architecture", None)),
                  "model_type": ckpt.model_type, "files": [f.name for f in ckpt.files], "unmatched": []}
     return _Setup(layer=layer, family=fam, dtype=dt, strata=[], module=module, weight_source="checkpoint",
                   checkpoint=described)
