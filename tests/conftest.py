@@ -35,6 +35,24 @@ def _restore_sys_path():
     sys.path[:] = saved
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Factory: the tiny random-weight checkpoint of a transformers model type, written once per
+    session by the type's own classes (model.derive.write_tiny_checkpoint; needs transformers)."""
+    made = {}
+
+    def get(model_type):
+        if model_type not in made:
+            from parity_cli.model.derive import write_tiny_checkpoint
+
+            path = tmp_path_factory.mktemp(model_type)
+            write_tiny_checkpoint(model_type, path)
+            made[model_type] = path
+        return made[model_type]
+
+    return get
+
+
 @pytest.fixture
 def ckpt(tmp_path):
     """Factory: a synthetic HF checkpoint directory with the family's real tensor names."""

@@ -70,22 +70,6 @@ def convert(hf, out, *, bake=True, bake_gated=False, rows=None, group_count=None
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from parity_cli.model.derive import write_tiny_checkpoint
-
-    made = {}
-
-    def get(model_type):
-        if model_type not in made:
-            path = tmp_path_factory.mktemp(model_type)
-            write_tiny_checkpoint(model_type, path)
-            made[model_type] = path
-        return made[model_type]
-
-    return get
-
-
 def _layers(report):
     return {layer.name: layer for layer in report.layers}
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers", reason="needs transformers")
 from parity_cli import api  # noqa: E402
 from parity_cli.backends.implementations import BUILTINS  # noqa: E402
 from parity_cli.errors import InputError  # noqa: E402
-from parity_cli.model.derive import classify, derive, write_tiny_checkpoint  # noqa: E402
+from parity_cli.model.derive import classify, derive  # noqa: E402
 from parity_cli.model.layers import NormLayer, discover_layers  # noqa: E402
 from parity_cli.model.load import load  # noqa: E402
 from parity_cli.probes.strata import (  # noqa: E402
@@ -188,21 +188,6 @@ def _sam3_pixel_decoder(path):
 
 
 # --- checkpoints, one per model type --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """Factory: the tiny random-weight checkpoint of a model type, written once by its own classes."""
-    made = {}
-
-    def get(model_type):
-        if model_type not in made:
-            path = tmp_path_factory.mktemp(model_type)
-            write_tiny_checkpoint(model_type, path)
-            made[model_type] = path
-        return made[model_type]
-
-    return get
 
 
 @pytest.fixture(scope="module")
