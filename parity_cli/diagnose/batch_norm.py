@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import math
 
-from parity_cli.diagnose.causes import Diagnosis
+from parity_cli.diagnose.causes import Diagnosis, compared_strata, median, opening
 
 # eps values conversions actually carry, tried before a raw estimate (which rounding leaves fuzzy)
 COMMON_EPS = (1e-3, 1e-5, 1e-6, 1e-4, 1e-12, 1e-8, 1.001e-5, 0.001)
-
-
-def _compared(strata):
-    return [s for s in strata if s.error is None and s.x is not None and s.cand is not None]
 
 
 def _reproduces(strata, variant, tol, gain, bias, slack) -> bool:
@@ -67,10 +63,7 @@ def estimate_eps(strata, mean, var, gain, bias) -> float | None:
                 estimates.extend((r[ok] ** 2 - var[c]).tolist())
         if estimates:
             break
-    if not estimates:
-        return None
-    estimates.sort()
-    return float(estimates[len(estimates) // 2])
+    return median(estimates)
 
 
 def diagnose_batch_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact: bool = False) -> list[Diagnosis]:
@@ -78,18 +71,13 @@ def diagnose_batch_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
 
     from parity_cli.backends.implementations import batch_normalize
     from parity_cli.comparison import fold_rounding_allowance
-    from parity_cli.diagnose.causes import bitwise_diagnosis
 
+    done, compared = opening(strata, dtype, exact)
+    if done is not None:
+        return done
     failing = [s for s in strata if s.status != "pass"]
-    if not failing:
-        return []
-    if exact:
-        return bitwise_diagnosis(strata, dtype)
     mean = layer.running_mean.to(torch.float64)
     var = layer.running_var.to(torch.float64)
-    compared = _compared(strata)
-    if not compared:
-        return []  # every stratum errored: the errors are the finding
 
     def slack(x):
         return fold_rounding_allowance(x, mean, var, gain, bias, eps, dtype)
@@ -135,7 +123,7 @@ def diagnose_batch_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
             found.append(Diagnosis(code, message, dict(evidence)))
             break
     if not found:
-        estimate = estimate_eps(_compared(failing) or compared, mean, var, gain, bias)
+        estimate = estimate_eps(compared_strata(failing) or compared, mean, var, gain, bias)
         tried = [v for v in COMMON_EPS if v != eps]
         if estimate is not None and math.isfinite(estimate) and estimate >= 0:
             tried.sort(key=lambda v: abs(math.log((v + 1e-300) / (estimate + 1e-300))))

@@ -341,6 +341,28 @@ def diagnose_grad(layer: NormLayer, grads: list[StratumResult], gain=None, eps: 
                        "max_abs_err": {g.name: g.max_abs_err for g in bad}})]
 
 
+def compared_strata(strata: list[StratumResult]) -> list[StratumResult]:
+    """The strata whose candidate output exists to be reproduced (not errored, not skipped)."""
+    return [s for s in strata if s.error is None and s.x is not None and s.cand is not None]
+
+
+def opening(strata: list[StratumResult], dtype, exact: bool) -> tuple[list[Diagnosis] | None, list[StratumResult]]:
+    """What every kind's diagnosis starts with: nothing to say where no stratum failed, the
+    bitwise account under --exact, nothing where no stratum was compared (the errors are the
+    finding). (the diagnoses to return now, or None; the compared strata)."""
+    if all(s.status == "pass" for s in strata):
+        return [], []
+    if exact:
+        return bitwise_diagnosis(strata, dtype), []
+    compared = compared_strata(strata)
+    return (None if compared else []), compared
+
+
+def median(values: list[float]) -> float | None:
+    """The upper median (an estimate every kind reads off many rows; None where there are none)."""
+    return sorted(values)[len(values) // 2] if values else None
+
+
 def bitwise_diagnosis(strata: list[StratumResult], dtype, layer: NormLayer | None = None, gain=None,
                       tol: Tolerance | None = None, bias=None) -> list[Diagnosis]:
     """--exact: report how far from bitwise the candidate is, in ulps of its dtype, and whether it

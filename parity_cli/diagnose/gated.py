@@ -10,7 +10,7 @@ transcription reproduces every compared element within the tolerance."""
 from __future__ import annotations
 
 from parity_cli.diagnose.batch_norm import COMMON_EPS
-from parity_cli.diagnose.causes import Diagnosis
+from parity_cli.diagnose.causes import Diagnosis, opening
 
 
 def _reproduces(strata, variant, tol, dtype) -> bool:
@@ -31,16 +31,11 @@ def _reproduces(strata, variant, tol, dtype) -> bool:
 
 def diagnose_gated(layer, strata, gain, eps: float, tol, dtype, exact: bool = False) -> list[Diagnosis]:
     from parity_cli.backends.implementations import gated_normalize, oracle_normalize, split_gate
-    from parity_cli.diagnose.causes import bitwise_diagnosis
 
+    done, compared = opening(strata, dtype, exact)
+    if done is not None:
+        return done
     failing = [s for s in strata if s.status != "pass"]
-    if not failing:
-        return []
-    if exact:
-        return bitwise_diagnosis(strata, dtype)
-    compared = [s for s in strata if s.error is None and s.x is not None and s.cand is not None]
-    if not compared:
-        return []
 
     def variant(gate=None, groups=None, activation=None, value=eps):
         def run(x2):

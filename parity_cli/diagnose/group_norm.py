@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from parity_cli.diagnose.batch_norm import COMMON_EPS
-from parity_cli.diagnose.causes import Diagnosis
+from parity_cli.diagnose.causes import Diagnosis, median, opening
 
 
 def _reproduces(strata, variant, tol, gain, bias, slack) -> bool:
@@ -53,25 +53,17 @@ def _estimate_eps(strata, groups: int, gain, bias) -> float | None:
             big = d.reshape(n, groups, -1)[r, g].abs() >= 0.5 * d.reshape(n, groups, -1)[r, g].abs().max()
             vals = root[r, g][big & torch.isfinite(root[r, g]) & (root[r, g] > 0)]
             estimates.extend((vals ** 2 - var[r, g]).tolist())
-    if not estimates:
-        return None
-    estimates.sort()
-    return float(estimates[len(estimates) // 2])
+    return median(estimates)
 
 
 def diagnose_group_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact: bool = False) -> list[Diagnosis]:
     from parity_cli.backends.implementations import group_normalize, per_position
     from parity_cli.comparison import mean_rounding_allowance
-    from parity_cli.diagnose.causes import bitwise_diagnosis
 
+    done, compared = opening(strata, dtype, exact)
+    if done is not None:
+        return done
     failing = [s for s in strata if s.status != "pass"]
-    if not failing:
-        return []
-    if exact:
-        return bitwise_diagnosis(strata, dtype)
-    compared = [s for s in strata if s.error is None and s.x is not None and s.cand is not None]
-    if not compared:
-        return []
     full_gain = per_position(gain, layer)
     full_bias = None if bias is None else per_position(bias, layer)
 
