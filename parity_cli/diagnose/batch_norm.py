@@ -15,31 +15,20 @@ from __future__ import annotations
 
 import math
 
-from parity_cli.diagnose.causes import Diagnosis, compared_strata, median, opening
+from parity_cli.diagnose.causes import Diagnosis, compared_strata, median, opening, reproduces
 
 # eps values conversions actually carry, tried before a raw estimate (which rounding leaves fuzzy)
 COMMON_EPS = (1e-3, 1e-5, 1e-6, 1e-4, 1e-12, 1e-8, 1.001e-5, 0.001)
 
 
 def _reproduces(strata, variant, tol, gain, bias, slack) -> bool:
-    """variant(x, stratum) -> float64 normalised h; the candidate is reproduced when w h + b is
-    within the tolerance (and the fold's rounding, `slack(x)`) of every element it returned, and
-    non-finite exactly where it is."""
-    import torch
-
-    for s in strata:
+    """variant(x, stratum) -> float64 normalised h: w h + b within the tolerance and the fold's
+    rounding (`slack(x)`) of the candidate."""
+    def output(s):
         h = variant(s.x, s)
-        if h is None:
-            return False
-        y = h * gain + (0.0 if bias is None else bias)
-        cand = s.cand.to(torch.float64)
-        finite = torch.isfinite(cand)
-        if not bool((torch.isfinite(y) == finite).all()):
-            return False
-        allowed = tol.atol + tol.rtol * y.abs() + slack(s.x)
-        if not bool(((cand - y).abs()[finite] <= allowed[finite] * 1.0001 + 1e-300).all()):
-            return False
-    return True
+        return None if h is None else h * gain + (0.0 if bias is None else bias)
+
+    return reproduces(strata, output, lambda s, y: tol.atol + tol.rtol * y.abs() + slack(s.x))
 
 
 def estimate_eps(strata, mean, var, gain, bias) -> float | None:

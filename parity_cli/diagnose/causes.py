@@ -358,6 +358,27 @@ def opening(strata: list[StratumResult], dtype, exact: bool) -> tuple[list[Diagn
     return (None if compared else []), compared
 
 
+def reproduces(strata: list[StratumResult], output, allowed) -> bool:
+    """Whether a hypothesis reproduces the candidate: `output(s)` its float64 output on a stratum's
+    inputs (None where it cannot say), `allowed(s, y)` the tolerance per element. Every element the
+    candidate returned must lie within it (1e-4 of slack for the arithmetic of the check itself),
+    non-finite exactly where the hypothesis is."""
+    import torch
+
+    for s in strata:
+        y = output(s)
+        if y is None:
+            return False
+        cand = s.cand.to(torch.float64)
+        finite = torch.isfinite(cand)
+        if not bool((torch.isfinite(y) == finite).all()):
+            return False
+        bound = allowed(s, y)
+        if not bool(((cand - y).abs()[finite] <= bound[finite] * 1.0001 + 1e-300).all()):
+            return False
+    return True
+
+
 def median(values: list[float]) -> float | None:
     """The upper median (an estimate every kind reads off many rows; None where there are none)."""
     return sorted(values)[len(values) // 2] if values else None

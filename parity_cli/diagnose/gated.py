@@ -10,23 +10,16 @@ transcription reproduces every compared element within the tolerance."""
 from __future__ import annotations
 
 from parity_cli.diagnose.batch_norm import COMMON_EPS
-from parity_cli.diagnose.causes import Diagnosis, opening
+from parity_cli.diagnose.causes import Diagnosis, opening, reproduces
 
 
 def _reproduces(strata, variant, tol, dtype) -> bool:
+    """variant(x) -> the float64 output: within the tolerance, with the gate's one more unit of
+    rounding at a half dtype, as check_layer allows."""
     import torch
 
-    unit = float(torch.finfo(dtype).eps) if dtype in (torch.float16, torch.bfloat16) else 0.0  # as check_layer allows
-    for s in strata:
-        y = variant(s.x)
-        cand = s.cand.to(torch.float64)
-        finite = torch.isfinite(cand)
-        if not bool((torch.isfinite(y) == finite).all()):
-            return False
-        allowed = tol.atol + (tol.rtol + unit) * y.abs()
-        if not bool(((cand - y).abs()[finite] <= allowed[finite] * 1.0001 + 1e-300).all()):
-            return False
-    return True
+    unit = float(torch.finfo(dtype).eps) if dtype in (torch.float16, torch.bfloat16) else 0.0
+    return reproduces(strata, lambda s: variant(s.x), lambda s, y: tol.atol + (tol.rtol + unit) * y.abs())
 
 
 def diagnose_gated(layer, strata, gain, eps: float, tol, dtype, exact: bool = False) -> list[Diagnosis]:

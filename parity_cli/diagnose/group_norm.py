@@ -12,22 +12,13 @@ from __future__ import annotations
 import math
 
 from parity_cli.diagnose.batch_norm import COMMON_EPS
-from parity_cli.diagnose.causes import Diagnosis, median, opening
+from parity_cli.diagnose.causes import Diagnosis, median, opening, reproduces
 
 
-def _reproduces(strata, variant, tol, gain, bias, slack) -> bool:
-    import torch
-
-    for s in strata:
-        y = variant(s.x)
-        cand = s.cand.to(torch.float64)
-        finite = torch.isfinite(cand)
-        if not bool((torch.isfinite(y) == finite).all()):
-            return False
-        allowed = tol.atol + tol.rtol * y.abs() + slack(s.x)
-        if not bool(((cand - y).abs()[finite] <= allowed[finite] * 1.0001 + 1e-300).all()):
-            return False
-    return True
+def _reproduces(strata, variant, tol, slack) -> bool:
+    """variant(x) -> the float64 output: within the tolerance and the conditioning allowance
+    (`slack(x)`) of the candidate."""
+    return reproduces(strata, lambda s: variant(s.x), lambda s, y: tol.atol + tol.rtol * y.abs() + slack(s.x))
 
 
 def _estimate_eps(strata, groups: int, gain, bias) -> float | None:
@@ -92,7 +83,7 @@ def diagnose_group_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
     counts = [g for g in sorted({1, channels, layer.groups // 2, layer.groups * 2, 32, 16, 8})
               if g >= 1 and channels % g == 0 and g != layer.groups]
     for g in counts:
-        if _reproduces(compared, grouped(g), tol, gain, bias, slack):
+        if _reproduces(compared, grouped(g), tol, slack):
             what = ("one group over every channel (a LayerNorm)" if g == 1 else
                     "one group a channel (an InstanceNorm)" if g == channels else f"{g} groups")
             return [Diagnosis("group_count_mismatch",
@@ -108,7 +99,7 @@ def diagnose_group_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
         m = g.abs().amax(-1, keepdim=True)
         return (tol.mean_rounding * full_gain.reshape(layer.groups, -1).abs() * m / (std + eps)).reshape(n, -1)
 
-    if _reproduces(compared, grouped(layer.groups, outside=True), tol, gain, bias, slack_outside):
+    if _reproduces(compared, grouped(layer.groups, outside=True), tol, slack_outside):
         return [Diagnosis("eps_outside_sqrt", "the candidate computes (x - mean) / (std + eps) per group: eps is "
                           "outside the root", {"form": "(x - mean) / (std + eps) per group"})]
     estimate = _estimate_eps([s for s in failing if s in compared] or compared, layer.groups, full_gain, full_bias)
@@ -117,7 +108,7 @@ def diagnose_group_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
         tried.sort(key=lambda v: abs(math.log((v + 1e-300) / (estimate + 1e-300))))
         tried = tried[:3] + [estimate]
     for value in tried:
-        if _reproduces(compared, grouped(layer.groups, value), tol, gain, bias, slack):
+        if _reproduces(compared, grouped(layer.groups, value), tol, slack):
             return [Diagnosis("eps_mismatch",
                               f"the candidate behaves as if eps = {value:.3g} where the layer's eps is {eps:.3g} "
                               f"({layer.eps.source}); a group that is silent or tiny while the others are not "
