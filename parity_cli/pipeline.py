@@ -130,9 +130,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     universe = [l.name for l in found.layers]
     notes = []
     if nonfinite:
-        names = [n for n, _ in nonfinite]
-        warnings.append(f"non-finite weight values in {layer_count(len(names))} ({name_pattern(names, universe)}): "
-                        f"{sum(c for _, c in nonfinite)} values; every output of those layers is NaN or inf")
+        warnings.append(_nonfinite_words(nonfinite, universe))
     if nonpositive:
         names = [n for n, _ in nonpositive]
         notes.append(f"channels with effective gain <= 0 (lowest {min(v for _, v in nonpositive):.3g}) in "
@@ -160,6 +158,15 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         "warnings": warnings,
         "notes": notes,
     }
+
+
+def _nonfinite_words(nonfinite: list, universe: list) -> str:
+    """One warning for every layer whose stored gain holds NaN or inf: ((name, count), ...)."""
+    from parity_cli.report.grouping import layer_count, name_pattern
+
+    names = [n for n, _ in nonfinite]
+    return (f"non-finite weight values in {layer_count(len(names))} ({name_pattern(names, universe)}): "
+            f"{sum(c for _, c in nonfinite)} values; every output of those layers is NaN or inf")
 
 
 def _inspect_onnx(path) -> dict:
@@ -207,6 +214,7 @@ def _graph_inspection(path: Path, fmt: str, family: str, files: list, norms, lay
     eps = Counter(n.eps for n in norms).most_common(1)[0][0]
     forms = Counter(n.form for n in norms)
     distinct = len(set(n.eps for n in norms))
+    nonfinite = [(layer["name"], layer["weight"]["nonfinite"]) for layer in layers if layer["weight"]["nonfinite"]]
     return {
         "schema_version": 1,
         "tool": {"name": "parity-cli", "version": __version__},
@@ -215,7 +223,7 @@ def _graph_inspection(path: Path, fmt: str, family: str, files: list, norms, lay
                        "unmatched": []},
         "eps": {"value": eps, "source": "the most common eps of its norms"},
         "layers": layers,
-        "warnings": [],
+        "warnings": [_nonfinite_words(nonfinite, [layer["name"] for layer in layers])] if nonfinite else [],
         "notes": [f"{distinct} distinct eps values across {len(norms)} norms"] if distinct > 1 else [],
     }
 

@@ -472,3 +472,20 @@ def test_an_export_of_a_model_only_a_derived_family_knows(tmp_path):
     export(hf, tmp_path / "bad.onnx", eps={vision: layers[vision]["eps"]["value"] * 100})
     bad = api.check(hf, candidate_checkpoint=tmp_path / "bad.onnx")
     assert [layer.name for layer in bad.layers if not layer.passed] == [vision]
+
+
+def test_inspect_of_a_graph_warns_of_a_non_finite_gain(tmp_path):
+    """A gain holding NaN and inf: every output of that norm is NaN or inf, said as for a checkpoint."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    gain = np.ones(64, dtype=np.float32)
+    gain[[3, 9]] = [np.nan, np.inf]
+    info = api.inspect(_graph_with_gain(tmp_path, numpy_helper.from_array(gain, "model.norm.weight")))
+    (layer,) = info["layers"]
+    assert layer["weight"]["nonfinite"] == 2
+    assert info["warnings"] == ["non-finite weight values in 1 layer (model.norm): 2 values; every output of those "
+                                "layers is NaN or inf"]
+    # a finite gain: no warning
+    info = api.inspect(_graph_with_gain(tmp_path, numpy_helper.from_array(np.ones(64, np.float32), "model.norm.weight")))
+    assert info["warnings"] == []
