@@ -572,3 +572,199 @@ def test_a_gguf_declaring_more_than_it_holds_is_refused(copies, tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "its metadata declares a LlamaForCausalLM of" in r.stderr and "its tensors hold" in r.stderr
     assert not (tmp_path / "a.safetensors").exists()
+
+
+# --- Gemma 3: llama.cpp's GGUF stores 1 + w, the HF copy w (gain offset 1) ----------------------------
+
+def _write_gemma3_gguf(hf, out):
+    """A whole tiny Gemma 3 as llama.cpp's convert_hf_to_gguf.py (Gemma3Model) writes it: arch "gemma3",
+    its metadata keys (those transformers' GGUF_CONFIG_MAPPING["gemma3"] reads), a sentencepiece
+    vocabulary (tokenizer.ggml.model "llama", no space prefix), and every "norm.weight" stored as
+    w + 1 in float32 (modify_tensors: data_torch + norm_shift, on the float32 tensor)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(f"{hf}/config.json"))
+    sd = load_file(f"{hf}/model.safetensors")
+    L = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(out, "gemma3")
+    w.add_context_length(cfg["max_position_embeddings"]); w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(L); w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"]); w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg["head_dim"]); w.add_value_length(cfg["head_dim"]); w.add_file_type(0)
+    w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_sliding_window(cfg["sliding_window"]); w.add_head_count_kv(cfg["num_key_value_heads"])
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", "w"] + [str(d) for d in range(10)] + ["\u2581w"] \
+        + [f"\u2581w{i}" for i in range(40)]
+    pieces += [f"<unused{k}>" for k in range(cfg["vocab_size"] - len(pieces))]
+    w.add_tokenizer_model("llama"); w.add_tokenizer_pre("default"); w.add_token_list(pieces)
+    w.add_token_scores([0.0] * 4 + [-float(i) for i in range(len(pieces) - 4)])
+    w.add_token_types([3, 3, 3, 2] + [1] * (len(pieces) - 4))  # control, unknown, normal
+    w.add_pad_token_id(0); w.add_eos_token_id(1); w.add_bos_token_id(2); w.add_unk_token_id(3)
+    w.add_add_bos_token(True); w.add_add_eos_token(False); w.add_add_space_prefix(False)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, L)
+    for k, t in sd.items():  # tied embeddings: no output.weight, as the converter writes Gemma 3
+        g = names.get_name(k[: -len(".weight")])
+        assert g is not None, k
+        t = t.float()
+        w.add_tensor(f"{g}.weight", (t + 1.0 if k.endswith("norm.weight") else t).numpy())
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """One text-only Gemma 3 three ways: HF float32 with random gains w (not bfloat16 values, over several
+    binades), the HF copy saved in bfloat16, and the GGUF written from the float32 one (1 + w stored)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import shutil
+
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    root = tmp_path_factory.mktemp("gemma3")
+    torch.manual_seed(5)
+    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=100, rms_norm_eps=1e-6,
+                           sliding_window=32, max_position_embeddings=512)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn_like(p))  # Gemma's w: zero-initialised, here anything but 0
+    hf = root / "hf32"
+    model.save_pretrained(hf, safe_serialization=True)
+    _tokenizer(["<unk>", "<pad>"] + [f"w{i}" for i in range(98)]).save_pretrained(hf)
+    bf16 = root / "hf16"
+    model.to(torch.bfloat16).save_pretrained(bf16, safe_serialization=True)
+    for f in hf.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, bf16 / f.name)
+    return {"hf32": hf, "hf16": bf16, "gguf": _write_gemma3_gguf(hf, root / "gemma3.gguf")}
+
+
+def _gguf_norms(path, hf_names):
+    """The GGUF's stored norm gains (float64 of its F32), by gguf-py, under the HF names."""
+    import gguf
+    import torch
+
+    reader = gguf.GGUFReader(str(path))
+    blocks = int(reader.fields["gemma3.block_count"].contents())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, blocks)
+    by_name = {t.name: t for t in reader.tensors}
+    out = {}
+    for k in hf_names:
+        t = by_name[names.get_name(k[: -len(".weight")]) + ".weight"]
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, k
+        out[k] = torch.from_numpy(t.data.copy()).double()
+    return out
+
+
+def _against(stored, stored_bits, offset, other, other_bits):
+    """(largest |(stored + offset) - other|, its largest share of the bound: half a step of each copy's
+    dtype at its own stored value, summed) over every gain; the bound from the formula, by math.log2."""
+    pairs = []
+    for k in other:
+        a, b = stored[k].tolist(), other[k].tolist()
+        for x, y, hx, hy in zip(a, b, _half_ulp(a, stored_bits), _half_ulp(b, other_bits)):
+            pairs.append((abs(x + offset - y), abs(x + offset - y) / (hx + hy)))
+    return max(d for d, _ in pairs), max(r for _, r in pairs)
+
+
+def test_a_gemma3_gguf_capture_serves_the_bfloat16_hf_copy_and_back(gemma3, tmp_path):
+    """llama.cpp bakes Gemma's 1 + w into the GGUF (read with gain offset 0), the HF copies store w (offset
+    1): a capture from either is accepted on the other, the gains compared as 1 + w within rounding."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    from parity_cli.resources import schema_path
+
+    f32, b16 = _norms(gemma3["hf32"]), _norms(gemma3["hf16"])
+    g = _gguf_norms(gemma3["gguf"], f32)
+    assert len(f32) == 2 * 6 + 1  # 4 norms, q_norm and k_norm per block, and the final norm
+    for k in f32:  # the file is as the converter writes it: float32(w + 1), nowhere w itself
+        assert torch.equal(g[k], (f32[k].float() + 1).double()) and bool(((g[k] - f32[k]).abs() > 0.5).all())
+    assert not all(torch.equal(f32[k], b16[k]) for k in f32) and all(bool((b16[k] != 0).all()) for k in b16)
+    # what the match must report, from the files: 1 + w of the GGUF against w + 1 of the bfloat16 copy
+    largest, share = _against(g, 23, -1.0, b16, 7)
+    assert 0 < largest and 0.5 < share <= 1  # somewhere close to the bound: a bfloat16 rounding of w
+    assert _against(b16, 7, 1.0, g, 23) == (largest, share)  # the same figures from the other side
+    for source, target, offset in (("gguf", "hf16", 0.0), ("hf16", "gguf", 1.0)):
+        out = tmp_path / f"{source}.safetensors"
+        r = run_parity("capture", gemma3[source], "--prompt", PROMPT, "-o", out)
+        assert r.returncode == 0, r.stderr
+        with safe_open(str(out), framework="pt") as fh:  # the offset each copy's gains are read with
+            norms = json.loads(fh.metadata()["parity"])["norms"]
+        assert set(norms) == {k[: -len(".weight")] for k in f32}
+        assert {n["gain_offset"] for n in norms.values()} == {offset}
+        report = tmp_path / f"{target}.json"
+        r = run_parity("check", gemma3[target], "--activations", out, "--json", report)
+        assert r.returncode == 0, r.stdout + r.stderr
+        data = load_json(report)
+        pytest.importorskip("jsonschema").validate(data, json.loads(schema_path().read_text()))
+        acts = data["probes"]["activations"]
+        assert acts["match"].startswith("within bfloat16 rounding") and f"{largest:.3g}" in acts["match"]
+        m = acts["norms_match"]
+        assert m["kind"] == "within_rounding" and m["coarsest"] == "bfloat16"
+        assert sorted(m["dtypes"]) == ["bfloat16", "float32"]
+        assert m["max_abs_diff"] == largest and m["max_diff_over_bound"] == pytest.approx(share, rel=1e-12)
+        assert acts["rows"] == _rows_in(out)[0] and "within bfloat16 rounding" in r.stdout
+    # the float32 HF copy: both float32, yet 1 + w was rounded once more in the GGUF; within float32 rounding
+    largest32, share32 = _against(g, 23, -1.0, f32, 23)
+    assert 0 < largest32 and share32 <= 1
+    r = run_parity("check", gemma3["hf32"], "--activations", tmp_path / "gguf.safetensors", "--json",
+                   tmp_path / "hf32.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = load_json(tmp_path / "hf32.json")["probes"]["activations"]["norms_match"]
+    assert m["kind"] == "within_rounding" and m["dtypes"] == ["float32"] and m["coarsest"] == "float32"
+    assert m["max_abs_diff"] == largest32 and m["max_diff_over_bound"] == pytest.approx(share32, rel=1e-12)
+
+
+def test_a_gemma3_hf_copy_one_bfloat16_step_off_is_refused(gemma3, tmp_path):
+    """One gain of the bfloat16 copy moved by one bfloat16 step (where the float32 value sat within a
+    quarter step of it): another model, refused either way, with the figures the files give. The gain
+    picked is the smallest such w: its step is smaller than the rounding differences of larger gains
+    in the same layer, so only a bound per element refuses it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    name = "model.norm.weight"
+    f32, g = _norms(gemma3["hf32"])[name], _gguf_norms(gemma3["gguf"], [name])[name]
+    sd = load_file(f"{gemma3['hf16']}/model.safetensors")
+    b16 = sd[name].double()
+    binade = torch.floor(torch.log2(b16.abs()))
+    step = 2.0 ** (binade - 7)  # one bfloat16 step at each stored value
+    moved = b16 + step
+    near = ((f32 - b16).abs() < step / 4) & (torch.floor(torch.log2(moved.abs())) == binade)
+    k = int(torch.argmin(torch.where(near, b16.abs(), torch.inf)))  # one step within the binade
+    changed = tmp_path / "one_step"
+    shutil.copytree(gemma3["hf16"], changed)
+    weights = dict(sd)
+    weights[name] = sd[name].clone()
+    weights[name][k] = moved[k].to(torch.bfloat16)
+    assert float(weights[name][k]) == float(moved[k])  # a bfloat16 value: stored exactly
+    save_file(weights, f"{changed}/model.safetensors", metadata={"format": "pt"})
+    # 1 + w as the GGUF stores it against the moved w + 1: over the bound (half a float32 step at the
+    # GGUF's value and half a bfloat16 step at the moved one), yet under the layer's largest difference
+    diff = abs(float(g[k]) - 1 - float(moved[k]))
+    bound = _half_ulp([float(g[k])], 23)[0] + _half_ulp([float(moved[k])], 7)[0]
+    largest = float((g - 1 - weights[name].double()).abs().max())
+    assert bool(near[k]) and bound < diff < largest
+    captures = {}
+    for source in ("gguf", "changed"):
+        captures[source] = tmp_path / f"{source}.safetensors"
+        path = gemma3["gguf"] if source == "gguf" else changed
+        assert run_parity("capture", path, "--prompt", PROMPT, "-o", captures[source]).returncode == 0
+    for capture, target in ((captures["gguf"], changed), (captures["changed"], gemma3["gguf"])):
+        r = run_parity("check", target, "--activations", capture)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "captured from another model" in r.stderr and "model.norm's weight differs" in r.stderr
+        assert f"differs by up to {largest:.3g}" in r.stderr
+        assert f"({diff:.3g} where {bound:.3g} is allowed)" in r.stderr
