@@ -604,9 +604,9 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
     quantized tensors, an architecture transformers reads from GGUF): parity dequantizes the
     tensors the forward needs up to the last norm layer itself, and says when transformers' loader
     has to load the whole file instead. `parity check MODEL --activations FILE` probes with the
-    rows, as does a check of another copy of the same model, GGUF or HF (norm layers with the same
-    names and shapes, values equal within their storage dtypes' rounding: the report states the
-    match)."""
+    rows, as does a check of another copy of the same model, GGUF or HF (the same norm layers, by
+    name or by pattern where the layout differs, values equal within their storage dtypes' rounding;
+    towers the copy lacks get no rows: the report states the match)."""
     from parity_cli import preflight
 
     preflight.inspect_inputs(model)

@@ -69,7 +69,7 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
         copies = pair(list(found.values()), copy_layers, opts.candidate_checkpoint).candidate_layers
     # the candidate dtype exactly as check() chooses it
     checked_layers = [l for n, l in found.items() if not opts.layers or fnmatch.fnmatchcase(n, opts.layers)]
-    opts, _ = pipeline.with_captured(opts, checked_layers, lambda: list(found.values()))  # the check's real rows too
+    opts, _ = pipeline.with_captured(opts, checked_layers, lambda: list(found.values()), fam)  # the check's real rows too
     cand_dtype_name = options.dtype_name(opts.dtype) if opts.dtype else (copy_dtype or options.stored_dtype(checked_layers))
     cand_dtype = getattr(torch, cand_dtype_name)
     ref_dtype = getattr(torch, options.reference_dtype_for(opts, cand_dtype_name)[0])  # as check() resolves it

@@ -305,17 +305,24 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     return layers, described, dtype
 
 
-def _as_named(layers, reference_layers, family):
-    """A GGUF copy's layers under the reference's names where only the layout differs: gguf-py
-    maps back to the published names (vision_tower.vision_model.encoder.layers.0.layer_norm1), a
-    checkpoint saved by transformers 5.x has others (vision_tower.encoder.layers.0.layer_norm1).
-    Two names are one layer when the same norm pattern claims both, with the same indices."""
+def layout_key(family):
+    """name -> (the family's pattern that claims it, its indices): two names are one layer when
+    only the layout (root) differs, model.layers.3 and model.language_model.layers.3."""
     import re
 
     def key(name):
         pattern = family.match(name)
         return (pattern.name, tuple(re.findall(r"(?<=\.)\d+(?=\.|$)", name))) if pattern else None
 
+    return key
+
+
+def _as_named(layers, reference_layers, family):
+    """A GGUF copy's layers under the reference's names where only the layout differs: gguf-py
+    maps back to the published names (vision_tower.vision_model.encoder.layers.0.layer_norm1), a
+    checkpoint saved by transformers 5.x has others (vision_tower.encoder.layers.0.layer_norm1).
+    Two names are one layer when the same norm pattern claims both, with the same indices."""
+    key = layout_key(family)
     names = {layer.name for layer in reference_layers}
     by_key: dict = {}
     for layer in reference_layers:
@@ -336,7 +343,7 @@ CAPTURE_KEYS = ("fingerprint", "checkpoint", "model_class", "tokens", "rows_per_
                 "not_seen", "rows", "match", "norms_match")
 
 
-def with_captured(opts: CheckOptions, layers, everything):
+def with_captured(opts: CheckOptions, layers, everything, family=None):
     """(opts with the --activations rows of `layers`, the capture's metadata), or (opts, None)
     without --activations; `everything()` gives the whole model's layers (the fingerprint's).
     check() and the explain ladder both probe with the same rows."""
@@ -346,7 +353,7 @@ def with_captured(opts: CheckOptions, layers, everything):
 
     from parity_cli.probes import capture
 
-    rows, meta = capture.load(opts.activations, layers, everything())
+    rows, meta = capture.load(opts.activations, layers, everything(), layout_key(family) if family else None)
     return dataclasses.replace(opts, captured=rows), meta
 
 
@@ -402,7 +409,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
     # the fingerprint covers the whole model, whatever --layers picked
     opts, captured_meta = with_captured(opts, found.layers, lambda: discover_layers(ckpt, fam, eps).layers
-                                        if opts.layers else found.layers)
+                                        if opts.layers else found.layers, fam)
     pairing, conversion, copy_dtype = None, None, None
     if opts.candidate_checkpoint:
         from parity_cli.model.pairing import pair

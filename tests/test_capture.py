@@ -768,3 +768,74 @@ def test_a_gemma3_hf_copy_one_bfloat16_step_off_is_refused(gemma3, tmp_path):
         assert "captured from another model" in r.stderr and "model.norm's weight differs" in r.stderr
         assert f"differs by up to {largest:.3g}" in r.stderr
         assert f"({diff:.3g} where {bound:.3g} is allowed)" in r.stderr
+
+
+def _gemma3_multimodal(text_dir, out, extra_layers=0):
+    """A Gemma3ForConditionalGeneration (a one-layer SigLIP tower, its projector) whose language model
+    holds the text-only copy's weights, saved as transformers saves it (language_model.model.*);
+    `extra_layers` blocks more than the copy has, left at their own random gains."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = Gemma3ForCausalLM.from_pretrained(text_dir, torch_dtype=torch.float32)
+    text_cfg = text.config.to_dict()
+    text_cfg["num_hidden_layers"] += extra_layers
+    text_cfg.pop("layer_types", None)  # rebuilt for the new depth
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text_cfg, vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    torch.manual_seed(11)
+    model = Gemma3ForConditionalGeneration(cfg)
+    missing = model.model.language_model.load_state_dict(text.model.state_dict(), strict=False)
+    assert not missing.unexpected_keys and all(k.startswith("layers.") for k in missing.missing_keys)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" not in name and name.endswith("norm.weight") or ".layers.2." in name:
+                p.copy_(0.1 * torch.randn_like(p))  # the towers' (and any extra block's) own gains
+    model.save_pretrained(out, safe_serialization=True)
+    for f in Path(text_dir).iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, Path(out) / f.name)
+    return Path(out)
+
+
+def test_a_capture_of_the_language_model_serves_the_multimodal_checkpoint(gemma3, tmp_path):
+    """The GGUF of a multimodal Gemma 3 holds its language model only (the towers go to an mmproj), under
+    gguf-py's names (model.layers.N); the HF checkpoint names them language_model.model.layers.N and has a
+    vision tower and a projector besides. A capture from the GGUF serves it: the same layers by their
+    pattern and indices, the towers it lacks without captured rows, said so."""
+    from safetensors import safe_open
+
+    mm = _gemma3_multimodal(gemma3["hf32"], tmp_path / "mm")
+    with safe_open(str(mm / "model.safetensors"), framework="pt") as fh:
+        stored = [k for k in fh.keys() if k.endswith("norm.weight") or k.endswith("layernorm.weight")
+                  or k.endswith("layer_norm1.weight") or k.endswith("layer_norm2.weight")
+                  or k.endswith("post_layernorm.weight")]
+    language = [k for k in stored if "language_model." in k]  # as transformers saves it (language_model.model.*)
+    others = [k for k in stored if "language_model." not in k]
+    assert len(language) == len(_norms(gemma3["hf32"])) == 13 and others  # the vision tower's and the projector's
+    out = tmp_path / "gguf.safetensors"
+    assert run_parity("capture", gemma3["gguf"], "--prompt", PROMPT, "-o", out).returncode == 0
+    report = tmp_path / "mm.json"
+    r = run_parity("check", mm, "--activations", out, "--json", report)
+    assert r.returncode == 0, r.stdout + r.stderr
+    acts = load_json(report)["probes"]["activations"]
+    m = acts["norms_match"]
+    assert m["renamed"] == 13 and m["without_rows"]["layers"] == len(others)
+    assert set(m["without_rows"]["towers"]) == {"vision", "projector"}
+    assert "13 named as this layout names them" in acts["match"] and "have no captured rows" in acts["match"]
+    # the rows went to the language model's layers, under this checkpoint's names, and to no other
+    assert sorted(acts["layers"]) == sorted(k.removesuffix(".weight") for k in language)
+
+
+def test_a_multimodal_checkpoint_with_a_block_the_capture_lacks_is_refused(gemma3, tmp_path):
+    mm = _gemma3_multimodal(gemma3["hf32"], tmp_path / "mm3", extra_layers=1)
+    out = tmp_path / "gguf.safetensors"
+    assert run_parity("capture", gemma3["gguf"], "--prompt", PROMPT, "-o", out).returncode == 0
+    r = run_parity("check", mm, "--activations", out)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "captured from another model" in r.stderr and "here and not in the capture" in r.stderr
+    assert "language_model.model.layers.2." in r.stderr

@@ -480,8 +480,11 @@ def write(tensors: dict, meta: dict, out) -> None:
     write_bytes(Path(out), save(tensors, metadata={"parity": json.dumps(meta)}))
 
 
-def load(path, layers, all_layers) -> tuple[dict, dict]:
-    """The captured rows for `layers`, after checking the file is a capture of this model."""
+def load(path, layers, all_layers, key=None) -> tuple[dict, dict]:
+    """The captured rows for `layers`, after checking the file is a capture of this model.
+    `key(name)` says which layer a name is whatever the layout ((pattern, indices): model.layers.3
+    and model.language_model.layers.3 are one layer), so that a capture of a text-only copy (a
+    GGUF, a ForCausalLM) serves the multimodal checkpoint it came from."""
     import torch
     from safetensors import safe_open
 
@@ -495,23 +498,25 @@ def load(path, layers, all_layers) -> tuple[dict, dict]:
             meta = parse((fh.metadata() or {}).get("parity", "null"), path, "the capture's metadata")
             if not isinstance(meta, dict) or "fingerprint" not in meta:
                 raise InputError(f"{path}: not a parity capture (no parity metadata)")
+            mapping: dict = {}
             if meta["fingerprint"] == fingerprint(all_layers)["sha256"]:
                 meta["match"] = "exact: the same norm tensors"
                 meta["norms_match"] = {"kind": "exact", "max_abs_diff": 0.0}
             else:
-                meta["match"], meta["norms_match"] = _same_norms(fh, meta, all_layers, path)
+                meta["match"], meta["norms_match"], mapping = _same_norms(fh, meta, all_layers, path, key)
             rows = {}
             by_name = {layer.name: layer for layer in layers}
-            for name in fh.keys():
-                if name not in by_name:
+            for stored_name in fh.keys():
+                name = mapping.get(stored_name, stored_name)  # the capture's name, as this checkpoint names it
+                if name not in by_name or stored_name.startswith(NORM_PREFIX):
                     continue
                 layer = by_name[name]
-                declared = fh.get_slice(name)  # the header's shape and dtype, checked before a byte is read
+                declared = fh.get_slice(stored_name)  # the header's shape and dtype, checked before a byte is read
                 shape, dtype = list(declared.get_shape()), str(declared.get_dtype())
                 if len(shape) != 2 or shape[-1] != layer.dim or not 0 < shape[0] <= MAX_ROWS_PER_LAYER \
                         or dtype not in ("F16", "BF16", "F32", "F64"):
                     raise InputError(f"{path}: {name} holds {shape} {dtype}, not rows of {layer.dim}")
-                t = fh.get_tensor(name).to(torch.float64)
+                t = fh.get_tensor(stored_name).to(torch.float64)
                 if not bool(torch.isfinite(t).all()):  # no probe: a NaN row has no q, nothing to compare
                     raise InputError(f"{path}: {name} holds non-finite values; refused")
                 rows[name] = t
@@ -547,11 +552,31 @@ def rounding_bound(a, a_dtype: str, b, b_dtype: str):
     return _half_step(a, a_dtype) + _half_step(b, b_dtype)
 
 
-def _same_norms(fh, meta: dict, layers, path) -> tuple[str, dict]:
+def _layout(stored, here: dict, key) -> tuple[dict, list, list]:
+    """({capture name: name here}, capture names with no layer here, layers here with no capture
+    name): a name both have is itself; another is the one layer here `key` calls the same."""
+    mapping, by_key = {}, {}
+    for name in here:
+        if name not in stored and key is not None:
+            by_key.setdefault(key(name), []).append(name)
+    unplaced = []
+    for name in stored:
+        same = [name] if name in here else by_key.get(key(name), []) if key is not None else []
+        if len(same) == 1 and same[0] not in mapping.values():
+            mapping[name] = same[0]
+        else:
+            unplaced.append(name)
+    return mapping, sorted(unplaced), sorted(set(here) - set(mapping.values()))
+
+
+def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict]:
     """Another copy of the capture's model (a GGUF's float32 norms against the HF copy's bfloat16
-    ones, Gemma's 1 + w baked in by llama.cpp against the HF w): the same layer names and shapes, and
-    every effective gain (stored + offset) within rounding_bound of the other. Anything else is
-    another model: refused in one line. (the match line, its numbers for the report)"""
+    ones, Gemma's 1 + w baked in by llama.cpp against the HF w): the same layers, by name or by
+    `key` where the layout differs, the same shapes, and every effective gain (stored + offset)
+    within rounding_bound of the other. This checkpoint may have towers the capture's copy lacks
+    (a GGUF's language model against the multimodal checkpoint): their layers get no captured rows,
+    and the match says so. Anything else is another model: refused in one line. (the match line,
+    its numbers for the report, {capture name: name here} where they differ)"""
     import torch
 
     def other(why: str) -> InputError:
@@ -562,13 +587,17 @@ def _same_norms(fh, meta: dict, layers, path) -> tuple[str, dict]:
     if not isinstance(stored, dict):
         raise other("the capture does not record its norms")
     here = {layer.name: layer for layer in layers if layer.weight is not None}
-    if set(stored) != set(here):
-        only = sorted(set(stored) ^ set(here))
-        raise other(f"{len(only)} norm layer(s) in one and not the other, e.g. {only[0]}")
+    mapping, unplaced, extra = _layout(stored, here, key)
+    if unplaced:
+        raise other(f"{len(unplaced)} norm layer(s) in the capture and not here, e.g. {unplaced[0]}")
+    towers = sorted({here[name].tower for name in mapping.values()})
+    missing = [name for name in extra if here[name].tower in towers]  # a tower the capture has, less a layer
+    if missing:
+        raise other(f"{len(missing)} norm layer(s) here and not in the capture, e.g. {missing[0]}")
     keys = set(fh.keys())
     worst, worst_ratio, dtypes = 0.0, 0.0, set()
-    for name, layer in sorted(here.items()):
-        info = stored[name]
+    for stored_name, name in sorted(mapping.items()):
+        layer, info = here[name], stored[stored_name]
         mine = str(layer.weight.dtype).removeprefix("torch.")
         theirs = info.get("dtype") if isinstance(info, dict) else None
         if theirs not in _STORAGE or mine not in _STORAGE or info.get("shape") != list(layer.weight.shape):
@@ -578,12 +607,12 @@ def _same_norms(fh, meta: dict, layers, path) -> tuple[str, dict]:
             raise other(f"{name}'s recorded gain offset is {offset!r}")
         dtypes.update((mine, theirs))
         for part, t in (("weight", layer.weight), ("bias", layer.bias)):
-            key = f"{NORM_PREFIX}{part}:{name}"
+            tensor = f"{NORM_PREFIX}{part}:{stored_name}"
             if t is None:
                 continue
-            if key not in keys or list(fh.get_slice(key).get_shape()) != list(t.shape):
+            if tensor not in keys or list(fh.get_slice(tensor).get_shape()) != list(t.shape):
                 raise other(f"{name}'s {part} is not in the capture as this checkpoint has it")
-            a = fh.get_tensor(key).to(torch.float64)  # the capture's stored values, kept as float32 (exact)
+            a = fh.get_tensor(tensor).to(torch.float64)  # the capture's stored values, kept as float32 (exact)
             b = t.detach().cpu().to(torch.float64)
             shift = float(offset) - layer.gain_offset if part == "weight" else 0.0
             # one value rounded once the same way: equal, or not the same model
@@ -603,16 +632,26 @@ def _same_norms(fh, meta: dict, layers, path) -> tuple[str, dict]:
                 worst = max(worst, float(diff.max()))
                 worst_ratio = max(worst_ratio, float((diff[diff > 0] / bound[diff > 0]).max()))
     coarsest = max(dtypes, key=lambda d: torch.finfo(getattr(torch, d)).eps)
+    renamed = {a: b for a, b in mapping.items() if a != b}
+    names = "shapes" if not renamed else f"shapes, {len(renamed)} named as this layout names them"
     if worst == 0:
         kind = "equal_values"
-        line = f"equal values: the same norm layers, stored as {' and '.join(sorted(dtypes))}"
+        line = f"equal values: the same norm layers and {names}, stored as {' and '.join(sorted(dtypes))}"
     else:
         kind = "within_rounding"
-        line = (f"within {coarsest} rounding: the same norm layers, names and shapes; largest difference "
+        line = (f"within {coarsest} rounding: the same norm layers and {names}; largest difference "
                 f"{worst:.3g} ({worst_ratio:.2f} of the rounding bound)")
-    return line, {"kind": kind, "dtypes": sorted(dtypes), "coarsest": coarsest, "max_abs_diff": worst,
-                  "max_diff_over_bound": worst_ratio,
-                  "bound": "per element, half a step of each copy's storage dtype at its stored value, summed"}
+    numbers = {"kind": kind, "dtypes": sorted(dtypes), "coarsest": coarsest, "max_abs_diff": worst,
+               "max_diff_over_bound": worst_ratio,
+               "bound": "per element, half a step of each copy's storage dtype at its stored value, summed"}
+    if renamed:
+        numbers["renamed"] = len(renamed)
+    if extra:
+        others = sorted({here[name].tower for name in extra})
+        line += (f"; the capture's copy holds the {' and '.join(towers)} tower only: {len(extra)} layers of the "
+                 f"{' and '.join(others)} tower here have no captured rows")
+        numbers["without_rows"] = {"layers": len(extra), "towers": others}
+    return line, numbers, renamed
 
 
 def q_summary(rows, eps: float, kind: str) -> dict:
