@@ -146,10 +146,12 @@ def test_rows_stay_bounded_by_k_whatever_the_tokens(llama):
         rows = {n: t for n, t in rows.items() if not n.startswith("norm:")}  # the rows, not the norms
         assert meta["tokens"] == tokens and all(1 <= t.shape[0] <= 9 for t in rows.values())
 
-def _write_gguf(hf, out, embedding_length=None):
+def _write_gguf(hf, out, embedding_length=None, head_count_kv=None, nan_in=None, quantized=False):
     """A whole tiny Llama as a GGUF transformers can dequantize: llama.cpp's tensor names (gguf-py's
     map), its metadata keys, and a gpt2-style byte-level BPE vocabulary with merges.
-    `embedding_length` writes another width in the metadata than the tensors have."""
+    `embedding_length` writes another width in the metadata than the tensors have, `head_count_kv`
+    another count of key/value heads, `nan_in` a NaN into the first value of that HF tensor;
+    `quantized` stores every matrix as Q8_0 (gguf-py's quantizer), the norms as F32."""
     import json
 
     import gguf
@@ -160,7 +162,7 @@ def _write_gguf(hf, out, embedding_length=None):
     L = cfg["num_hidden_layers"]
     w = gguf.GGUFWriter(out, "llama")
     w.add_block_count(L); w.add_context_length(cfg["max_position_embeddings"]); w.add_embedding_length(embedding_length or cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"]); w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_feed_forward_length(cfg["intermediate_size"]); w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"] if head_count_kv is None else head_count_kv)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"]); w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_vocab_size(cfg["vocab_size"]); w.add_file_type(0)
     # a byte-level BPE vocabulary as llama.cpp writes for gpt2-style tokenizers: "Ġw12" = Ġ + w + 1 + 2 merged
@@ -182,7 +184,14 @@ def _write_gguf(hf, out, embedding_length=None):
         g = names.get_name(base)
         if g is None:
             continue
-        w.add_tensor(f"{g}.weight", t.float().numpy())
+        a = t.float().numpy().copy()
+        if k == nan_in:
+            a.flat[0] = float("nan")
+        if quantized and a.ndim == 2:
+            w.add_tensor(f"{g}.weight", gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(f"{g}.weight", a)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
 
     return out
@@ -584,6 +593,7 @@ def _write_gemma3_gguf(hf, out):
     import json
 
     import gguf
+    import torch
     from safetensors.torch import load_file
 
     cfg = json.load(open(f"{hf}/config.json"))
@@ -608,8 +618,10 @@ def _write_gemma3_gguf(hf, out):
     for k, t in sd.items():  # tied embeddings: no output.weight, as the converter writes Gemma 3
         g = names.get_name(k[: -len(".weight")])
         assert g is not None, k
-        t = t.float()
-        w.add_tensor(f"{g}.weight", (t + 1.0 if k.endswith("norm.weight") else t).numpy())
+        # the converter upcasts to float32 first unless the tensor is float16 or float32: a float16
+        # checkpoint's w + 1 is formed in float16
+        t = t if t.dtype == torch.float16 else t.float()
+        w.add_tensor(f"{g}.weight", (t + 1.0 if k.endswith("norm.weight") else t).float().numpy())
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return out
 
@@ -839,3 +851,94 @@ def test_a_multimodal_checkpoint_with_a_block_the_capture_lacks_is_refused(gemma
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "captured from another model" in r.stderr and "here and not in the capture" in r.stderr
     assert "language_model.model.layers.2." in r.stderr
+
+
+
+def _share_bytes(path, first, second):
+    """The GGUF with tensor `second` pointed at `first`'s bytes (both the same size): each lies within
+    the file, as gguf-py checks, but they overlap. The offset is the last field of a tensor's info:
+    name (u64 length + bytes), n_dims (u32), dims (u64 each), type (u32), offset (u64)."""
+    import struct
+
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    a, b = by_name[first], by_name[second]
+    assert a.n_bytes == b.n_bytes and a.tensor_type == b.tensor_type
+    where = b.field.offset + 8 + len(second.encode()) + 4 + 8 * len(b.shape) + 4
+    data = bytearray(path.read_bytes())
+    assert struct.unpack_from("<Q", data, where)[0] == b.data_offset - reader.data_offset  # the field found
+    struct.pack_into("<Q", data, where, a.data_offset - reader.data_offset)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_hostile_ggufs_are_one_line_and_write_nothing(copies, tmp_path):
+    """A GGUF is untrusted: tensors sharing bytes (which let the metadata declare a model far larger
+    than the file), metadata transformers cannot build a model from, and weights whose every row is
+    NaN are each refused in one line, exit 2, with no capture written."""
+    hf = copies["hf32"]
+    overlapping = _share_bytes(_write_gguf(hf, tmp_path / "overlap.gguf", quantized=True),
+                               "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight")
+    no_kv = _write_gguf(hf, tmp_path / "kv0.gguf", head_count_kv=0)
+    nan = _write_gguf(hf, tmp_path / "nan.gguf", nan_in="model.layers.0.self_attn.o_proj.weight")
+    for path, words in ((overlapping, "GGUF tensors blk.0.ffn_gate.weight and blk.0.ffn_up.weight share bytes"),
+                        (no_kv, "transformers cannot build the model"),
+                        (nan, "is NaN or inf; nothing captured")):
+        out = tmp_path / f"{path.stem}.safetensors"
+        r = run_parity("capture", path, "--prompt", PROMPT, "-o", out)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, (path.name, r.stderr)
+        assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_a_quantized_gguf_loaded_here_gives_the_rows_transformers_gives(copies, tmp_path, monkeypatch):
+    """Q8_0 matrices (llama.cpp's most common 8-bit type) dequantized by parity's loader: the rows are
+    those of transformers' own GGUF loader, bit for bit, and differ from the float32 file's."""
+    import torch
+
+    import parity_cli.probes.capture as c
+
+    q8 = _write_gguf(copies["hf32"], tmp_path / "q8.gguf", quantized=True)
+    here, meta = c.capture(q8, PROMPT, max_tokens=64)
+    assert meta["loaded"].startswith("read ")  # parity's own loader, not the fallback
+    monkeypatch.setattr(c, "_load_gguf", lambda model_dir, source, names: c._gguf_via_transformers(model_dir, source,
+                                                                                                     None))
+    theirs, _ = c.capture(q8, PROMPT, max_tokens=64)
+    assert here.keys() == theirs.keys() and all(torch.equal(here[k], theirs[k]) for k in here)
+    monkeypatch.undo()
+    f32, _ = c.capture(copies["gguf"], PROMPT, max_tokens=64)
+    rows = [k for k in here if not k.startswith("norm:")]
+    assert any(not torch.equal(here[k], f32[k]) for k in rows)  # the quantization shows in the rows
+
+
+
+def test_a_float16_gemma3_capture_serves_its_gguf(gemma3, tmp_path):
+    """A float16 checkpoint's GGUF holds fl16(w + 1) (the converter adds the 1 in float16): up to half
+    a float16 step at 1 + w from w + 1, more than float32 and float16 rounding of w allow. A capture
+    from the float16 copy is accepted on that GGUF, and the figures say how close it came."""
+    import shutil
+
+    import torch
+    from transformers import Gemma3ForCausalLM
+
+    f16 = tmp_path / "hf_f16"
+    Gemma3ForCausalLM.from_pretrained(gemma3["hf32"], torch_dtype=torch.float16).save_pretrained(f16)
+    for f in gemma3["hf32"].iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, f16 / f.name)
+    g = _write_gemma3_gguf(f16, tmp_path / "f16.gguf")
+    w = _norms(f16)
+    stored = _gguf_norms(g, w)
+    # the file holds fl16(w + 1), and somewhere that is further from w + 1 than half a float32 step
+    # at 1 + w plus half a float16 step at w
+    excess = [abs(a - (b + 1)) - (hs + hw) for k in w
+              for a, b, hs, hw in zip(stored[k].tolist(), w[k].tolist(), _half_ulp([1 + v for v in w[k].tolist()], 23),
+                                      _half_ulp(w[k].tolist(), 10))]
+    assert max(excess) > 0
+    out = tmp_path / "f16.safetensors"
+    assert run_parity("capture", f16, "--prompt", PROMPT, "-o", out).returncode == 0
+    r = run_parity("check", g, "--activations", out, "--json", tmp_path / "r.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = load_json(tmp_path / "r.json")["probes"]["activations"]["norms_match"]
+    assert m["kind"] == "within_rounding" and sorted(m["dtypes"]) == ["float16", "float32"]

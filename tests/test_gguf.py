@@ -377,3 +377,22 @@ def test_an_mmproj_eps_that_is_no_eps_is_one_line(tmp_path, eps, said):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "clip.vision.attention.layer_norm_epsilon" in r.stderr and said in r.stderr
     assert not out.exists()
+
+
+def test_a_float16_gemma_converted_as_llama_cpp_does_is_not_a_gain_mismatch(pair):
+    """llama.cpp's converter forms a float16 checkpoint's 1 + w in float16 (it upcasts only other
+    dtypes first): the stored gain is fl16(1 + w), up to half a float16 step at 1 + w (2^-11) from
+    1 + w itself. Conversion parity allows that rounding, and still sees a gain moved by more."""
+    import torch
+    from safetensors.torch import load_file
+
+    hf, g = pair("gemma3", dtype="float16", layers=1)
+    w = load_file(hf / "model.safetensors")["model.norm.weight"]
+    assert w.dtype == torch.float16
+    rounded = (w + 1).double() - (w.double() + 1)  # what the float16 sum loses
+    assert float(rounded.abs().max()) > 2.0 ** -24  # more than float32 rounding would: the case is real
+    report = api.check(hf, candidate_checkpoint=g, candidate="torch")
+    codes = {f["code"] for layer in report.to_dict()["layers"] for f in layer.get("findings", [])}
+    assert report.passed and "checkpoint_weight_mismatch" not in codes
+    _, moved = pair("gemma3", dtype="float16", layers=1, offset="twice")
+    assert not api.check(hf, candidate_checkpoint=moved, candidate="torch").passed

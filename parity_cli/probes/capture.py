@@ -232,10 +232,18 @@ def _gguf_via_transformers(model_dir, source: Path, note: str | None, reader=Non
 
 
 def _read_gguf(model_dir, source: Path):
+    """gguf-py's parse, and its tensors' byte ranges checked apart: gguf-py checks that each lies in
+    the file, not that two do not share bytes, and a model is built as large as its tensors claim
+    (every quantized tensor pointing at one block would claim a model far larger than the file)."""
     try:
-        return _fast_reader_class()(str(source))
+        reader = _fast_reader_class()(str(source))
     except Exception as exc:
         raise InputError(f"{model_dir}: gguf-py cannot read the file: {' '.join(str(exc).split())[:200]}") from None
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise InputError(f"{model_dir}: GGUF tensors {name} and {other} share bytes; refused")
+    return reader
 
 
 def _runner(model, names) -> object:
@@ -297,9 +305,13 @@ def _gguf_direct(model_dir, source: Path, reader, config, cls, names):
             raise _Fallback("this transformers has no no_init_weights") from None
 
     def build():
-        if hasattr(cls, "from_config"):  # an Auto class
-            return cls.from_config(config, trust_remote_code=False)
-        return cls._from_config(config)
+        try:
+            if hasattr(cls, "from_config"):  # an Auto class
+                return cls.from_config(config, trust_remote_code=False)
+            return cls._from_config(config)
+        except Exception as exc:  # a config the metadata made that transformers cannot build
+            raise InputError(f"{model_dir}: transformers cannot build the model ({cls.__name__}) its metadata "
+                             f"declares: {' '.join(str(exc).split())[:200]}") from None
 
     # the model's size from the metadata, counted on the meta device before a byte is allocated: every
     # parameter is filled from a tensor of the same size, so it cannot need more than the tensors hold
@@ -348,8 +360,9 @@ def _gguf_direct(model_dir, source: Path, reader, config, cls, names):
                 weights = dequantize(tensor.data, tensor.tensor_type)
                 result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=mapping,
                                            parsed_parameters=parsed)
-            except NotImplementedError as exc:
-                raise InputError(f"{model_dir}: tensor {tensor.name}: {exc}") from None
+            except Exception as exc:  # a type gguf-py cannot decode, a shape the processor cannot take
+                raise InputError(f"{model_dir}: tensor {tensor.name} cannot be dequantized: "
+                                 f"{' '.join(str(exc).split())[:200]}") from None
             read += 1
             if result.name is None or result.name not in mapping:
                 continue  # taken by the processor (into parsed["tensors"]) or not the model's
@@ -432,7 +445,12 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     if not seen:
         raise InputError(f"{model_dir}: no module of {cls.__name__} is a norm layer parity checks "
                          f"(looked for {', '.join(sorted(names)[:3])}, ...); nothing captured")
-    tensors = {name: samples[name].rows().contiguous() for name in names if name in seen}
+    kept = {name: samples[name].rows() for name in names if name in seen}
+    empty = sorted(name for name, rows in kept.items() if rows is None)
+    if empty:  # the forward reached them, but every row it gave was NaN or inf: nothing to probe with
+        raise InputError(f"{model_dir}: every row {cls.__name__} gave {layer_count_words(len(empty))} "
+                         f"({empty[0]}{', ...' if len(empty) > 1 else ''}) is NaN or inf; nothing captured")
+    tensors = {name: rows.contiguous() for name, rows in kept.items()}
     for layer in layers:  # the norms themselves: a copy in another format is the same model within rounding
         for part, t in (("weight", layer.weight), ("bias", layer.bias)):
             if t is not None:
@@ -455,6 +473,10 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
                   for layer in layers if layer.weight is not None},
     }
     return tensors, meta
+
+
+def layer_count_words(n: int) -> str:
+    return f"{n} layer" if n == 1 else f"{n} layers"
 
 
 def summary(out, tensors: dict, meta: dict) -> list[str]:
@@ -586,6 +608,8 @@ def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict
     stored = meta.get("norms")
     if not isinstance(stored, dict):
         raise other("the capture does not record its norms")
+    if not stored:
+        raise other("the capture records no norm layer")
     here = {layer.name: layer for layer in layers if layer.weight is not None}
     mapping, unplaced, extra = _layout(stored, here, key)
     if unplaced:
@@ -618,6 +642,10 @@ def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict
             # one value rounded once the same way: equal, or not the same model
             bound = torch.zeros_like(a) if shift == 0 and mine == theirs else rounding_bound(a, theirs, b, mine)
             a = a + shift  # the two effective gains (stored + offset), compared on this checkpoint's scale
+            if shift and "float16" in (mine, theirs):
+                # llama.cpp's converter adds the offset in a float16 source's own dtype (it upcasts only
+                # other dtypes first): the baked 1 + w carries one more float16 rounding, at 1 + w
+                bound = bound + _half_step(b + layer.gain_offset, "float16")  # at the effective gain
             finite = torch.isfinite(a) & torch.isfinite(b)
             a_odd, b_odd = a[~finite], b[~finite]
             if not bool(((a_odd == b_odd) | (a_odd.isnan() & b_odd.isnan())).all()):

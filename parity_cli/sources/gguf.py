@@ -228,7 +228,7 @@ def _gated_groups(path, reader, arch: str, family, tensors: dict, gguf_names: di
         return {}
     key = count_key.format(arch=arch) if count_key else None
     count = _number(reader, key, path) if key else None
-    if count is not None and (isinstance(count, bool) or count != int(count) or count < 1):
+    if count is not None and (isinstance(count, bool) or not math.isfinite(count) or count != int(count) or count < 1):
         raise InputError(f"{path}: GGUF metadata {key} must be a positive integer, got {count!r}")
     reshaped = {}
     for name, (groups, t) in sorted(gated.items()):

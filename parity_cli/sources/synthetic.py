@@ -240,9 +240,12 @@ def hf_to_gguf(hf_dir, out_path, *, eps: float | None = None, offset: str = "bak
         gguf_name = names.get_name(base)
         if gguf_name is None or "norm" not in gguf_name or base in drop:
             continue
-        w = t.to(torch.float32)
+        # llama.cpp's converter upcasts a tensor to float32 first unless it is float16 or float32, so a
+        # float16 checkpoint's 1 + w is formed, and rounded, in float16
+        w = t if t.dtype == torch.float16 else t.to(torch.float32)
         if gemma_like:
             w = w + {"baked": 1.0, "missing": 0.0, "twice": 2.0}[offset]
+        w = w.to(torch.float32)
         dtype = "F16" if base in f16 else norm_dtype
         if dtype == "F16":
             writer.add_tensor(f"{gguf_name}.weight", w.numpy().astype(np.float16))
