@@ -305,23 +305,13 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     return layers, described, dtype
 
 
-def layout_key(family):
-    """name -> (the family's pattern that claims it, its indices): two names are one layer when
-    only the layout (root) differs, model.layers.3 and model.language_model.layers.3."""
-    import re
-
-    def key(name):
-        pattern = family.match(name)
-        return (pattern.name, tuple(re.findall(r"(?<=\.)\d+(?=\.|$)", name))) if pattern else None
-
-    return key
-
-
 def _as_named(layers, reference_layers, family):
     """A GGUF copy's layers under the reference's names where only the layout differs: gguf-py
     maps back to the published names (vision_tower.vision_model.encoder.layers.0.layer_norm1), a
     checkpoint saved by transformers 5.x has others (vision_tower.encoder.layers.0.layer_norm1).
     Two names are one layer when the same norm pattern claims both, with the same indices."""
+    from parity_cli.model.families import layout_key
+
     key = layout_key(family)
     names = {layer.name for layer in reference_layers}
     by_key: dict = {}
@@ -351,6 +341,7 @@ def with_captured(opts: CheckOptions, layers, everything, family=None):
         return opts, None
     import dataclasses
 
+    from parity_cli.model.families import layout_key
     from parity_cli.probes import capture
 
     rows, meta = capture.load(opts.activations, layers, everything(), layout_key(family) if family else None)

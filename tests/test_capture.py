@@ -942,3 +942,21 @@ def test_a_float16_gemma3_capture_serves_its_gguf(gemma3, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     m = load_json(tmp_path / "r.json")["probes"]["activations"]["norms_match"]
     assert m["kind"] == "within_rounding" and sorted(m["dtypes"]) == ["float16", "float32"]
+
+
+def test_a_capture_of_the_multimodal_checkpoint_serves_its_language_models_gguf(gemma3, tmp_path):
+    """The other way: a capture made on the multimodal checkpoint (text run through it: the towers
+    the text does not reach hold no rows) checked on the GGUF of its language model. The towers the
+    GGUF lacks are said to be unused; the language model's layers get the rows."""
+    mm = _gemma3_multimodal(gemma3["hf32"], tmp_path / "mm")
+    out = tmp_path / "mm.safetensors"
+    r = run_parity("capture", mm, "--prompt", PROMPT, "-o", out)
+    assert r.returncode == 0, r.stderr
+    report = tmp_path / "gguf.json"
+    r = run_parity("check", gemma3["gguf"], "--activations", out, "--json", report)
+    assert r.returncode == 0, r.stdout + r.stderr
+    acts = load_json(report)["probes"]["activations"]
+    unused = acts["norms_match"]["rows_not_used"]
+    assert set(unused["towers"]) == {"vision", "projector"} and unused["layers"] == 5  # 2 x 2 + post + the projector's
+    assert acts["norms_match"]["renamed"] == 13 and "rows are not used" in acts["match"]
+    assert sorted(acts["layers"]) == sorted(k.removesuffix(".weight") for k in _norms(gemma3["hf32"]))

@@ -22,7 +22,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 # model_type -> llama.cpp's general.architecture for it
 ARCH = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid",
-        "bamba": "granitehybrid", "nemotron_h": "nemotron_h", "nemotron": "nemotron"}
+        "bamba": "granitehybrid", "nemotron_h": "nemotron_h_moe", "nemotron": "nemotron"}
+# (NemotronHModel writes nemotron_h_moe where the config has num_experts_per_tok, as the tiny one does)
 # Qwen3NextModel.modify_tensors (the Qwen 3.5 models inherit it) and NemotronModel.modify_tensors:
 # `data_torch + 1` on "norm.weight" (Qwen: except "linear_attn.norm.weight")
 BAKES = {"qwen3next", "qwen35", "nemotron"}
@@ -32,17 +33,21 @@ def _config(hf):
     return json.loads((hf / "config.json").read_text())
 
 
-def convert(hf, out, *, bake=True, bake_gated=False, rows=None, group_count=None):
+def convert(hf, out, *, bake=True, bake_gated=False, rows=None, group_count=None, nextn=0):
     """The norm tensors of `hf` as llama.cpp's converter writes them (gguf-py's name map), F32.
     Faults: `bake=False` (the + 1 left out), `bake_gated` (a + 1 on the gated norm too), `rows`
-    (the gated gain stored by another group count), `group_count` (another count in the metadata)."""
+    (the gated gain stored by another group count), `group_count` (another count in the metadata).
+    `nextn` appends that many next-token-prediction blocks after the model's own, as Qwen 3.5's
+    converter does by default (_Qwen35MtpMixin: mtp.layers.K -> blk.{n_layers + K})."""
     config = _config(hf)
     arch = ARCH[config["model_type"]]
     arch_enum = next(e for e, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     blocks = config.get("num_hidden_layers") or len(config["layers_block_type"])  # NemotronH: its pattern's length
-    names = gguf.get_tensor_name_map(arch_enum, blocks)
+    names = gguf.get_tensor_name_map(arch_enum, blocks + nextn)
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(blocks)
+    w.add_block_count(blocks + nextn)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     w.add_embedding_length(config["hidden_size"])
     if arch == "nemotron":
         w.add_layer_norm_eps(config["norm_eps"])
@@ -63,6 +68,10 @@ def convert(hf, out, *, bake=True, bake_gated=False, rows=None, group_count=None
         if target.endswith("ssm_norm") and groups is not None:  # Mamba2Model: reshape((n_group, d_inner // n_group))
             t = t.reshape(rows or groups, -1)
         w.add_tensor(f"{target}.{suffix}", t.numpy().astype(np.float32))
+    for k in range(nextn):  # the MTP block's own norms (ones: the converter's + 1 on a zero-initialised w)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            target = names.get_name(f"model.layers.{blocks + k}.{norm}")
+            w.add_tensor(f"{target}.weight", np.ones(config["hidden_size"], np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -170,3 +179,19 @@ def test_an_architecture_with_1_plus_w_that_configs_does_not_list_is_still_refus
     monkeypatch.setattr(source, "conventions", lambda: rules)
     r = run_parity("inspect", g)
     assert r.returncode == 2 and "whether its converter stored w or 1 + w is not known" in r.stderr
+
+
+def test_a_qwen3_5_gguf_with_its_mtp_block_reads_as_the_model_and_says_so(tiny, tmp_path):
+    """Qwen 3.5's converter appends the multi-token-prediction block after the model's own
+    (qwen35.nextn_predict_layers = 1, block_count one more): transformers builds no such layer, so
+    its norms are set aside with a note, and a correct conversion passes."""
+    path = tiny("qwen3_5_text")
+    blocks = _config(path)["num_hidden_layers"]
+    g = convert(path, tmp_path / "mtp.gguf", nextn=1)
+    info = api.inspect(g)
+    assert {layer["name"] for layer in info["layers"]} == {layer["name"] for layer in api.inspect(path)["layers"]}
+    assert [w for w in info["warnings"] if "next-token-prediction" in w] == [
+        f"GGUF block {blocks} (2 tensors): the model's next-token-prediction layers (qwen35.nextn_predict_layers = 1), "
+        "which the transformers model does not build; not checked"]
+    report = api.check(path, candidate_checkpoint=g, candidate="torch", dtype="float32")
+    assert report.passed and not report.findings

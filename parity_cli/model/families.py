@@ -339,6 +339,18 @@ def family_by_name(name: str) -> Family:
     return family
 
 
+def layout_key(family: Family):
+    """name -> (the family's pattern that claims it, its indices): two names are one layer when
+    only the layout (root) differs, language_model.model.layers.3 as a checkpoint stores it and
+    model.language_model.layers.3 as transformers 5.x names the module, or a GGUF's model.layers.3."""
+
+    def key(name):
+        pattern = family.match(name)
+        return (pattern.name, tuple(re.findall(r"(?<=\.)\d+(?=\.|$)", name))) if pattern else None
+
+    return key
+
+
 def family_choice(given: str | None, family: Family, model_type=None, fmt: str | None = None,
                   architecture: str | None = None) -> str:
     """How the family was chosen, one phrase for the report's checkpoint.family_from and the

@@ -266,7 +266,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
     if names is not None:  # a --jobs worker's share
         matched = [m for m in matched if m[0] in names]
 
-    layers, warnings = [], []
+    layers, warnings = [], list(getattr(ckpt, "notes", []))  # what the reader set aside (a GGUF's MTP block)
     for name, tensor, pattern in matched:
         if pattern.weightless:
             layer = _weightless_layer(ckpt, family, name, pattern, override)

@@ -378,12 +378,29 @@ def _gguf_direct(model_dir, source: Path, reader, config, cls, names):
     return model, runner, note
 
 
+def _same_layer(names: dict, key):
+    """module name -> the checked layer it is where transformers names the module otherwise than the
+    checkpoint stores it (a multimodal checkpoint saved as language_model.model.layers.3, the module
+    model.language_model.layers.3 in transformers 5.x): the one layer of the same pattern and indices."""
+    by_key: dict = {}
+    for name in names:
+        by_key.setdefault(key(name), []).append(name)
+
+    def same(qual):
+        k = key(qual)
+        found = by_key.get(k, []) if k is not None else []
+        return found[0] if len(found) == 1 else None
+
+    return same
+
+
 def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 96, device: str = "cpu",
             seed: int = 0, chunk: int | None = None) -> tuple[dict, dict]:
     """({layer name: float32 rows (k, dim)}, metadata) for the norm layers parity checks."""
     import torch
 
     from parity_cli.backends.implementations import mean_square
+    from parity_cli.model.families import layout_key
     from parity_cli.model.fingerprint import fingerprint
     from parity_cli.model.layers import discover_layers
     from parity_cli.model.load import load
@@ -417,11 +434,13 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     k_small = k_large = rows_per_layer // 3
     rng = random.Random(seed)
     samples = {name: _Sample(k_small, k_large, rows_per_layer - k_small - k_large, rng) for name in names}
-    hooks, seen = [], set()
+    hooks, seen, taken = [], set(), set()
+    same = _same_layer(names, layout_key(fam))
     for qual, module in model.named_modules():
-        name = next((n for n in (qual, f"model.{qual}") if n in names), None)  # AutoModel drops the prefix
-        if name is None:
+        name = next((n for n in (qual, f"model.{qual}") if n in names), None) or same(qual)  # AutoModel drops model.
+        if name is None or name in taken:
             continue
+        taken.add(name)
         layer = names[name]
 
         def hook(mod, args, name=name, layer=layer):
@@ -610,10 +629,18 @@ def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict
         raise other("the capture does not record its norms")
     if not stored:
         raise other("the capture records no norm layer")
+    from parity_cli.model.layers import tower_of
+
     here = {layer.name: layer for layer in layers if layer.weight is not None}
     mapping, unplaced, extra = _layout(stored, here, key)
-    if unplaced:
-        raise other(f"{len(unplaced)} norm layer(s) in the capture and not here, e.g. {unplaced[0]}")
+    if not mapping:
+        raise other("no norm layer of the capture is one of this checkpoint's")
+    # the capture's copy may hold towers this one lacks (a multimodal checkpoint's capture checked on
+    # its language model's GGUF): their rows are not used; a layer of a tower both hold must be here
+    shared = {tower_of(name) for name in mapping}
+    stray = [name for name in unplaced if tower_of(name) in shared]
+    if stray:
+        raise other(f"{len(stray)} norm layer(s) in the capture and not here, e.g. {stray[0]}")
     towers = sorted({here[name].tower for name in mapping.values()})
     missing = [name for name in extra if here[name].tower in towers]  # a tower the capture has, less a layer
     if missing:
@@ -679,6 +706,11 @@ def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict
         line += (f"; the capture's copy holds the {' and '.join(towers)} tower only: {len(extra)} layers of the "
                  f"{' and '.join(others)} tower here have no captured rows")
         numbers["without_rows"] = {"layers": len(extra), "towers": others}
+    if unplaced:
+        theirs = sorted({tower_of(name) for name in unplaced})
+        line += (f"; this copy lacks the capture's {' and '.join(theirs)} tower: its {len(unplaced)} layers' rows "
+                 "are not used")
+        numbers["rows_not_used"] = {"layers": len(unplaced), "towers": theirs}
     return line, numbers, renamed
 
 

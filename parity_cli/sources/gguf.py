@@ -79,6 +79,7 @@ class GGUFCheckpoint:
     _reshaped: dict = field(default_factory=dict, repr=False)
     # configs/gguf.toml lists the architecture's converter as storing a 1 + w gain as the sum
     offset_baked: bool = False
+    notes: list = field(default_factory=list, repr=False)  # what reading the file set aside, and why
 
     @property
     def model_type(self) -> str | None:
@@ -205,11 +206,41 @@ def open_gguf(path: Path, families: dict, derived=None, model=None) -> GGUFCheck
             break
 
     tensors, gguf_names = _hf_names(path, reader, arch, family)
+    notes = _set_aside_nextn(path, reader, arch, tensors, gguf_names)
     reshaped = _gated_groups(path, reader, arch, family, tensors, gguf_names, config, sources,
                              rules.get("gated_norm", {}).get("group_count"))
     return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=arch,
                           _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names,
-                          _reshaped=reshaped, offset_baked=arch in baked)
+                          _reshaped=reshaped, offset_baked=arch in baked, notes=notes)
+
+
+def _set_aside_nextn(path, reader, arch: str, tensors: dict, gguf_names: dict) -> list[str]:
+    """The next-token-prediction (MTP) blocks a converter appends after the model's own
+    (`{arch}.nextn_predict_layers` of the `{arch}.block_count` blocks: Qwen 3.5's, GLM-4.5's): the
+    transformers model builds no such layer, so their norms are not the checkpoint's layers.
+    Removed from `tensors`; the note says which blocks and why."""
+    import re
+
+    nextn = _number(reader, f"{arch}.nextn_predict_layers", path)
+    blocks = _number(reader, f"{arch}.block_count", path)
+    if not nextn or not blocks:
+        return []
+    if isinstance(nextn, bool) or not math.isfinite(nextn) or nextn != int(nextn) or not 0 < nextn <= blocks:
+        raise InputError(f"{path}: GGUF metadata {arch}.nextn_predict_layers must be an integer from 1 to "
+                         f"{arch}.block_count ({blocks}), got {nextn!r}")
+    first = int(blocks) - int(nextn)
+    aside = []
+    for name in list(tensors):
+        stored = gguf_names.get(name.rsplit(".", 1)[0], name)
+        m = re.match(r"blk\.(\d+)\.", stored)
+        if m and int(m.group(1)) >= first:
+            aside.append(stored)
+            del tensors[name]
+    if not aside:
+        return []
+    span = f"block {first}" if int(nextn) == 1 else f"blocks {first} to {int(blocks) - 1}"
+    return [f"GGUF {span} ({len(aside)} tensors): the model's next-token-prediction layers "
+            f"({arch}.nextn_predict_layers = {int(nextn)}), which the transformers model does not build; not checked"]
 
 
 def _gated_groups(path, reader, arch: str, family, tensors: dict, gguf_names: dict, config: dict, sources: dict,
