@@ -629,3 +629,20 @@ def test_a_correct_plugin_passes_without_a_diagnosis(tiny, model_type, candidate
 def test_the_model_s_own_weightless_class_as_a_module_plugin_passes(tiny, model_type, candidate, glob):
     report = api.check(tiny(model_type), candidate=candidate, dtype="bfloat16", isolation="none", layers=glob)
     assert report.layers and report.passed, [layer.error for layer in report.layers]
+
+
+@pytest.mark.parametrize("model_type,router_key", [("kimi_linear", "num_expert_group")])
+def test_an_moe_routers_group_count_is_not_a_gated_norms(tiny, tmp_path, model_type, router_key):
+    """KimiLinearRMSNormGated normalises the whole head (its class has no groups); the config's
+    num_expert_group counts the MoE router's expert groups. A checkpoint whose router has 4 groups
+    keeps one group in its gated norm, and the model's own class passes against the oracle."""
+    path = tmp_path / model_type
+    shutil.copytree(tiny(model_type), path)
+    config = json.loads((path / "config.json").read_text())
+    config[router_key] = 4
+    (path / "config.json").write_text(json.dumps(config))
+    ckpt, family, eps = load(path)
+    gated = [layer for layer in discover_layers(ckpt, family, eps).layers if layer.kind == "gated_rms_norm"]
+    assert gated and all(layer.groups == 1 for layer in gated)
+    report = api.check(path, candidate="transformers", dtype="float32", isolation="none", layers="*o_norm")
+    assert report.passed and len(report.layers) == len(gated)

@@ -118,7 +118,9 @@ def gated_form(module, eps: float | None) -> dict:
     return out
 
 
-GROUP_KEY = re.compile(r"group", re.IGNORECASE)
+# the keys that count a gated norm's groups (Mamba2's n_groups and its hybrids' spellings), not every
+# key that says group: an MoE router's n_group or num_expert_group is another thing
+GROUP_KEY = re.compile(r"^(mamba_)?n_?groups$", re.IGNORECASE)
 
 
 def groups_key(configs, count: int) -> str | None:
