@@ -22,7 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 # model_type -> llama.cpp's general.architecture for it
 ARCH = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid",
-        "bamba": "granitehybrid", "nemotron_h": "nemotron_h_moe", "nemotron": "nemotron"}
+        "bamba": "granitehybrid", "nemotron_h": "nemotron_h_moe", "nemotron": "nemotron", "kimi_linear": "kimi-linear"}
 # (NemotronHModel writes nemotron_h_moe where the config has num_experts_per_tok, as the tiny one does)
 # Qwen3NextModel.modify_tensors (the Qwen 3.5 models inherit it) and NemotronModel.modify_tensors:
 # `data_torch + 1` on "norm.weight" (Qwen: except "linear_attn.norm.weight")
@@ -84,7 +84,7 @@ def _layers(report):
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "mamba2", "granitemoehybrid", "bamba",
-                                        "nemotron_h", "nemotron"])
+                                        "nemotron_h", "nemotron", "kimi_linear"])
 def test_a_correct_conversion_reads_as_its_checkpoint_and_passes(tiny, tmp_path, model_type):
     path = tiny(model_type)
     g = convert(path, tmp_path / "m.gguf")
