@@ -1,6 +1,9 @@
 """Issue 17: real activations — capture what the norms see from a real (tiny, random-weight)
 transformers model, probe with them, and say what an eps fault does to them."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 from conftest import load_json, run_parity
 
@@ -325,13 +328,30 @@ def test_explain_probes_with_the_real_rows_and_replays_them(llama, tmp_path):
 
 # --- one capture for every copy of a model (issue 27) -----------------------------------------------
 
+def _copy_tokenizer(src, dst):
+    for f in Path(src).iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            shutil.copy(f, Path(dst) / f.name)
+
+
+def _saved_twice(model, root):
+    """(the model saved in float32 with a word-level tokenizer, the same saved in bfloat16)."""
+    import torch
+
+    hf, bf16 = root / "hf32", root / "hf16"
+    model.save_pretrained(hf, safe_serialization=True)
+    _tokenizer(["<unk>", "<pad>"] + [f"w{i}" for i in range(98)]).save_pretrained(hf)
+    model.to(torch.bfloat16).save_pretrained(bf16, safe_serialization=True)
+    _copy_tokenizer(hf, bf16)
+    return hf, bf16
+
+
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
     """One Llama three ways: HF float32 with gains that are not bfloat16 values, the GGUF written
     from it (float32, gguf-py's names), and the HF copy saved in bfloat16 (each gain rounded)."""
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    import shutil
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -345,14 +365,7 @@ def copies(tmp_path_factory):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))  # float32 values bfloat16 cannot hold
-    hf = root / "hf32"
-    model.save_pretrained(hf, safe_serialization=True)
-    _tokenizer(["<unk>", "<pad>"] + [f"w{i}" for i in range(98)]).save_pretrained(hf)
-    bf16 = root / "hf16"
-    model.to(torch.bfloat16).save_pretrained(bf16, safe_serialization=True)
-    for f in hf.iterdir():
-        if "token" in f.name or f.name == "special_tokens_map.json":
-            shutil.copy(f, bf16 / f.name)
+    hf, bf16 = _saved_twice(model, root)
     return {"hf32": hf, "gguf": _write_gguf(hf, root / "model.gguf"), "hf16": bf16}
 
 
@@ -382,12 +395,30 @@ def _half_ulp(values, mantissa_bits):
     return [2.0 ** (math.floor(math.log2(abs(v))) - mantissa_bits - 1) for v in values]
 
 
-def test_a_gguf_capture_serves_the_bfloat16_hf_copy_and_back(copies, tmp_path):
+def _assert_within_bfloat16(target, out, report, largest, share):
+    """`check TARGET --activations OUT` passes with a schema-valid report whose match is a bfloat16
+    rounding of the other copy: `largest` difference at `share` of the bound, both derived by the test."""
     import json
+
+    from parity_cli.resources import schema_path
+
+    r = run_parity("check", target, "--activations", out, "--json", report)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = load_json(report)
+    pytest.importorskip("jsonschema").validate(data, json.loads(schema_path().read_text()))
+    acts = data["probes"]["activations"]
+    assert acts["match"].startswith("within bfloat16 rounding") and f"{largest:.3g}" in acts["match"]
+    m = acts["norms_match"]
+    assert m["kind"] == "within_rounding" and m["coarsest"] == "bfloat16"
+    assert sorted(m["dtypes"]) == ["bfloat16", "float32"]
+    assert m["max_abs_diff"] == largest and m["max_diff_over_bound"] == pytest.approx(share, rel=1e-12)
+    assert acts["rows"] == _rows_in(out)[0] and "within bfloat16 rounding" in r.stdout
+
+
+def test_a_gguf_capture_serves_the_bfloat16_hf_copy_and_back(copies, tmp_path):
 
     import torch
 
-    from parity_cli.resources import schema_path
 
     # the copies really differ: bfloat16 gains are the float32 ones rounded, not equal
     f32, b16 = _norms(copies["hf32"]), _norms(copies["hf16"])
@@ -403,18 +434,7 @@ def test_a_gguf_capture_serves_the_bfloat16_hf_copy_and_back(copies, tmp_path):
         out = tmp_path / f"{source}.safetensors"
         r = run_parity("capture", copies[source], "--prompt", PROMPT, "-o", out)
         assert r.returncode == 0, r.stderr
-        report = tmp_path / f"{target}.json"
-        r = run_parity("check", copies[target], "--activations", out, "--json", report)
-        assert r.returncode == 0, r.stdout + r.stderr
-        data = load_json(report)
-        pytest.importorskip("jsonschema").validate(data, json.loads(schema_path().read_text()))
-        acts = data["probes"]["activations"]
-        assert acts["match"].startswith("within bfloat16 rounding") and f"{largest:.3g}" in acts["match"]
-        m = acts["norms_match"]
-        assert m["kind"] == "within_rounding" and m["coarsest"] == "bfloat16"
-        assert sorted(m["dtypes"]) == ["bfloat16", "float32"]
-        assert m["max_abs_diff"] == largest and m["max_diff_over_bound"] == pytest.approx(share, rel=1e-12)
-        assert acts["rows"] == _rows_in(out)[0] and "within bfloat16 rounding" in r.stdout
+        _assert_within_bfloat16(copies[target], out, tmp_path / f"{target}.json", largest, share)
     # the float32 GGUF holds the HF float32 copy's very tensors: the same fingerprint, an exact match
     r = run_parity("check", copies["hf32"], "--activations", tmp_path / "gguf.safetensors", "--json",
                    tmp_path / "exact.json")
@@ -446,7 +466,6 @@ def test_the_rounding_bound_is_half_a_step_of_each_dtype():
 
 
 def test_a_copy_whose_norms_differ_beyond_rounding_is_refused(copies, llama, tmp_path):
-    import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -632,7 +651,6 @@ def gemma3(tmp_path_factory):
     binades), the HF copy saved in bfloat16, and the GGUF written from the float32 one (1 + w stored)."""
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    import shutil
 
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -647,14 +665,7 @@ def gemma3(tmp_path_factory):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(0.1 * torch.randn_like(p))  # Gemma's w: zero-initialised, here anything but 0
-    hf = root / "hf32"
-    model.save_pretrained(hf, safe_serialization=True)
-    _tokenizer(["<unk>", "<pad>"] + [f"w{i}" for i in range(98)]).save_pretrained(hf)
-    bf16 = root / "hf16"
-    model.to(torch.bfloat16).save_pretrained(bf16, safe_serialization=True)
-    for f in hf.iterdir():
-        if "token" in f.name or f.name == "special_tokens_map.json":
-            shutil.copy(f, bf16 / f.name)
+    hf, bf16 = _saved_twice(model, root)
     return {"hf32": hf, "hf16": bf16, "gguf": _write_gemma3_gguf(hf, root / "gemma3.gguf")}
 
 
@@ -694,7 +705,6 @@ def test_a_gemma3_gguf_capture_serves_the_bfloat16_hf_copy_and_back(gemma3, tmp_
     import torch
     from safetensors import safe_open
 
-    from parity_cli.resources import schema_path
 
     f32, b16 = _norms(gemma3["hf32"]), _norms(gemma3["hf16"])
     g = _gguf_norms(gemma3["gguf"], f32)
@@ -714,18 +724,7 @@ def test_a_gemma3_gguf_capture_serves_the_bfloat16_hf_copy_and_back(gemma3, tmp_
             norms = json.loads(fh.metadata()["parity"])["norms"]
         assert set(norms) == {k[: -len(".weight")] for k in f32}
         assert {n["gain_offset"] for n in norms.values()} == {offset}
-        report = tmp_path / f"{target}.json"
-        r = run_parity("check", gemma3[target], "--activations", out, "--json", report)
-        assert r.returncode == 0, r.stdout + r.stderr
-        data = load_json(report)
-        pytest.importorskip("jsonschema").validate(data, json.loads(schema_path().read_text()))
-        acts = data["probes"]["activations"]
-        assert acts["match"].startswith("within bfloat16 rounding") and f"{largest:.3g}" in acts["match"]
-        m = acts["norms_match"]
-        assert m["kind"] == "within_rounding" and m["coarsest"] == "bfloat16"
-        assert sorted(m["dtypes"]) == ["bfloat16", "float32"]
-        assert m["max_abs_diff"] == largest and m["max_diff_over_bound"] == pytest.approx(share, rel=1e-12)
-        assert acts["rows"] == _rows_in(out)[0] and "within bfloat16 rounding" in r.stdout
+        _assert_within_bfloat16(gemma3[target], out, tmp_path / f"{target}.json", largest, share)
     # the float32 HF copy: both float32, yet 1 + w was rounded once more in the GGUF; within float32 rounding
     largest32, share32 = _against(g, 23, -1.0, f32, 23)
     assert 0 < largest32 and share32 <= 1
@@ -742,7 +741,6 @@ def test_a_gemma3_hf_copy_one_bfloat16_step_off_is_refused(gemma3, tmp_path):
     quarter step of it): another model, refused either way, with the figures the files give. The gain
     picked is the smallest such w: its step is smaller than the rounding differences of larger gains
     in the same layer, so only a bound per element refuses it."""
-    import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -786,8 +784,6 @@ def _gemma3_multimodal(text_dir, out, extra_layers=0):
     """A Gemma3ForConditionalGeneration (a one-layer SigLIP tower, its projector) whose language model
     holds the text-only copy's weights, saved as transformers saves it (language_model.model.*);
     `extra_layers` blocks more than the copy has, left at their own random gains."""
-    import shutil
-    from pathlib import Path
 
     import torch
     from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, SiglipVisionConfig
@@ -808,9 +804,7 @@ def _gemma3_multimodal(text_dir, out, extra_layers=0):
             if "language_model" not in name and name.endswith("norm.weight") or ".layers.2." in name:
                 p.copy_(0.1 * torch.randn_like(p))  # the towers' (and any extra block's) own gains
     model.save_pretrained(out, safe_serialization=True)
-    for f in Path(text_dir).iterdir():
-        if "token" in f.name or f.name == "special_tokens_map.json":
-            shutil.copy(f, Path(out) / f.name)
+    _copy_tokenizer(text_dir, out)
     return Path(out)
 
 
@@ -917,16 +911,13 @@ def test_a_float16_gemma3_capture_serves_its_gguf(gemma3, tmp_path):
     """A float16 checkpoint's GGUF holds fl16(w + 1) (the converter adds the 1 in float16): up to half
     a float16 step at 1 + w from w + 1, more than float32 and float16 rounding of w allow. A capture
     from the float16 copy is accepted on that GGUF, and the figures say how close it came."""
-    import shutil
 
     import torch
     from transformers import Gemma3ForCausalLM
 
     f16 = tmp_path / "hf_f16"
     Gemma3ForCausalLM.from_pretrained(gemma3["hf32"], torch_dtype=torch.float16).save_pretrained(f16)
-    for f in gemma3["hf32"].iterdir():
-        if "token" in f.name or f.name == "special_tokens_map.json":
-            shutil.copy(f, f16 / f.name)
+    _copy_tokenizer(gemma3["hf32"], f16)
     g = _write_gemma3_gguf(f16, tmp_path / "f16.gguf")
     w = _norms(f16)
     stored = _gguf_norms(g, w)
