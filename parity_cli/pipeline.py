@@ -125,7 +125,8 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
             layers[-1]["groups"] = layer.groups
     # one line per kind of condition, with how many layers and which: a healthy 109-layer model
     # must not print 77 lines about it
-    from parity_cli.report.grouping import layer_count, name_pattern
+    from parity_cli.report.grouping import name_pattern
+    from parity_cli.text import layer_count
 
     universe = [l.name for l in found.layers]
     notes = []
@@ -162,7 +163,8 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
 
 def _nonfinite_words(nonfinite: list, universe: list) -> str:
     """One warning for every layer whose stored gain holds NaN or inf: ((name, count), ...)."""
-    from parity_cli.report.grouping import layer_count, name_pattern
+    from parity_cli.report.grouping import name_pattern
+    from parity_cli.text import layer_count
 
     names = [n for n, _ in nonfinite]
     return (f"non-finite weight values in {layer_count(len(names))} ({name_pattern(names, universe)}): "
@@ -310,20 +312,17 @@ def _as_named(layers, reference_layers, family):
     maps back to the published names (vision_tower.vision_model.encoder.layers.0.layer_norm1), a
     checkpoint saved by transformers 5.x has others (vision_tower.encoder.layers.0.layer_norm1).
     Two names are one layer when the same norm pattern claims both, with the same indices."""
-    from parity_cli.model.families import layout_key
+    from parity_cli.model.families import layout_lookup
 
-    key = layout_key(family)
     names = {layer.name for layer in reference_layers}
-    by_key: dict = {}
-    for layer in reference_layers:
-        by_key.setdefault(key(layer.name), []).append(layer.name)
+    find = layout_lookup(names, family)
     taken = {layer.name for layer in layers}  # a name the copy has already is never given twice
     out = []
     for layer in layers:
-        same = by_key.get(key(layer.name), []) if layer.name not in names else []
-        if len(same) == 1 and same[0] not in taken:
-            taken.add(same[0])
-            layer = dataclasses.replace(layer, name=same[0])
+        same = find(layer.name) if layer.name not in names else None
+        if same is not None and same not in taken:
+            taken.add(same)
+            layer = dataclasses.replace(layer, name=same)
         out.append(layer)
     return out
 
@@ -341,10 +340,9 @@ def with_captured(opts: CheckOptions, layers, everything, family=None):
         return opts, None
     import dataclasses
 
-    from parity_cli.model.families import layout_key
     from parity_cli.probes import capture
 
-    rows, meta = capture.load(opts.activations, layers, everything(), layout_key(family) if family else None)
+    rows, meta = capture.load(opts.activations, layers, everything(), family)
     return dataclasses.replace(opts, captured=rows), meta
 
 

@@ -55,3 +55,8 @@ def printable_tree(value):
     for into, at in reversed(tuples):  # children first: a tuple copies its items as they are now
         into[at] = tuple(into[at])
     return out[0]
+
+
+def layer_count(n: int) -> str:
+    """'1 layer', '5 layers': how every message counts layers."""
+    return f"{n} layer" + ("" if n == 1 else "s")

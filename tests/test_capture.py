@@ -951,3 +951,30 @@ def test_a_capture_of_the_multimodal_checkpoint_serves_its_language_models_gguf(
     assert set(unused["towers"]) == {"vision", "projector"} and unused["layers"] == 5  # 2 x 2 + post + the projector's
     assert acts["norms_match"]["renamed"] == 13 and "rows are not used" in acts["match"]
     assert sorted(acts["layers"]) == sorted(k.removesuffix(".weight") for k in _norms(gemma3["hf32"]))
+
+
+
+@pytest.mark.parametrize("offset", [None, float("nan"), "1", True])
+def test_a_capture_whose_recorded_gain_offset_is_no_number_is_refused(copies, tmp_path, offset):
+    """The capture's metadata is untrusted: a norm's recorded gain offset that is missing, NaN, a
+    string or a bool is one line naming the layer, not a comparison that passes."""
+    import json as jsonlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = tmp_path / "c.safetensors"
+    assert run_parity("capture", copies["gguf"], "--prompt", PROMPT, "-o", out).returncode == 0
+    with safe_open(str(out), framework="pt") as fh:
+        meta = jsonlib.loads(fh.metadata()["parity"])
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    info = meta["norms"]["model.norm"]
+    if offset is None:
+        del info["gain_offset"]
+    else:
+        info["gain_offset"] = offset
+    lying = tmp_path / "lying.safetensors"
+    save_file(tensors, str(lying), metadata={"parity": jsonlib.dumps(meta)})
+    r = run_parity("check", copies["hf16"], "--activations", lying)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "model.norm's recorded gain offset is" in r.stderr

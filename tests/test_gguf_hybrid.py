@@ -33,20 +33,22 @@ def _config(hf):
     return json.loads((hf / "config.json").read_text())
 
 
-def convert(hf, out, *, bake=True, bake_gated=False, rows=None, group_count=None, nextn=0):
+def convert(hf, out, *, bake=True, bake_gated=False, rows=None, group_count=None, nextn=0, floats=None):
     """The norm tensors of `hf` as llama.cpp's converter writes them (gguf-py's name map), F32.
     Faults: `bake=False` (the + 1 left out), `bake_gated` (a + 1 on the gated norm too), `rows`
     (the gated gain stored by another group count), `group_count` (another count in the metadata).
     `nextn` appends that many next-token-prediction blocks after the model's own, as Qwen 3.5's
-    converter does by default (_Qwen35MtpMixin: mtp.layers.K -> blk.{n_layers + K})."""
+    converter does by default (_Qwen35MtpMixin: mtp.layers.K -> blk.{n_layers + K}). `floats`
+    writes metadata keys as float32 values, in place of what the converter writes (hostile files)."""
     config = _config(hf)
     arch = ARCH[config["model_type"]]
     arch_enum = next(e for e, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    floats = {k.format(arch=arch): v for k, v in (floats or {}).items()}
     blocks = config.get("num_hidden_layers") or len(config["layers_block_type"])  # NemotronH: its pattern's length
     names = gguf.get_tensor_name_map(arch_enum, blocks + nextn)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(blocks + nextn)
-    if nextn:
+    if nextn and f"{arch}.nextn_predict_layers" not in floats:
         w.add_nextn_predict_layers(nextn)
     w.add_embedding_length(config["hidden_size"])
     if arch == "nemotron":
@@ -54,8 +56,10 @@ def convert(hf, out, *, bake=True, bake_gated=False, rows=None, group_count=None
     else:
         w.add_layer_norm_rms_eps(config.get("rms_norm_eps", config.get("layer_norm_epsilon")))
     groups = config.get("n_groups", config.get("mamba_n_groups"))
-    if groups is not None:  # Mamba2Model.set_gguf_parameters: add_ssm_group_count(n_group)
+    if groups is not None and f"{arch}.ssm.group_count" not in floats:  # Mamba2Model: add_ssm_group_count(n_group)
         w.add_ssm_group_count(group_count or groups)
+    for key, value in floats.items():
+        w.add_float32(key, value)
     for name, t in load_file(hf / "model.safetensors").items():
         base, _, suffix = name.rpartition(".")
         if "norm" not in base or t.dim() != 1:
@@ -195,3 +199,19 @@ def test_a_qwen3_5_gguf_with_its_mtp_block_reads_as_the_model_and_says_so(tiny, 
         "which the transformers model does not build; not checked"]
     report = api.check(path, candidate_checkpoint=g, candidate="torch", dtype="float32")
     assert report.passed and not report.findings
+
+
+@pytest.mark.parametrize("model_type,key,value", [
+    ("mamba2", "{arch}.ssm.group_count", float("nan")), ("mamba2", "{arch}.ssm.group_count", float("inf")),
+    ("mamba2", "{arch}.ssm.group_count", 0.0), ("mamba2", "{arch}.ssm.group_count", 2.5),
+    ("qwen3_5_text", "{arch}.nextn_predict_layers", 7.0), ("qwen3_5_text", "{arch}.nextn_predict_layers", -1.0),
+    ("qwen3_5_text", "{arch}.nextn_predict_layers", float("nan"))])
+def test_lying_counts_in_the_metadata_are_one_line(tiny, tmp_path, model_type, key, value):
+    """A group count or a number of next-token-prediction blocks that is no count (NaN, inf, 0, a
+    fraction, more blocks than the file has): refused in one line naming the key, exit 2."""
+    path = tiny(model_type)
+    g = convert(path, tmp_path / "lying.gguf", nextn=1 if "nextn" in key else 0, floats={key: value})
+    r = run_parity("inspect", g)
+    name = key.format(arch=ARCH[model_type])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"GGUF metadata {name} must be" in r.stderr and "Traceback" not in r.stderr

@@ -339,16 +339,26 @@ def family_by_name(name: str) -> Family:
     return family
 
 
-def layout_key(family: Family):
-    """name -> (the family's pattern that claims it, its indices): two names are one layer when
-    only the layout (root) differs, language_model.model.layers.3 as a checkpoint stores it and
-    model.language_model.layers.3 as transformers 5.x names the module, or a GGUF's model.layers.3."""
+def layout_lookup(names, family: Family):
+    """name -> the one of `names` that is the same layer under another layout, or None (none, or
+    several): the same pattern of the family claims both, with the same indices. A checkpoint stores
+    language_model.model.layers.3, transformers 5.x names the module model.language_model.layers.3,
+    a GGUF model.layers.3."""
 
     def key(name):
         pattern = family.match(name)
         return (pattern.name, tuple(re.findall(r"(?<=\.)\d+(?=\.|$)", name))) if pattern else None
 
-    return key
+    by_key: dict = {}
+    for name in names:
+        by_key.setdefault(key(name), []).append(name)
+
+    def find(name):
+        k = key(name)
+        found = by_key.get(k, []) if k is not None else []
+        return found[0] if len(found) == 1 else None
+
+    return find
 
 
 def family_choice(given: str | None, family: Family, model_type=None, fmt: str | None = None,

@@ -284,7 +284,7 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
             continue
         sem = pattern.semantics
         gain_offset = sem.gain_offset
-        if ckpt.format == "gguf" and family.gguf_offset_baked:
+        if getattr(ckpt, "offset_baked", False):
             gain_offset = 0.0  # llama.cpp stores 1 + w: adding 1 again would be the bug it guards against
         dim = info.shape[-1]
         layer_warnings = []

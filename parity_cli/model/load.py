@@ -3,7 +3,6 @@ place a source is chosen, so that no reader imports another or the families abov
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -40,8 +39,6 @@ def load(path: str | Path, family: str | None = None, eps: float | None = None, 
     ckpt = open_checkpoint(path, model)
     where = str(path) if ckpt.format == "gguf" else str(Path(path) / "config.json")
     fam = forced or _family(ckpt, where)
-    if getattr(ckpt, "offset_baked", False) and not fam.gguf_offset_baked:
-        fam = dataclasses.replace(fam, gguf_offset_baked=True)  # configs/gguf.toml: the converter stores 1 + w
     return ckpt, fam, resolve_eps(ckpt, fam, eps)
 
 

@@ -26,6 +26,26 @@ def _rounded(values, dtype):
     return values.to(dtype).to(torch.float64)
 
 
+def half_step(values, dtype_name: str):
+    """Half the spacing of `dtype_name`'s values at each of `values` (float64): 2^(e - p - 1) for
+    |v| in [2^e, 2^(e+1)), p the dtype's mantissa bits; constant below the smallest normal number."""
+    import torch
+
+    info = torch.finfo(getattr(torch, dtype_name))
+    _, exp = torch.frexp(values.abs())  # |v| = m * 2^exp, m in [0.5, 1): the binade is 2^(exp - 1)
+    binade = torch.where(values == 0, torch.zeros_like(values), torch.ldexp(torch.ones_like(values), exp - 1))
+    return binade.clamp_min(info.tiny) * info.eps / 2
+
+
+def rounding_bound(a, a_dtype: str, b, b_dtype: str):
+    """How far apart two stored copies of one gain can be, element by element: each copy is the gain
+    (less its own stored offset) rounded to nearest in its own dtype, and a round to nearest moves a
+    value by at most half a step of that dtype at the rounded result (the step at the true value is
+    never larger). So |a - b| <= half_step(a) + half_step(b); for float32 against bfloat16 at |a| in
+    [1, 2): 2^-24 + 2^-8. The same dtype and offset: both are one rounding of one value, bound 0."""
+    return half_step(a, a_dtype) + half_step(b, b_dtype)
+
+
 def eps_equal(a: float, b: float) -> bool:
     """Equal once both are float32: GGUF stores eps as float32, so 1e-5 read back as
     9.99999974738e-06 is the same eps; 1e-6 against 1e-5 is not."""
@@ -51,12 +71,11 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked:
     allowed = torch.zeros_like(ref64)
     if baked:
         mag = torch.maximum(ref64.abs(), cand64.abs())
-        exponent = torch.floor(torch.log2(torch.where(mag > 0, mag, torch.ones_like(mag))))
-        allowed = 0.5 * torch.pow(2.0, exponent - 23) * 1.001  # half a float32 ulp at |gain|
+        allowed = half_step(mag, "float32") * 1.001  # the converter's float32 rounding of offset + w
         if torch.float16 in (ref_dtype, cand_dtype):
             # llama.cpp's converter adds the offset in a float16 checkpoint's own dtype (it upcasts
             # only other dtypes first): one more float16 rounding of the gain
-            allowed = allowed + 0.5 * torch.pow(2.0, exponent - 10) * 1.001
+            allowed = allowed + half_step(mag, "float16") * 1.001
     diff = (cand64 - ref64).abs()
     bad = ~(diff <= allowed) | (torch.isnan(cand64) != torch.isnan(ref64))
     bad &= ~(torch.isnan(cand64) & torch.isnan(ref64))

@@ -12,11 +12,14 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.model.pairing import half_step, rounding_bound
+from parity_cli.text import layer_count
 
 MAX_ROWS_PER_LAYER = 4096
 NORM_PREFIX = "norm:"  # beside the rows, the norm tensors the capture was made with (float32)
@@ -239,25 +242,26 @@ def _read_gguf(model_dir, source: Path):
         reader = _fast_reader_class()(str(source))
     except Exception as exc:
         raise InputError(f"{model_dir}: gguf-py cannot read the file: {' '.join(str(exc).split())[:200]}") from None
-    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
-    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
-        if start < end:
-            raise InputError(f"{model_dir}: GGUF tensors {name} and {other} share bytes; refused")
+    from parity_cli.sources.gguf_reader import first_overlap
+
+    pair = first_overlap((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    if pair:
+        raise InputError(f"{model_dir}: GGUF tensors {pair[0]} and {pair[1]} share bytes; refused")
     return reader
 
 
-def _runner(model, names) -> object:
+def _runner(model, hooked) -> object:
     """The base model (no output head: a 49,152 x 576 matmul per token, and its weight, not needed)
     where every norm parity checks is inside it; else the whole model."""
     base = getattr(model, "base_model", model)
     if base is model:
         return model
     inside = {id(m) for m in base.modules()}
-    hooked = [m for qual, m in model.named_modules() if qual in names or f"model.{qual}" in names]
-    return base if hooked and all(id(m) in inside for m in hooked) else model
+    modules = [m for m, _ in hooked(model)]
+    return base if modules and all(id(m) in inside for m in modules) else model
 
 
-def _load_gguf(model_dir, source: Path, names) -> _Loaded:
+def _load_gguf(model_dir, source: Path, hooked) -> _Loaded:
     """A GGUF read here: one parse (gguf-py, memory-mapped), transformers' config and tokenizer from it,
     the model built empty from the config, and only the tensors the forward up to the last norm needs
     dequantized into it (gguf-py's dequantize, transformers' own name map and tensor processors, as its
@@ -270,7 +274,7 @@ def _load_gguf(model_dir, source: Path, names) -> _Loaded:
         cls = _model_class(config, gguf=True)
         try:
             with _quiet():
-                model, runner, note = _gguf_direct(model_dir, source, reader, config, cls, names)
+                model, runner, note = _gguf_direct(model_dir, source, reader, config, cls, hooked)
             return _Loaded(config, tokenizer, cls, model, runner, note)
         except _Fallback as why:
             reason = str(why)
@@ -278,8 +282,8 @@ def _load_gguf(model_dir, source: Path, names) -> _Loaded:
                                   reader)
 
 
-def _gguf_direct(model_dir, source: Path, reader, config, cls, names):
-    """(model, runner, note); InputError for a file that declares more than it holds, _Fallback where
+def _gguf_direct(model_dir, source: Path, reader, config, cls, hooked):
+    """(model, runner, note), `hooked(model)` the modules the capture hooks; InputError for a file that declares more than it holds, _Fallback where
     transformers' internals are not as this loader expects."""
     import warnings
 
@@ -326,7 +330,7 @@ def _gguf_direct(model_dir, source: Path, reader, config, cls, names):
     with no_init_weights():
         model = build()
     model = model.to(torch.float32).eval()  # what transformers' GGUF loader gives: dequantized to float32
-    runner = _runner(model, names)
+    runner = _runner(model, hooked)
     parsed = load_gguf_checkpoint(str(source), return_tensors=False)  # the served reader: no second parse
     parsed["tensors"] = {}
     arch = str(reader.fields["general.architecture"].contents())
@@ -378,20 +382,21 @@ def _gguf_direct(model_dir, source: Path, reader, config, cls, names):
     return model, runner, note
 
 
-def _same_layer(names: dict, key):
-    """module name -> the checked layer it is where transformers names the module otherwise than the
-    checkpoint stores it (a multimodal checkpoint saved as language_model.model.layers.3, the module
-    model.language_model.layers.3 in transformers 5.x): the one layer of the same pattern and indices."""
-    by_key: dict = {}
-    for name in names:
-        by_key.setdefault(key(name), []).append(name)
+def _hooked(model, names: dict, family) -> list:
+    """[(module, layer name)]: each module of `model` that is a checked layer, by its own name, with
+    the model. prefix an AutoModel drops, or, where transformers names the module otherwise than the
+    checkpoint stores it (language_model.model.layers.3 stored, model.language_model.layers.3 the
+    module in transformers 5.x), the one layer of the same pattern and indices; each layer once."""
+    from parity_cli.model.families import layout_lookup
 
-    def same(qual):
-        k = key(qual)
-        found = by_key.get(k, []) if k is not None else []
-        return found[0] if len(found) == 1 else None
-
-    return same
+    find = layout_lookup(names, family)
+    out, taken = [], set()
+    for qual, module in model.named_modules():
+        name = next((n for n in (qual, f"model.{qual}") if n in names), None) or find(qual)
+        if name is not None and name not in taken:
+            taken.add(name)
+            out.append((module, name))
+    return out
 
 
 def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 96, device: str = "cpu",
@@ -400,7 +405,6 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     import torch
 
     from parity_cli.backends.implementations import mean_square
-    from parity_cli.model.families import layout_key
     from parity_cli.model.fingerprint import fingerprint
     from parity_cli.model.layers import discover_layers
     from parity_cli.model.load import load
@@ -419,9 +423,12 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         raise InputError("parity capture needs transformers: pip install transformers") from None
     from parity_cli.sources.gguf import is_gguf
 
+    def hooked(model):
+        return _hooked(model, names, fam)
+
     source = Path(model_dir)
     if source.is_file() and is_gguf(source):  # transformers' config, tokenizer and classes (needs gguf)
-        loaded = _load_gguf(model_dir, source, names)
+        loaded = _load_gguf(model_dir, source, hooked)
     else:
         loaded = _load_hf(model_dir, source)
     config, tokenizer, cls = loaded.config, loaded.tokenizer, loaded.cls
@@ -434,13 +441,8 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     k_small = k_large = rows_per_layer // 3
     rng = random.Random(seed)
     samples = {name: _Sample(k_small, k_large, rows_per_layer - k_small - k_large, rng) for name in names}
-    hooks, seen, taken = [], set(), set()
-    same = _same_layer(names, layout_key(fam))
-    for qual, module in model.named_modules():
-        name = next((n for n in (qual, f"model.{qual}") if n in names), None) or same(qual)  # AutoModel drops model.
-        if name is None or name in taken:
-            continue
-        taken.add(name)
+    hooks, seen = [], set()
+    for module, name in hooked(model):
         layer = names[name]
 
         def hook(mod, args, name=name, layer=layer):
@@ -467,7 +469,7 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     kept = {name: samples[name].rows() for name in names if name in seen}
     empty = sorted(name for name, rows in kept.items() if rows is None)
     if empty:  # the forward reached them, but every row it gave was NaN or inf: nothing to probe with
-        raise InputError(f"{model_dir}: every row {cls.__name__} gave {layer_count_words(len(empty))} "
+        raise InputError(f"{model_dir}: every row {cls.__name__} gave {layer_count(len(empty))} "
                          f"({empty[0]}{', ...' if len(empty) > 1 else ''}) is NaN or inf; nothing captured")
     tensors = {name: rows.contiguous() for name, rows in kept.items()}
     for layer in layers:  # the norms themselves: a copy in another format is the same model within rounding
@@ -494,10 +496,6 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     return tensors, meta
 
 
-def layer_count_words(n: int) -> str:
-    return f"{n} layer" if n == 1 else f"{n} layers"
-
-
 def summary(out, tensors: dict, meta: dict) -> list[str]:
     """What `parity capture` prints: how a GGUF was loaded, then the rows the file holds, counted from
     its tensors (all layers alike: that figure per layer; else the range), against the cap."""
@@ -521,11 +519,11 @@ def write(tensors: dict, meta: dict, out) -> None:
     write_bytes(Path(out), save(tensors, metadata={"parity": json.dumps(meta)}))
 
 
-def load(path, layers, all_layers, key=None) -> tuple[dict, dict]:
-    """The captured rows for `layers`, after checking the file is a capture of this model.
-    `key(name)` says which layer a name is whatever the layout ((pattern, indices): model.layers.3
-    and model.language_model.layers.3 are one layer), so that a capture of a text-only copy (a
-    GGUF, a ForCausalLM) serves the multimodal checkpoint it came from."""
+def load(path, layers, all_layers, family=None) -> tuple[dict, dict]:
+    """The captured rows for `layers`, after checking the file is a capture of this model. With
+    `family`, a capture name is this checkpoint's layer of the same pattern and indices where the
+    layouts differ (model.layers.3 and language_model.model.layers.3), so that a capture of a
+    text-only copy (a GGUF, a ForCausalLM) serves the multimodal checkpoint it came from."""
     import torch
     from safetensors import safe_open
 
@@ -544,7 +542,7 @@ def load(path, layers, all_layers, key=None) -> tuple[dict, dict]:
                 meta["match"] = "exact: the same norm tensors"
                 meta["norms_match"] = {"kind": "exact", "max_abs_diff": 0.0}
             else:
-                meta["match"], meta["norms_match"], mapping = _same_norms(fh, meta, all_layers, path, key)
+                meta["match"], meta["norms_match"], mapping = _same_norms(fh, meta, all_layers, path, family)
             rows = {}
             by_name = {layer.name: layer for layer in layers}
             for stored_name in fh.keys():
@@ -573,47 +571,27 @@ def load(path, layers, all_layers, key=None) -> tuple[dict, dict]:
 _STORAGE = ("float64", "float32", "float16", "bfloat16")  # the dtypes a norm is compared as stored
 
 
-def _half_step(values, dtype_name: str):
-    """Half the spacing of `dtype_name`'s values at each of `values` (float64): 2^(e - p - 1) for
-    |v| in [2^e, 2^(e+1)), p the dtype's mantissa bits; constant below the smallest normal number."""
-    import torch
-
-    info = torch.finfo(getattr(torch, dtype_name))
-    _, exp = torch.frexp(values.abs())  # |v| = m * 2^exp, m in [0.5, 1): the binade is 2^(exp - 1)
-    binade = torch.where(values == 0, torch.zeros_like(values), torch.ldexp(torch.ones_like(values), exp - 1))
-    return binade.clamp_min(info.tiny) * info.eps / 2
-
-
-def rounding_bound(a, a_dtype: str, b, b_dtype: str):
-    """How far apart two stored copies of one gain can be, element by element: each copy is the gain
-    (less its own stored offset) rounded to nearest in its own dtype, and a round to nearest moves a
-    value by at most half a step of that dtype at the rounded result (the step at the true value is
-    never larger). So |a - b| <= half_step(a) + half_step(b); for float32 against bfloat16 at |a| in
-    [1, 2): 2^-24 + 2^-8. The same dtype and offset: both are one rounding of one value, bound 0."""
-    return _half_step(a, a_dtype) + _half_step(b, b_dtype)
-
-
-def _layout(stored, here: dict, key) -> tuple[dict, list, list]:
+def _layout(stored, here: dict, family) -> tuple[dict, list, list]:
     """({capture name: name here}, capture names with no layer here, layers here with no capture
-    name): a name both have is itself; another is the one layer here `key` calls the same."""
-    mapping, by_key = {}, {}
-    for name in here:
-        if name not in stored and key is not None:
-            by_key.setdefault(key(name), []).append(name)
-    unplaced = []
+    name): a name both have is itself; another is the one layer here of the same pattern and indices
+    (model.families.layout_lookup) that the capture does not name itself."""
+    from parity_cli.model.families import layout_lookup
+
+    find = layout_lookup([n for n in here if n not in stored], family) if family is not None else lambda name: None
+    mapping, unplaced = {}, []
     for name in stored:
-        same = [name] if name in here else by_key.get(key(name), []) if key is not None else []
-        if len(same) == 1 and same[0] not in mapping.values():
-            mapping[name] = same[0]
+        same = name if name in here else find(name)
+        if same is not None and same not in mapping.values():
+            mapping[name] = same
         else:
             unplaced.append(name)
     return mapping, sorted(unplaced), sorted(set(here) - set(mapping.values()))
 
 
-def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict]:
+def _same_norms(fh, meta: dict, layers, path, family=None) -> tuple[str, dict, dict]:
     """Another copy of the capture's model (a GGUF's float32 norms against the HF copy's bfloat16
     ones, Gemma's 1 + w baked in by llama.cpp against the HF w): the same layers, by name or by
-    `key` where the layout differs, the same shapes, and every effective gain (stored + offset)
+    pattern and indices where the layout differs, the same shapes, and every effective gain (stored + offset)
     within rounding_bound of the other. This checkpoint may have towers the capture's copy lacks
     (a GGUF's language model against the multimodal checkpoint): their layers get no captured rows,
     and the match says so. Anything else is another model: refused in one line. (the match line,
@@ -632,7 +610,7 @@ def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict
     from parity_cli.model.layers import tower_of
 
     here = {layer.name: layer for layer in layers if layer.weight is not None}
-    mapping, unplaced, extra = _layout(stored, here, key)
+    mapping, unplaced, extra = _layout(stored, here, family)
     if not mapping:
         raise other("no norm layer of the capture is one of this checkpoint's")
     # the capture's copy may hold towers this one lacks (a multimodal checkpoint's capture checked on
@@ -653,8 +631,8 @@ def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict
         theirs = info.get("dtype") if isinstance(info, dict) else None
         if theirs not in _STORAGE or mine not in _STORAGE or info.get("shape") != list(layer.weight.shape):
             raise other(f"{name} is {info} there, {mine} {list(layer.weight.shape)} here")
-        offset = info.get("gain_offset", layer.gain_offset)  # a capture made before offsets were recorded
-        if not isinstance(offset, (int, float)) or isinstance(offset, bool):
+        offset = info.get("gain_offset")
+        if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
             raise other(f"{name}'s recorded gain offset is {offset!r}")
         dtypes.update((mine, theirs))
         for part, t in (("weight", layer.weight), ("bias", layer.bias)):
@@ -672,7 +650,7 @@ def _same_norms(fh, meta: dict, layers, path, key=None) -> tuple[str, dict, dict
             if shift and "float16" in (mine, theirs):
                 # llama.cpp's converter adds the offset in a float16 source's own dtype (it upcasts only
                 # other dtypes first): the baked 1 + w carries one more float16 rounding, at 1 + w
-                bound = bound + _half_step(b + layer.gain_offset, "float16")  # at the effective gain
+                bound = bound + half_step(b + layer.gain_offset, "float16")  # at the effective gain
             finite = torch.isfinite(a) & torch.isfinite(b)
             a_odd, b_odd = a[~finite], b[~finite]
             if not bool(((a_odd == b_odd) | (a_odd.isnan() & b_odd.isnan())).all()):

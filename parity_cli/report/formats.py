@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from parity_cli.text import printable, printable_tree
+from parity_cli.text import layer_count, printable, printable_tree
 
 
 def layer_summary(layer: dict) -> dict:
@@ -106,7 +106,7 @@ def to_junit(report: dict) -> str:
         node = ET.SubElement(case, tag, message=f"{g.text}; {failure_message(layer)}", type=tag)
         lines = [f"{d['code']}: {d['message']}" for d in layer["diagnoses"]] or [failure_message(layer)]
         if len(g.layers) > 1:
-            lines.append(f"the same finding in {grouping.layer_count(len(g.layers))}: "
+            lines.append(f"the same finding in {layer_count(len(g.layers))}: "
                          f"{grouping.name_pattern(g.names, universe)}")
         node.text = "\n".join(lines)
     for g, layer in extra:

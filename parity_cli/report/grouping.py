@@ -359,5 +359,3 @@ def universe(report: dict) -> list[str]:
     return [l["name"] for l in report["layers"]] + [f["layer"] for f in report.get("findings", []) if f.get("layer")]
 
 
-def layer_count(n: int) -> str:
-    return f"{n} layer" + ("" if n == 1 else "s")

@@ -9,7 +9,7 @@ import math
 from parity_cli.check.results import least, unjfloat, worst
 from parity_cli.report import grouping
 from parity_cli.report.layout import Column, table, wrap
-from parity_cli.text import printable, printable_tree
+from parity_cli.text import layer_count, printable, printable_tree
 
 TABLE_MAX_LAYERS = 16  # above this the per-layer table is --verbose only: the groups say it shorter
 GROUPS_SHOWN = 8
@@ -161,7 +161,7 @@ def verdict_markup(d: dict, width: int | None = None) -> str:
 
 def group_sentence(g: grouping.Group, universe: list[str]) -> str:
     n = len(g.layers)
-    where = g.names[0] if n == 1 else f"{grouping.layer_count(n)} ({grouping.name_pattern(g.names, universe)})"
+    where = g.names[0] if n == 1 else f"{layer_count(n)} ({grouping.name_pattern(g.names, universe)})"
     return f"{where}: {g.text}"
 
 
@@ -303,7 +303,7 @@ def _render_groups(d: dict, console, verbose: bool) -> None:
         colour = "magenta" if g.status == "error" else "red" if g.new is not False else "yellow"
         n = len(g.layers)
         mark = "" if g.new is None else "new: " if g.new else "accepted by the baseline: "
-        out = wrap(f"{mark}{_e(g.names[0]) if n == 1 else grouping.layer_count(n)}: [{colour}]{_e(g.text)}[/]",
+        out = wrap(f"{mark}{_e(g.names[0]) if n == 1 else layer_count(n)}: [{colour}]{_e(g.text)}[/]",
                    width, hanging=4)
         if n > 1:
             out += wrap(_e(grouping.name_pattern(g.names, universe)), width, indent=4)
@@ -342,7 +342,7 @@ def captured_line(layers: list[dict]) -> str | None:
     low = min(c["q_over_eps"]["min"] for c in got)
     p50 = sorted(c["q_over_eps"]["p50"] for c in got)[len(got) // 2]
     under = sum(c["q_over_eps"]["below_1pct_budget"] * c["q_over_eps"]["rows"] for c in got) / rows
-    text = (f"real rows ({rows} in {grouping.layer_count(len(got))}): q/eps from {fmt(low)}, median {fmt(p50)}; "
+    text = (f"real rows ({rows} in {layer_count(len(got))}): q/eps from {fmt(low)}, median {fmt(p50)}; "
             f"{100 * under:.3g} % under the 1 % budget (q/eps < 49.25)")
     impacts = [i for c in got for i in c.get("impact", [])]
     if impacts:
@@ -407,7 +407,7 @@ def _render_warnings(d: dict, console) -> None:
     lines = []
     for warning, names in same.items():
         where = names[0] if len(names) == 1 else \
-            f"{grouping.layer_count(len(names))} ({grouping.name_pattern(names, universe)})"
+            f"{layer_count(len(names))} ({grouping.name_pattern(names, universe)})"
         lines += wrap(f"[yellow]warning:[/] {_e(where)}: {_e(warning)}", width)
     for warning in d["warnings"]:
         lines += wrap(f"[yellow]warning:[/] {_e(warning)}", width)
@@ -427,7 +427,7 @@ def _render_baseline(d: dict, console) -> None:
         if f["layer"] not in by_code[f["code"]]:
             by_code[f["code"]].append(f["layer"])
     for code, names in by_code.items():
-        _print(console, wrap(f"gone since the baseline: {_e(code)} in {grouping.layer_count(len(names))} "
+        _print(console, wrap(f"gone since the baseline: {_e(code)} in {layer_count(len(names))} "
                              f"({_e(grouping.name_pattern(names, names + grouping.universe(d)))})", console.width,
                              hanging=4))
 
@@ -535,7 +535,7 @@ def render_explain(data: dict, console) -> None:
     for g in data.get("groups", []):
         console.print()
         n = len(g["layers"])
-        title = g["representative"] + (f", for {grouping.layer_count(n)} that fail the same way" if n > 1 else "")
+        title = g["representative"] + (f", for {layer_count(n)} that fail the same way" if n > 1 else "")
         _print(console, wrap(f"[bold]{_e(title)}[/]: one factor at a time", width))
         if g.get("finding"):
             _print(console, wrap(f"finding: {_e(g['finding'])}", width, indent=1))

@@ -60,6 +60,16 @@ def _number(gf, key: str, path) -> float | int | None:
     return value
 
 
+def _count(gf, key: str, path, most: float = math.inf, what: str = "") -> int | None:
+    """An integer metadata value from 1 to `most` (a group count, a number of blocks), or None where
+    absent; a fraction, NaN, inf, 0 or more than `most` is one line naming the key."""
+    value = _number(gf, key, path)
+    if value is not None and not (math.isfinite(value) and value == int(value) and 1 <= value <= most):
+        bound = f"an integer from 1{what}" if math.isfinite(most) else "a positive integer"
+        raise InputError(f"{path}: GGUF metadata {key} must be {bound}, got {value!r}")
+    return None if value is None else int(value)
+
+
 @dataclass
 class GGUFCheckpoint:
     path: Path
@@ -77,7 +87,8 @@ class GGUFCheckpoint:
     # HF-style name -> the (rows, columns) a gain is stored as where the converter reshaped it (a
     # Mamba2 gated norm's (n_group, d_inner / n_group)); read flat, as the transformers checkpoint holds it
     _reshaped: dict = field(default_factory=dict, repr=False)
-    # configs/gguf.toml lists the architecture's converter as storing a 1 + w gain as the sum
+    # the file's converter stores a 1 + w gain as the sum (a hand-written family's [gguf] offset_baked,
+    # or configs/gguf.toml for an architecture only a derived family knows): the gain is the stored value
     offset_baked: bool = False
     notes: list = field(default_factory=list, repr=False)  # what reading the file set aside, and why
 
@@ -211,7 +222,7 @@ def open_gguf(path: Path, families: dict, derived=None, model=None) -> GGUFCheck
                              rules.get("gated_norm", {}).get("group_count"))
     return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=arch,
                           _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names,
-                          _reshaped=reshaped, offset_baked=arch in baked, notes=notes)
+                          _reshaped=reshaped, offset_baked=family.gguf_offset_baked or arch in baked, notes=notes)
 
 
 def _set_aside_nextn(path, reader, arch: str, tensors: dict, gguf_names: dict) -> list[str]:
@@ -221,14 +232,12 @@ def _set_aside_nextn(path, reader, arch: str, tensors: dict, gguf_names: dict) -
     Removed from `tensors`; the note says which blocks and why."""
     import re
 
-    nextn = _number(reader, f"{arch}.nextn_predict_layers", path)
-    blocks = _number(reader, f"{arch}.block_count", path)
-    if not nextn or not blocks:
+    blocks = _count(reader, f"{arch}.block_count", path)
+    nextn = _count(reader, f"{arch}.nextn_predict_layers", path, blocks or 0,
+                   f" to {arch}.block_count ({blocks})") if blocks else None
+    if not nextn:
         return []
-    if isinstance(nextn, bool) or not math.isfinite(nextn) or nextn != int(nextn) or not 0 < nextn <= blocks:
-        raise InputError(f"{path}: GGUF metadata {arch}.nextn_predict_layers must be an integer from 1 to "
-                         f"{arch}.block_count ({blocks}), got {nextn!r}")
-    first = int(blocks) - int(nextn)
+    first = blocks - nextn
     aside = []
     for name in list(tensors):
         stored = gguf_names.get(name.rsplit(".", 1)[0], name)
@@ -238,9 +247,9 @@ def _set_aside_nextn(path, reader, arch: str, tensors: dict, gguf_names: dict) -
             del tensors[name]
     if not aside:
         return []
-    span = f"block {first}" if int(nextn) == 1 else f"blocks {first} to {int(blocks) - 1}"
+    span = f"block {first}" if nextn == 1 else f"blocks {first} to {blocks - 1}"
     return [f"GGUF {span} ({len(aside)} tensors): the model's next-token-prediction layers "
-            f"({arch}.nextn_predict_layers = {int(nextn)}), which the transformers model does not build; not checked"]
+            f"({arch}.nextn_predict_layers = {nextn}), which the transformers model does not build; not checked"]
 
 
 def _gated_groups(path, reader, arch: str, family, tensors: dict, gguf_names: dict, config: dict, sources: dict,
@@ -258,15 +267,14 @@ def _gated_groups(path, reader, arch: str, family, tensors: dict, gguf_names: di
     if not gated:
         return {}
     key = count_key.format(arch=arch) if count_key else None
-    count = _number(reader, key, path) if key else None
-    if count is not None and (isinstance(count, bool) or not math.isfinite(count) or count != int(count) or count < 1):
-        raise InputError(f"{path}: GGUF metadata {key} must be a positive integer, got {count!r}")
+    count = _count(reader, key, path) if key else None
+    if count is not None:  # under each config key the family's gated norms name for their group count
+        for groups in {groups for groups, _ in gated.values() if isinstance(groups, str)}:
+            config[groups] = count
+            sources[groups] = f"gguf:{key}"
     reshaped = {}
     for name, (groups, t) in sorted(gated.items()):
         stored = gguf_names.get(name.removesuffix(".weight"), name)
-        if isinstance(groups, str) and count is not None:
-            config[groups] = int(count)
-            sources[groups] = f"gguf:{key}"
         if len(t.shape) != 2:
             continue
         cols, rows = (int(d) for d in t.shape)  # ggml's order: fastest first
@@ -343,4 +351,4 @@ def _open_mmproj(path: Path, reader, model) -> GGUFCheckpoint:
     tensors, gguf_names = _hf_names(path, reader, MMPROJ, family)
     return GGUFCheckpoint(path=path, format="gguf", config=config, files=(path,), architecture=MMPROJ,
                           _reader=reader, _tensors=tensors, _sources=sources, gguf_names=gguf_names,
-                          tower_eps=tower_eps)
+                          tower_eps=tower_eps, offset_baked=family.gguf_offset_baked)

@@ -212,13 +212,22 @@ def check_extent(gf: GGUFFile, tensors: list[GGUFTensor]) -> None:
             raise InputError(f"{gf.path}: truncated or corrupt GGUF: tensor {t.name!r} needs bytes {t.offset}..{end} "
                              f"of a {gf.size}-byte file")
         spans.append((t.offset, end, t.name))
-    spans.sort()
+    pair = first_overlap(spans)
+    if pair:
+        raise InputError(f"{gf.path}: corrupt GGUF: tensors {pair[0]!r} and {pair[1]!r} overlap")
+
+
+def first_overlap(spans) -> tuple[str, str] | None:
+    """The names of two (start, end, name) byte ranges that share bytes, or None. A file may declare
+    each tensor inside it and still point two at the same bytes (a model claimed far larger than the
+    file it comes in)."""
     reach, owner = 0, None  # the furthest end so far: an empty tensor in between hides nothing
-    for start, end, name in spans:
+    for start, end, name in sorted(spans):
         if end > start and start < reach:
-            raise InputError(f"{gf.path}: corrupt GGUF: tensors {owner!r} and {name!r} overlap")
+            return owner, name
         if end > reach:
             reach, owner = end, name
+    return None
 
 
 def read_tensor(gf: GGUFFile, t: GGUFTensor):
