@@ -96,6 +96,8 @@ def sweep_one(model_type: str, tmp: str) -> dict:
         try:
             report = api.check(tmp, candidate="transformers", dtype=dtype, strata=STRATA, isolation="none", **tol)
             row[f"pass_{dtype}"] = report.passed
+            # the committed family as the installed transformers bore on it (validated, derived again at run time)
+            row["family_source"] = report.header["checkpoint"]["family_source"]
             # a layer whose verdict is fail is a disagreement between the oracle and the class; one whose
             # candidate raised (the class could not be built or run) is not, and is said apart
             failing = [layer.name for layer in report.layers if layer.status == "fail"]

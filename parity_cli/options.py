@@ -149,3 +149,9 @@ def candidate_args(opts: CheckOptions) -> dict:
 
 
 ONE_PERCENT_Q_OVER_EPS = 1 / (0.99 ** -2 - 1)  # 49.2512562814: q/eps where A = 0.99
+
+
+def uses_transformers(opts: CheckOptions) -> bool:
+    """The transformers module classes run as the candidate or the reference: each norm's class is
+    then the one the installed transformers builds (model.installed.bind_classes)."""
+    return "transformers" in (opts.candidate, opts.reference)

@@ -13,6 +13,7 @@ from parity_cli.check.parallel import resolve_jobs
 from parity_cli.errors import InputError
 from parity_cli.model.families import family_choice
 from parity_cli.model.fingerprint import fingerprint
+from parity_cli.model.installed import installed_version
 from parity_cli.model.load import load
 from parity_cli.options import (
     ONE_PERCENT_Q_OVER_EPS,
@@ -24,6 +25,7 @@ from parity_cli.options import (
     reference_device,
     reference_dtype_for,
     stored_dtype,
+    uses_transformers,
 )
 from parity_cli.report.grouping import g as _g
 from parity_cli.report.replay import recorded_path, recorded_spec
@@ -56,6 +58,8 @@ def environment(device: str, threads: int | None = None, jobs: int | None = None
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
+        # the release the families were read against at run time (model.installed): None where not installed
+        "transformers": installed_version(),
         "platform": platform.platform(),
         "device_name": "cpu",
         "cuda": torch.version.cuda,
@@ -391,7 +395,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     ref_impl = impls.precheck(opts.reference) if ref_plugin else impls.resolve(opts.reference)
 
     _say(progress, f"reading {path}")
-    ckpt, fam, eps = load(path, opts.family, opts.eps)
+    ckpt, fam, eps = load(path, opts.family, opts.eps, classes=uses_transformers(opts))
     found = discover_layers(ckpt, fam, eps, opts.layers)
     _say(progress, f"{len(found.layers)} norm layers read; preparing the candidate")
     if not found.layers:
@@ -517,7 +521,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             "fingerprint": fingerprint(found.layers),
             "format": ckpt.format,
             "family": fam.name,
-            "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
+            "family_source": fam.source_line,
             "family_forced": bool(opts.family),
             "family_from": family_choice(opts.family, fam, ckpt.model_type, ckpt.format,
                                              getattr(ckpt, "architecture", None)),

@@ -157,9 +157,9 @@ def _bounded_server():
 def run_bounded(*args, timeout=60):
     """`parity ARGS` as a user runs it, for hostile inputs, in a process of its own (forked by
     tests/bounded.py, torch imported there once): asserts the peak RSS stayed under
-    RSS_LIMIT_KB and returns (result, seconds); a run past `timeout` raises TimeoutExpired."""
+    RSS_LIMIT_KB and returns the result. A run past `timeout` raises TimeoutExpired: a guard against a
+    hang, never a measure (no test compares a duration; work is bounded by memory, bytes and counts)."""
     import tempfile
-    import time
 
     argv = [str(a) for a in args]
     server = _bounded_server()
@@ -167,14 +167,12 @@ def run_bounded(*args, timeout=60):
         out, err = Path(tmp, "out"), Path(tmp, "err")
         out.touch()
         err.touch()
-        start = time.monotonic()
         server.stdin.write(json.dumps({"argv": argv, "env": {**os.environ, "COLUMNS": "160"}, "cwd": os.getcwd(),
                                        "timeout": timeout, "out": str(out), "err": str(err)}) + "\n")
         server.stdin.flush()
         answer = json.loads(server.stdout.readline())
-        took = time.monotonic() - start
         r = subprocess.CompletedProcess(["parity", *argv], answer["code"], out.read_text(), err.read_text())
     if answer["timed_out"]:
         raise subprocess.TimeoutExpired(r.args, timeout, r.stdout, r.stderr)
     assert answer["maxrss_kb"] < RSS_LIMIT_KB, (args, f"peak RSS {answer['maxrss_kb'] // 1024} MiB")
-    return r, took
+    return r

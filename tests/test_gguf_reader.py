@@ -90,10 +90,9 @@ parity = run_bounded
 def test_what_a_gguf_declares_is_checked_first(tmp_path, label, blob):
     path = tmp_path / "hostile.gguf"
     path.write_bytes(blob)
-    r, took = parity("inspect", path)
+    r = parity("inspect", path)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (label, r.stderr)
     assert str(path) in r.stderr and "internal error" not in r.stderr, (label, r.stderr)
-    assert took < 20, label
 
 
 def _writer(path, eps_kind="float", block_count=1, misalign=False):
@@ -116,15 +115,26 @@ def _writer(path, eps_kind="float", block_count=1, misalign=False):
 
 @pytest.mark.parametrize("eps_kind", ["string", "array"])
 def test_eps_of_the_wrong_type_is_one_line(tmp_path, eps_kind):
-    r, _ = parity("inspect", _writer(tmp_path / "e.gguf", eps_kind))
+    r = parity("inspect", _writer(tmp_path / "e.gguf", eps_kind))
     assert r.returncode == 2 and "layer_norm_rms_epsilon" in r.stderr and "not a number" in r.stderr, r.stderr
 
 
 def test_a_huge_declared_block_count_costs_nothing(tmp_path):
     """The name map is built for the blocks the file holds (none here), not the 10^7 it claims."""
-    r, took = parity("inspect", _writer(tmp_path / "b.gguf", block_count=10**7))
+    r = parity("inspect", _writer(tmp_path / "b.gguf", block_count=10**7))
     assert r.returncode == 0, r.stderr
-    assert took < 20
+
+
+def test_the_name_map_is_built_for_the_blocks_present(tmp_path, monkeypatch):
+    """The work bound behind the test above: gguf-py's name map is asked for the blocks the tensors
+    hold (one, here), never the 10^7 the metadata declares (each block is a few hundred names)."""
+    from parity_cli import api
+
+    asked = []
+    real = gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda arch, blocks: asked.append(blocks) or real(arch, blocks))
+    api.inspect(_writer(tmp_path / "b.gguf", block_count=10**7))
+    assert asked == [1]
 
 
 def test_a_block_index_far_beyond_the_tensors_is_refused_at_once(tmp_path):
@@ -138,9 +148,8 @@ def test_a_block_index_far_beyond_the_tensors_is_refused_at_once(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    r, took = parity("inspect", tmp_path / "k.gguf")
+    r = parity("inspect", tmp_path / "k.gguf")
     assert r.returncode == 2 and "block 5000000" in r.stderr, r.stderr
-    assert took < 20
 
 
 def test_an_unaligned_tensor_offset_is_refused(tmp_path):
@@ -150,7 +159,7 @@ def test_an_unaligned_tensor_offset_is_refused(tmp_path):
     at = data.index(name) + len(name) + 4 + 8 + 4  # rank, one dim, type: then the offset
     struct.pack_into("<Q", data, at, 3)
     path.write_bytes(bytes(data))
-    r, _ = parity("inspect", path)
+    r = parity("inspect", path)
     assert r.returncode == 2 and "alignment" in r.stderr, r.stderr
 
 
@@ -159,7 +168,7 @@ SEED = 20261130
 
 def test_gguf_bit_flip_sweep(tmp_path):
     """Seeded byte flips in the header, metadata and tensor infos of a real small GGUF: each
-    run ends 0, 1 or 2 with one line, never an internal error, within seconds."""
+    run ends 0, 1 or 2 with one line, never an internal error."""
     hf = write_checkpoint(tmp_path / "hf", "llama", layers=1, hidden=16, heads=2, eps=1e-5)
     good = hf_to_gguf(hf, tmp_path / "good.gguf").read_bytes()
     gf = read_gguf(tmp_path / "good.gguf")
@@ -171,9 +180,8 @@ def test_gguf_bit_flip_sweep(tmp_path):
         data[at] ^= 1 << rng.randrange(8)
         path = tmp_path / f"flip{k}.gguf"
         path.write_bytes(bytes(data))
-        r, took = parity("inspect", path)
+        r = parity("inspect", path)
         assert r.returncode in (0, 2), (at, r.stderr)
         assert "internal error" not in r.stderr and "Traceback" not in r.stderr, (at, r.stderr)
         if r.returncode == 2:
             assert len(r.stderr.strip().splitlines()) == 1, (at, r.stderr)
-        assert took < 20, at

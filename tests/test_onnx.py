@@ -349,16 +349,13 @@ def _graph_with_gain(tmp_path, gain, name="model.norm.weight", fan=0):
     return path
 
 
-def test_hostile_graphs_are_refused_quickly(tmp_path):
-    import time
-
+def test_hostile_graphs_are_refused_without_walking_every_path(tmp_path):
     from onnx import TensorProto, helper
 
     ones = helper.make_tensor("model.norm.weight", TensorProto.FLOAT, [64], [1.0] * 64)
     path = _graph_with_gain(tmp_path, ones, fan=40)  # 8^40 paths through the axes, walked once each
-    t0 = time.monotonic()
-    r = run_parity("inspect", path)
-    assert r.returncode == 0 and time.monotonic() - t0 < 30 and "model.norm" in r.stdout
+    r = run_parity("inspect", path)  # 8^40 walks would never end: run_parity's timeout is the guard
+    assert r.returncode == 0 and "model.norm" in r.stdout
     strings = helper.make_tensor("model.norm.weight", TensorProto.STRING, [64], [b"x"] * 64)
     r = run_parity("inspect", _graph_with_gain(tmp_path, strings))
     assert r.returncode == 2 and "not a float type" in r.stderr and len(r.stderr.splitlines()) == 1

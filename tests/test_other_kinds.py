@@ -1,5 +1,5 @@
 """Issue 26's other norm kinds against real third-party code: GroupNorm (torch.nn.GroupNorm, wav2vec2's
-and SAM 3's), gated RMSNorm (Mamba2's MambaRMSNormGated, Qwen3-Next's, Kimi Linear's and Falcon-H1's
+and SAM 3's), gated RMSNorm (Mamba2's Mamba2RMSNormGated, Qwen3-Next's, Kimi Linear's and Falcon-H1's
 gated norms) and weightless norms (OLMo's OlmoLayerNorm, Llama 4's L2Norm, Gemma 4's v_norm).
 
 Every expected number comes from the real module, a float64 formula written here from the class's
@@ -19,6 +19,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="needs transformers")
+
+from plugins.installed_classes import built_class, eps_of  # noqa: E402
 
 from parity_cli import api  # noqa: E402
 from parity_cli.backends.implementations import BUILTINS  # noqa: E402
@@ -40,8 +42,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LAYERS = {"mamba2": None, "qwen3_next": "*.linear_attn.norm", "olmo": None, "wav2vec2": "*conv_layers.*",
           "sam3": "mask_decoder.pixel_decoder.norms.*"}
 # the kind each class computes, read off transformers' and torch's source
-KIND_OF_CLASS = {"MambaRMSNormGated": "gated_rms_norm", "Mamba2RMSNorm": "rms_norm",
-                 "Qwen3NextRMSNormGated": "gated_rms_norm", "OlmoLayerNorm": "layer_norm", "GroupNorm": "group_norm"}
+# (Mamba2's gated norm by the module it is, since transformers renames its class: see _mamba_gated)
+KIND_OF_CLASS = {"Mamba2RMSNorm": "rms_norm", "Qwen3NextRMSNormGated": "gated_rms_norm", "OlmoLayerNorm": "layer_norm",
+                 "GroupNorm": "group_norm"}
+
+
+def _kind_of(cls) -> str | None:
+    return "gated_rms_norm" if cls is _mamba_gated() else KIND_OF_CLASS.get(cls.__name__)
+
+
+def _mamba_gated():
+    """The class Mamba2's mixer builds its gated norm with (MambaRMSNormGated until transformers 5.24,
+    Mamba2RMSNormGated since 5.25)."""
+    return built_class("mamba2", "layers.0.mixer.norm")
+
+
+def _llama4_qk_norm():
+    """Llama 4's weightless q/k norm class (Llama4TextL2Norm until 5.24, Llama4TextWeightlessRMSNorm since)."""
+    return built_class("llama4_text", "layers.0.self_attn.qk_norm")
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -211,7 +229,6 @@ def _direct(case):
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNormGated
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
     if case.startswith("group_norm"):
         groups = 8 if case == "group_norm_8_of_64" else 64
@@ -227,7 +244,7 @@ def _direct(case):
                        inverse_sqrt="pow", weightless=True)
         return layer, module, ("rms_norm",)
     gated = {  # class, its arguments, (gate, activation, groups, order) as its forward computes them
-        "mamba2_4_groups": (MambaRMSNormGated, {"group_size": 16, "eps": 1e-5}, ("before", "silu", 4, "llama")),
+        "mamba2_4_groups": (_mamba_gated(), {"group_size": 16, "eps": 1e-5}, ("before", "silu", 4, "llama")),
         "kimi_linear": (KimiLinearRMSNormGated, {"eps": 1e-6}, ("after", "sigmoid", 1, "gemma")),
         "falcon_h1_norm_before_gate": (FalconH1RMSNormGated, {"eps": 1e-6, "n_groups": 2, "norm_before_gate": True},
                                        ("after", "silu", 2, "gemma")),
@@ -253,12 +270,12 @@ def _form_of(model_type, module, config):
     """What the class computes, from its source and the model's config (not from the tool)."""
     if model_type == "mamba2":  # RMSNorm(x * silu(z)) per group of hidden_size * expand / n_groups
         assert module.weight.numel() // module.group_size == config.n_groups > 1
-        return "MambaRMSNormGated", ("gated", "before", "silu", config.n_groups)
+        return _mamba_gated().__name__, ("gated", "before", "silu", config.n_groups)
     if model_type == "qwen3_next":  # RMSNorm(x) * w * act(z), act = ACT2FN[self.activation]
         assert module.activation == "silu"
         return "Qwen3NextRMSNormGated", ("gated", "after", "silu", 1)
     if model_type == "llama4_text":
-        return "Llama4TextL2Norm", ("rms_norm",)
+        return _llama4_qk_norm().__name__, ("rms_norm",)
     assert module.num_groups == module.num_channels  # wav2vec2's GroupNorm(conv_dim[0], conv_dim[0])
     return "GroupNorm", ("group_norm", module.num_groups)
 
@@ -379,12 +396,10 @@ def test_olmo_layer_norms_are_derived_weightless_with_the_eps_of_their_forward(r
 
 
 def test_llama4_l2_norm_is_derived_weightless_over_head_dim(tiny, real):
-    from transformers.models.llama4.modeling_llama4 import Llama4TextL2Norm
-
     entry = _by_name(derive("llama4_text"))["model.layers.{i}.self_attn.qk_norm"]
     model = real("llama4_text")
-    norms = {n: m for n, m in model.named_modules() if isinstance(m, Llama4TextL2Norm)}
-    assert norms and all(not list(m.parameters()) and m.eps == model.config.rms_norm_eps for m in norms.values())
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, _llama4_qk_norm())}
+    assert norms and all(not list(m.parameters()) and eps_of(m) == model.config.rms_norm_eps for m in norms.values())
     assert entry["weightless"] is True and entry["kind"] == "rms_norm" and entry["eps_keys"] == ["rms_norm_eps"]
     # the size it runs over is what it sees in a forward pass: each head's, head_dim
     seen = []
@@ -451,7 +466,7 @@ def _expected_layers(model_type, tiny, real):
         return {f"mask_decoder.pixel_decoder.norms.{i}": ("group_norm", n.eps, False) for i, n in enumerate(decoder.norms)}
     out = {}
     for name, module in real(model_type).named_modules():
-        kind = KIND_OF_CLASS.get(type(module).__name__)
+        kind = _kind_of(type(module))
         if kind is None or (LAYERS[model_type] and not fnmatch.fnmatchcase(name, LAYERS[model_type])):
             continue
         eps = next((getattr(module, a) for a in ("variance_epsilon", "eps") if hasattr(module, a)), None)
@@ -491,11 +506,9 @@ def without_family_files(tmp_path):
     families.clear_caches()
 
 
-@pytest.mark.parametrize("model_type", [
-    pytest.param("mamba2", marks=pytest.mark.xfail(strict=True, raises=InputError, reason=(
-        "derive() passes config.json to Mamba2Config.from_dict undecoded: transformers 5 saves "
-        "time_step_limit's inf as {'__float__': 'Infinity'}, which from_dict rejects"))),
-    "qwen3_next", "olmo", "wav2vec2"])
+# mamba2's config.json holds time_step_limit's inf as transformers 5 saves it, {"__float__": "Infinity"}, which
+# Mamba2Config.from_dict rejects: derive decodes it as transformers' file loader does (model.derive.tagged_floats)
+@pytest.mark.parametrize("model_type", ["mamba2", "qwen3_next", "olmo", "wav2vec2"])
 def test_a_checkpoint_whose_type_has_no_family_file_is_derived_at_run_time(tiny, real, without_family_files,
                                                                          model_type):
     report = api.check(tiny(model_type), candidate="transformers", dtype="bfloat16", isolation="none",
@@ -622,11 +635,13 @@ def test_a_correct_plugin_passes_without_a_diagnosis(tiny, model_type, candidate
     assert _codes(report) == [set()] * len(report.layers)
 
 
-@pytest.mark.parametrize("model_type,candidate,glob", [
-    ("olmo", "transformers.models.olmo.modeling_olmo:OlmoLayerNorm", None),
-    ("llama4_text", "transformers.models.llama4.modeling_llama4:Llama4TextL2Norm", "*.qk_norm"),
+@pytest.mark.parametrize("model_type,module,glob", [
+    ("olmo", "layers.0.input_layernorm", None),
+    ("llama4_text", "layers.0.self_attn.qk_norm", "*.qk_norm"),
 ])
-def test_the_model_s_own_weightless_class_as_a_module_plugin_passes(tiny, model_type, candidate, glob):
+def test_the_model_s_own_weightless_class_as_a_module_plugin_passes(tiny, model_type, module, glob):
+    cls = built_class(model_type, module)  # OlmoLayerNorm; Llama 4's q/k norm under whichever name it has
+    candidate = f"{cls.__module__}:{cls.__qualname__}"
     report = api.check(tiny(model_type), candidate=candidate, dtype="bfloat16", isolation="none", layers=glob)
     assert report.layers and report.passed, [layer.error for layer in report.layers]
 

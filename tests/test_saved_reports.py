@@ -183,8 +183,8 @@ def test_a_baseline_with_null_diagnoses_is_one_line(saved):
 def test_a_10_mb_layer_name_is_refused_in_bounded_memory(saved):
     """10 MB passed 5 GiB of RSS; refused where the report is read (run_bounded: under 700 MB)."""
     name = edited(saved, "huge.json", lambda d: d["layers"][0].update(name="model." + "x" * 10_000_000))
-    r, seconds = run_bounded("report", saved / name)
-    assert r.returncode == 2 and seconds < 30
+    r = run_bounded("report", saved / name)
+    assert r.returncode == 2
     one_line(r.stderr, "layers[0].name: a string of 10000006 characters, over the 4096 allowed")
 
 

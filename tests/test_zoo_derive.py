@@ -12,6 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from plugins.installed_classes import built_class, eps_of  # noqa: E402
+
 from parity_cli import api  # noqa: E402
 from parity_cli.errors import InputError  # noqa: E402
 from parity_cli.model.derive import derive, write_tiny_checkpoint  # noqa: E402
@@ -72,7 +74,6 @@ def test_a_gated_norm_and_a_weightless_norm_are_derived_as_what_their_classes_co
     """Qwen3-Next's linear-attention norm is RMSNorm(x) * w * silu(z) (its forward normalises, casts,
     multiplies by the weight, then by silu of the gate in float32); Llama 4's L2Norm has no parameter
     and runs over each head. Each entry is checked against the module run here in float64."""
-    from transformers.models.llama4.modeling_llama4 import Llama4TextL2Norm
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
     gated = _by_name(derive("qwen3_next"))
@@ -86,7 +87,7 @@ def test_a_gated_norm_and_a_weightless_norm_are_derived_as_what_their_classes_co
     assert (entry["kind"], entry["gate"], entry["activation"], entry["groups"]) == ("gated_rms_norm", "after", "silu", 1)
     assert "layers.{i}.self_attn.q_norm" in gated  # the attention layers' norms are found beside it
     l2 = next(v for k, v in _by_name(derive("llama4_text")).items() if k.endswith("qk_norm"))
-    norm = Llama4TextL2Norm(1e-5)
+    norm = built_class("llama4_text", "layers.0.self_attn.qk_norm")(1e-5)  # Llama4TextL2Norm until 5.24
     assert not list(norm.parameters()) and l2["weightless"] is True and l2["kind"] == "rms_norm"
     assert l2["dim"] == "head_dim" and l2["eps_keys"] == ["rms_norm_eps"]
 
@@ -324,8 +325,8 @@ def test_gemma3n_audio_tower_eps_as_its_own_classes_build_it():
         sem = pattern.semantics
         expected = sem.eps if sem.eps is not None else (marker if sem.eps_keys == ("audio_config.rms_norm_eps",)
                                                          else None)
-        assert expected == module.eps, (name, module.eps, sem)
-    assert {m.eps for _, m in norms} == {1e-6, marker}  # both kinds are there
+        assert expected == eps_of(module), (name, eps_of(module), sem)
+    assert {eps_of(m) for _, m in norms} == {1e-6, marker}  # both kinds are there
 
 
 def test_a_tower_is_named_by_the_innermost_sub_config_its_eps_comes_from():

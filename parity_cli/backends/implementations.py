@@ -230,7 +230,14 @@ def _import_class(path: str):
     except ImportError as exc:
         raise InputError(f"transformers: cannot import {path} ({exc}); pip install transformers") from None
     except AttributeError:
-        raise InputError(f"transformers: {module} has no class {attr} (installed version too old?)") from None
+        from importlib import metadata
+
+        try:
+            version = "transformers " + metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            version = "transformers"
+        raise InputError(f"{version}: {module} has no class {attr}, which the family names; the class the installed "
+                         "release builds there could not be found (force another family with --family)") from None
 
 
 _EPS_KEYS = ("eps", "layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")

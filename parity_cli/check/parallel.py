@@ -137,7 +137,7 @@ def _run_share(task):
     key = (plan.path, opts.family, opts.eps)
     if key not in _STATE:
         _STATE.clear()
-        _STATE[key] = load(plan.path, opts.family, opts.eps)
+        _STATE[key] = load(plan.path, opts.family, opts.eps, classes=options.uses_transformers(opts))
     ckpt, fam, eps = _STATE[key]
     layers = {layer.name: layer for layer in discover_layers(ckpt, fam, eps, opts.layers, names=set(share)).layers}
     reference = Side(impls.resolve(opts.reference), opts.reference, getattr(torch, options.dtype_name(opts.reference_dtype)),

@@ -70,6 +70,21 @@ def _transformers(model_type: str, where: str):
     return transformers, CONFIG_MAPPING[model_type]
 
 
+FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def tagged_floats(value):
+    """A config.json as transformers reads it: since 5.25 its saver writes a non-finite float as
+    {"__float__": "Infinity"} (Mamba2's time_step_limit), and only its file loader turns that back."""
+    if isinstance(value, dict):
+        if len(value) == 1 and value.get("__float__") in FLOAT_TAGS:
+            return FLOAT_TAGS[value["__float__"]]
+        return {k: tagged_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [tagged_floats(v) for v in value]
+    return value
+
+
 def _configs(cfg, path=""):
     """(dotted path, config) of the config and every sub-config under it."""
     from transformers import PretrainedConfig
@@ -651,7 +666,7 @@ def derive(model_type: str, config: dict | None = None, where: str = "config.jso
     hf_logging.disable_progress_bar()
     try:
         defaults = config_class()
-        cfg = config_class.from_dict(dict(config)) if config is not None else config_class()
+        cfg = config_class.from_dict(tagged_floats(dict(config))) if config is not None else config_class()
     except Exception as exc:
         raise InputError(f"{where}: transformers cannot read it as a {model_type} config: "
                          f"{' '.join(str(exc).split())[:160]}") from None

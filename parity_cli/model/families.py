@@ -86,6 +86,16 @@ class Family:
     gguf_architectures: dict = field(default_factory=dict)  # GGUF general.architecture -> model_type
     gguf_offset_baked: bool = False  # llama.cpp's converter stores offset + w: the gain is the stored value
     derived_from: str | None = None  # "transformers 5.24.0: Qwen2ForCausalLM" for a generated family
+    # how the installed transformers bears on it (model.installed): validated, derived again at run time
+    # ("derived at run time: transformers 5.25.0 renamed MambaRMSNormGated → Mamba2RMSNormGated"), a class rebound
+    provenance: str | None = None
+
+    @property
+    def source_line(self) -> str:
+        """checkpoint.family_source: where the family's knowledge came from, in one line."""
+        from pathlib import Path
+
+        return self.provenance or self.derived_from or f"configs/families/{Path(self.source).name}"
 
     # The family-wide semantics, for tables and messages.
     @property

@@ -221,6 +221,19 @@ def share(bad: int, total: int) -> str:
 
 # --- check -----------------------------------------------------------------------------------------
 
+def family_words(d: dict) -> str:
+    """The family's provenance after its name: the transformers release a generated family came from
+    and the one installed, where they differ how the installed classes bore on it (model.installed)."""
+    source = d['checkpoint'].get('family_source') or ''
+    installed = (d.get('environment') or {}).get('transformers')
+    if not (source.startswith('transformers') or source.startswith('derived at run time')):
+        return f" (transformers {_e(installed)} installed)" if installed and 'transformers' in d['candidate']['impl'] \
+            else ''
+    if installed and f"transformers {installed}" not in source:
+        source += f"; transformers {installed} installed"
+    return f" ({_e(source)})"
+
+
 def render(d: dict, console, verbose: bool = False, written: list[str] | None = None) -> None:
     """Verdict, context, grouped findings, then the per-layer table (small models or --verbose),
     the heat grid, warnings, the files written, and the verdict with its cause again as the last
@@ -230,8 +243,7 @@ def render(d: dict, console, verbose: bool = False, written: list[str] | None = 
     width = console.width
     cand, ref, tol = d["candidate"], d["reference"], d["tolerance"]
     out = wrap(verdict_markup(d, width), width)
-    source = d['checkpoint'].get('family_source') or ''
-    derived = f" ({_e(source)})" if source.startswith('transformers') else ''
+    derived = family_words(d)
     chosen = d['checkpoint'].get('family_from') or ''
     if d['checkpoint'].get('family_forced') and chosen:  # --family bert: say which family that is
         derived = f" ({_e(chosen)})"

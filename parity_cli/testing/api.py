@@ -470,7 +470,7 @@ def _layer_from_checkpoint(candidate, checkpoint, name, family, eps, dtype, hidd
     from parity_cli.report.replay import recorded_path
 
     described = {"path": recorded_path(ckpt.path), "format": ckpt.format, "family": fam.name,
-                 "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
+                 "family_source": fam.source_line,
                  "family_forced": fam_name is not None,
                  "family_from": family_choice(fam_name, fam, ckpt.model_type, ckpt.format,
                                              getattr(ckpt, "architecture", None)),
@@ -723,7 +723,7 @@ def _report(result, setup: _Setup, spec: str, impl, tol, grad_tol, dev: str, ref
         # no checkpoint: the layer is the call's arguments
         "checkpoint": setup.checkpoint or {
             "path": "parity_cli.testing", "format": "arguments", "family": fam.name,
-            "family_source": fam.derived_from or f"configs/families/{Path(fam.source).name}",
+            "family_source": fam.source_line,
             "family_forced": True, "family_from": setup.family_from or f"family={fam.name!r}", "model_type": None,
             "files": [],
             "unmatched": []},

@@ -1,6 +1,6 @@
 """Gated RMSNorm and GroupNorm ports built from real third-party code, used right and wrong, as
 plugin functions for tests/test_other_kinds.py: transformers' own gated norm classes (Mamba2's
-MambaRMSNormGated, Falcon-H1's FalconH1RMSNormGated, Qwen3-Next's and Kimi Linear's), and
+Mamba2's gated norm (Mamba2RMSNormGated; MambaRMSNormGated before transformers 5.25), Falcon-H1's FalconH1RMSNormGated, Qwen3-Next's and Kimi Linear's), and
 torch.nn.GroupNorm / InstanceNorm1d. Each builds the module per call, fills its gain (and bias)
 with what the tool hands over, and runs it at the dtype it is given.
 
@@ -20,23 +20,23 @@ def _filled(module, weight, bias=None):
 
 
 def _mamba(dim, group_size, eps):
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from installed_classes import built_class  # beside this file: the class Mamba2Mixer builds, whatever its name
 
-    return MambaRMSNormGated(dim, group_size=group_size, eps=eps)
+    return built_class("mamba2", "layers.0.mixer.norm")(dim, group_size=group_size, eps=eps)
 
 
 # --- gated RMSNorm --------------------------------------------------------------------------------
 
 
 def mamba(x, z, weight, eps, groups=1):
-    """Right for Mamba2: MambaRMSNormGated as Mamba2Mixer builds it, group_size = dim / n_groups."""
+    """Right for Mamba2: its gated norm as Mamba2Mixer builds it, group_size = dim / n_groups."""
     module = _filled(_mamba(x.shape[-1], x.shape[-1] // groups, eps), weight)
     with torch.no_grad():
         return module(x, gate=z)
 
 
 def mamba_one_group(x, z, weight, eps, groups=1):
-    """MambaRMSNormGated built with group_size = the whole width: n_groups forgotten, the statistic
+    """Mamba2's gated norm built with group_size = the whole width: n_groups forgotten, the statistic
     taken over every channel at once."""
     module = _filled(_mamba(x.shape[-1], x.shape[-1], eps), weight)
     with torch.no_grad():
@@ -80,7 +80,7 @@ def kimi(x, z, weight, eps, groups=1):
 
 
 def mamba_for_qwen3_next(x, z, weight, eps, groups=1):
-    """Mamba2's MambaRMSNormGated (one group) where Qwen3-Next gates after the statistic: the gate
+    """Mamba2's gated norm (one group) where Qwen3-Next gates after the statistic: the gate
     moved before it."""
     module = _filled(_mamba(x.shape[-1], x.shape[-1] // groups, eps), weight)
     with torch.no_grad():

@@ -1,0 +1,318 @@
+"""The installed transformers is the truth at run time (issue 34).
+
+A committed derived family (configs/families/derived/) is a cache stamped with the transformers
+release it was generated with. Under another installed release it is checked before use: the
+model's module tree is built on the meta device from the checkpoint's config (shrunk as a
+derivation shrinks it, every eps-like key marked), and every norm pattern must still find modules
+of the class it names, reading the eps key it names; one module of each class is materialised and
+classified (model.derive.classify) to confirm it still computes the family's form. Where anything
+differs, the family is derived again from the installed classes and what moved is said in one line.
+
+The same tree gives `--candidate transformers` its classes: the class of the module the installed
+transformers builds at each pattern, never a class name alone (transformers 5.25 renamed
+MambaRMSNormGated to Mamba2RMSNormGated and Llama4TextL2Norm to Llama4TextWeightlessRMSNorm)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from parity_cli.errors import InputError
+from parity_cli.model.families import Family
+
+STAMP = re.compile(r"^transformers ([^\s:]+)")
+
+
+def installed_version() -> str | None:
+    """The installed transformers release, read from its metadata (nothing imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def stamped_version(family: Family) -> str | None:
+    """The release a generated family was derived with ("transformers 5.24.0: Mamba2ForCausalLM")."""
+    found = STAMP.match(family.derived_from or "")
+    return found.group(1) if found else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """One way the committed family no longer describes the installed classes."""
+
+    pattern: str
+    what: str  # "renamed", "gone", "eps", "form", "unmatched", "new"
+    old: str = ""
+    new: str = ""
+
+    def words(self) -> str:
+        if self.what in ("renamed", "gone") and self.new:
+            return f"renamed {_short(self.old)} → {_short(self.new)}"
+        if self.what == "gone":
+            return f"has no class {_short(self.old)}"
+        if self.what == "eps":
+            return f"reads {self.pattern}'s eps from {self.new or 'no config key'} (was {self.old or 'fixed'})"
+        if self.what == "form":
+            return f"computes {self.pattern} as {self.new} (was {self.old})"
+        if self.what == "new":
+            return f"builds a norm the family lacks ({self.pattern}, {_short(self.new)})"
+        return f"builds nothing at {self.pattern}"
+
+
+def _short(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _importable(path: str | None) -> bool:
+    import importlib
+
+    if not path:
+        return True
+    module, _, attr = path.rpartition(".")
+    try:
+        return isinstance(getattr(importlib.import_module(module), attr, None), type)
+    except Exception:
+        return False
+
+
+def _class_path(module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def meta_tree(model_type: str, config: dict | None, where: str):
+    """(norm modules [(name, module)], eps markers {value: dotted key}) of the model the installed
+    transformers builds from `config`, on the meta device: no memory, no weights."""
+    import torch
+
+    from parity_cli.model import derive as d
+
+    transformers, config_class = d._transformers(model_type, where)
+    cfg = config_class.from_dict(d.tagged_floats(dict(config))) if config is not None else config_class()
+    markers = d._mark_eps(cfg)
+    d._shrink(cfg)
+    cls = d._model_class(transformers, cfg, (config or {}).get("architectures"))
+    if cls is None:
+        raise InputError(f"{where}: transformers {transformers.__version__} has no model class for '{model_type}'")
+    with torch.device("meta"):
+        model = cls._from_config(cfg)
+    norms = [(name, module) for name, module in model.named_modules() if name and d._is_norm(module)]
+    return norms, markers
+
+
+def _eps_key(module, markers: dict) -> str | None:
+    import math
+
+    from parity_cli.model.derive import _eps_of
+
+    eps = _eps_of(module)
+    return next((key for marker, key in markers.items() if eps is not None
+                 and math.isclose(marker, eps, rel_tol=1e-9)), None)
+
+
+def _form(module, semantics) -> tuple[str, str] | None:
+    """(the family's form, the installed class's form) where classify says they differ; None where
+    they agree or the class cannot be run apart from its model (a weightless norm's size, a frozen
+    BatchNorm's eps are the model's: left to the names and eps checks)."""
+    import copy
+
+    import torch
+
+    from parity_cli.model.derive import _eps_of, classify, is_batch_norm
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or is_batch_norm(module) or weight.dim() != 1:
+        return None
+    eps = _eps_of(module)
+    real = copy.deepcopy(module).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(weight.numel())
+    with torch.no_grad():
+        for name, p in real.named_parameters(recurse=False):
+            p.copy_(torch.rand(p.shape, generator=gen) + (0.5 if name == "weight" else -0.5))
+    sem = classify(real, eps if eps is not None else 1e-5)
+    if "kind" not in sem:
+        return None
+    keys = ("kind", "gain_offset", "order", "inverse_sqrt", "gate", "activation")
+    want = {"kind": semantics.kind, "gain_offset": semantics.gain_offset, "order": semantics.order,
+            "inverse_sqrt": semantics.inverse_sqrt, "gate": semantics.gate, "activation": semantics.activation}
+    got = {k: sem.get(k, want[k] if k in ("gate", "activation") and sem.get("kind") != "gated_rms_norm" else None)
+           for k in keys}
+    if not sem.get("order_exact", True):  # no order matched bit for bit: the form alone is compared
+        got["order"], got["inverse_sqrt"] = want["order"], want["inverse_sqrt"]
+    diff = [k for k in keys if got[k] != want[k]]
+    if not diff:
+        return None
+    return ", ".join(f"{k} {want[k]}" for k in diff), ", ".join(f"{k} {got[k]}" for k in diff)
+
+
+def _unsupported(family: Family) -> list[re.Pattern]:
+    """The norms a generated family lists as inexpressible (its [[unsupported]] entries): built,
+    known, not checked; never "new"."""
+    from pathlib import Path
+
+    from parity_cli.model.families import _compile
+    from parity_cli.resources import load_toml
+
+    try:
+        data = load_toml(Path(family.source)) if family.source.endswith(".toml") else {}
+    except Exception:
+        data = {}
+    return [_compile(str(u.get("name", "")), ("",)) for u in data.get("unsupported", []) if isinstance(u, dict)]
+
+
+def differences(family: Family, model_type: str, norms, markers, check_new: bool = True) -> list[Difference]:
+    """Each way `family` no longer describes the modules the installed transformers builds."""
+    out: list[Difference] = []
+    claimed: set[str] = set()
+    formed: set[str] = set()
+    for pattern in family.norms:
+        named = family.hf_class_for(pattern, model_type)
+        found = [(n, m) for n, m in norms if pattern.regex.fullmatch(n)]
+        claimed.update(n for n, _ in found)
+        if not found:
+            out.append(Difference(pattern.name, "gone" if not _importable(named) else "unmatched", named or ""))
+            continue
+        built = {_class_path(m) for _, m in found}
+        if named and named not in built:
+            out.append(Difference(pattern.name, "renamed" if len(built) == 1 else "gone", named,
+                                  next(iter(built)) if len(built) == 1 else ""))
+        sem = pattern.semantics
+        if sem.eps is None:
+            keys = {_eps_key(m, markers) for _, m in found} - {None}
+            if keys and not keys <= set(sem.eps_keys):
+                out.append(Difference(pattern.name, "eps", ", ".join(sem.eps_keys), ", ".join(sorted(keys))))
+        cls = _class_path(found[0][1])
+        if cls + pattern.name not in formed and not pattern.weightless:
+            formed.add(cls + pattern.name)
+            moved = _form(found[0][1], sem)
+            if moved:
+                out.append(Difference(pattern.name, "form", *moved))
+    if check_new:
+        known = _unsupported(family)
+        for name, module in norms:
+            if name not in claimed and not any(r.fullmatch(name) for r in known):
+                out.append(Difference(name, "new", "", _class_path(module)))
+                break  # one is enough to re-derive
+    return out
+
+
+def _moved(old: Family, new: Family, model_type: str) -> list[str]:
+    """What differs between the committed family and the one derived now, pattern by pattern."""
+    before = {p.name: p for p in old.norms}
+    after = {p.name: p for p in new.norms}
+    said = []
+    for name in sorted(set(before) & set(after)):
+        a, b = before[name].semantics, after[name].semantics
+        ca, cb = old.hf_class_for(before[name], model_type), new.hf_class_for(after[name], model_type)
+        if ca != cb:
+            said.append(f"renamed {_short(ca or '?')} → {_short(cb or '?')}")
+        for key in ("kind", "gain_offset", "order", "inverse_sqrt", "eps_keys", "eps", "groups", "gate", "activation"):
+            if getattr(a, key) != getattr(b, key):
+                said.append(f"{name}: {key} {getattr(a, key)} → {getattr(b, key)}")
+    if set(after) - set(before):
+        said.append(f"{len(set(after) - set(before))} norm pattern(s) added")
+    if set(before) - set(after):
+        said.append(f"{len(set(before) - set(after))} norm pattern(s) gone")
+    return list(dict.fromkeys(said))
+
+
+def _with_provenance(family: Family, line: str) -> Family:
+    return dataclasses.replace(family, provenance=line)
+
+
+def current(family: Family, model_type: str, config: dict | None, where: str) -> Family:
+    """`family` as the installed transformers has it: the committed one where it was generated with
+    the installed release or still describes it, else derived again; its provenance says which."""
+    if not family.derived_from:
+        return family
+    stamped, installed = stamped_version(family), installed_version()
+    if installed is None:
+        return _with_provenance(family, f"{family.derived_from}; transformers is not installed: not validated")
+    if stamped == installed:
+        return family
+    key = (family.source, model_type, json.dumps(config, sort_keys=True, default=str), installed)
+    if key not in _CURRENT:  # one validation a process for a model and release (a check's workers each have theirs)
+        _CURRENT[key] = _current(family, model_type, config, where, installed)
+    return _CURRENT[key]
+
+
+_CURRENT: dict = {}
+
+
+def _line(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+
+
+def _first(configs, fn):
+    """fn(config) on the checkpoint's config, else on the config class's defaults (what the committed
+    family was derived from), where transformers cannot read or build the checkpoint's: (result, the
+    config used, why the first failed)."""
+    why = None
+    for config in configs:
+        try:
+            return fn(config), config, why
+        except Exception as exc:  # a config this release rejects, a class that does not build on meta
+            why = why or _line(exc)
+    return None, None, why
+
+
+def _current(family: Family, model_type: str, config: dict | None, where: str, installed: str) -> Family:
+    configs = [config, None] if config is not None else [None]
+    tree, used, why = _first(configs, lambda c: meta_tree(model_type, c, where))
+    found = differences(family, model_type, *tree) if tree is not None else None
+    defaults = (f"; {where} is not a config transformers {installed} builds ({why}), its class defaults used"
+                if tree is not None and used is None and config is not None else "")
+    if found == []:
+        return _with_provenance(family, f"{family.derived_from}, validated against the installed transformers "
+                                        f"{installed}{defaults}")
+    from parity_cli.model.load import derived_family
+
+    fresh, used, failed = _first(configs, lambda c: derived_family(model_type, c, where))
+    if fresh is None:
+        gone = [d for d in (found or []) if d.what in ("gone", "renamed")]
+        if gone or not all(_importable(family.hf_class_for(p, model_type)) for p in family.norms):
+            moved = "; ".join(d.words() for d in gone) or "lacks a class it names"
+            raise InputError(f"{where}: family {family.name} was derived with transformers {stamp_of(family)}; the "
+                             f"installed transformers {installed} {moved}, and it cannot be derived again: {failed}")
+        return _with_provenance(family, f"{family.derived_from}; not validated against the installed transformers "
+                                        f"{installed}: {why or failed}")
+    moved = _moved(family, fresh, model_type) or [d.words() for d in (found or [])[:2]] or ["nothing the check uses"]
+    return dataclasses.replace(fresh, name=family.name, source=family.source, provenance=(
+        f"derived at run time: transformers {installed} " + "; ".join(moved[:4])
+        + (f" (+{len(moved) - 4} more)" if len(moved) > 4 else "") + f" (committed: {family.derived_from})"))
+
+
+def stamp_of(family: Family) -> str:
+    return stamped_version(family) or "another release"
+
+
+def bind_classes(family: Family, model_type: str, config: dict | None, where: str) -> Family:
+    """`family` with every norm's module class the one the installed transformers builds at its
+    pattern (--candidate transformers): a hand-written family names classes too. A class that no
+    longer exists is replaced by the built module's, and said; where the tree cannot be built the
+    names stand (the candidate then says which class is missing)."""
+    tree, _, _ = _first([config, None] if config is not None else [None], lambda c: meta_tree(model_type, c, where))
+    if tree is None:
+        return family
+    norms, _ = tree
+    patterns, renamed = [], []
+    for pattern in family.norms:
+        named = family.hf_class_for(pattern, model_type)
+        found = [m for n, m in norms if pattern.regex.fullmatch(n)]
+        built = {_class_path(m) for m in found}
+        cls = named
+        if len(built) == 1 and named not in built:
+            cls = next(iter(built))
+            renamed.append(f"renamed {_short(named or '?')} → {_short(cls)}")
+        patterns.append(dataclasses.replace(pattern, semantics=dataclasses.replace(pattern.semantics, hf_class=cls)))
+    if not renamed:
+        return family
+    installed = installed_version()
+    line = f"transformers {installed} " + "; ".join(dict.fromkeys(renamed))
+    base = family.provenance + "; " if family.provenance else ""
+    return dataclasses.replace(family, norms=tuple(patterns), hf_classes={},
+                               semantics=dataclasses.replace(family.semantics, hf_class=None),
+                               provenance=base + line)
