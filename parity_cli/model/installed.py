@@ -242,6 +242,18 @@ def current(family: Family, model_type: str, config: dict | None, where: str) ->
 _CURRENT: dict = {}
 
 
+def derived_family(model_type: str, config: dict, where: str) -> Family:
+    from parity_cli.model.derive import derive, family_data_for_parse
+    from parity_cli.model.families import parse_family
+
+    data = derive(model_type, config, where)
+    if not data["norms"]:
+        kinds = "; ".join(sorted({u["why"] for u in data["unsupported"]})) or "no norm module"
+        raise InputError(f"{where}: {data['derived_from']} has no norm parity can check yet ({kinds}); force a "
+                         "family with --family")
+    return parse_family(family_data_for_parse(data), f"{where} ({data['derived_from']})")
+
+
 def _line(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
 
@@ -268,8 +280,6 @@ def _current(family: Family, model_type: str, config: dict | None, where: str, i
     if found == []:
         return _with_provenance(family, f"{family.derived_from}, validated against the installed transformers "
                                         f"{installed}{defaults}")
-    from parity_cli.model.load import derived_family
-
     fresh, used, failed = _first(configs, lambda c: derived_family(model_type, c, where))
     if fresh is None:
         gone = [d for d in (found or []) if d.what in ("gone", "renamed")]

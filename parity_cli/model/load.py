@@ -64,19 +64,9 @@ def _family(ckpt: Checkpoint, where: str) -> Family:
         return claimed
     if ckpt.format == "gguf" or not isinstance(ckpt.model_type, str) or not ckpt.model_type:
         return family_for_model_type(ckpt.model_type, where)  # the one line naming what is known
+    from parity_cli.model.installed import derived_family
+
     return derived_family(ckpt.model_type, ckpt.config, where)
-
-
-def derived_family(model_type: str, config: dict, where: str) -> Family:
-    from parity_cli.model.derive import derive, family_data_for_parse
-    from parity_cli.model.families import parse_family
-
-    data = derive(model_type, config, where)
-    if not data["norms"]:
-        kinds = "; ".join(sorted({u["why"] for u in data["unsupported"]})) or "no norm module"
-        raise InputError(f"{where}: {data['derived_from']} has no norm parity can check yet ({kinds}); force a "
-                         "family with --family")
-    return parse_family(family_data_for_parse(data), f"{where} ({data['derived_from']})")
 
 
 def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None, semantics=None) -> Eps:
