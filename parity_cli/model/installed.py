@@ -322,7 +322,6 @@ def bind_classes(family: Family, model_type: str, config: dict | None, where: st
         return family
     installed = installed_version()
     line = f"transformers {installed} " + "; ".join(dict.fromkeys(renamed))
-    base = family.provenance + "; " if family.provenance else ""
     return dataclasses.replace(family, norms=tuple(patterns), hf_classes={},
                                semantics=dataclasses.replace(family.semantics, hf_class=None),
-                               provenance=base + line)
+                               provenance=f"{family.source_line}; {line}")

@@ -1,0 +1,157 @@
+"""The installed transformers is the truth at run time (issue 34; parity_cli.model.installed).
+
+A committed derived family is a cache stamped with the release it was generated with. Each test
+writes one as tools/derive_families.py writes it, from the installed classes, then makes it stale
+the way a release makes it stale (a class renamed, as 5.25 renamed MambaRMSNormGated to
+Mamba2RMSNormGated; an eps key moved), stamps it with another release, and checks on a tiny
+checkpoint written by the model's own classes what a user would get: the committed family where it
+still holds (validated), a family derived again where it does not (said in one line), or one line
+naming what moved where it cannot be derived again. Class names are taken from the model the
+installed release builds (tests/plugins/installed_classes.py), never written here."""
+
+import importlib.util
+import shutil
+from importlib import metadata
+
+import pytest
+from conftest import ROOT
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from parity_cli import api  # noqa: E402
+from parity_cli.errors import InputError  # noqa: E402
+from parity_cli.model import derive as derive_module  # noqa: E402
+from parity_cli.model import families, installed  # noqa: E402
+from plugins.installed_classes import built_class  # noqa: E402
+
+INSTALLED = metadata.version("transformers")
+OTHER = "5.24.0" if INSTALLED != "5.24.0" else "5.25.0"  # a release the family was "generated with"
+GATED = "backbone.layers.{i}.mixer.norm"
+
+_spec = importlib.util.spec_from_file_location("derive_families", ROOT / "tools" / "derive_families.py")
+generator = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(generator)
+
+
+@pytest.fixture
+def configs(tmp_path):
+    """A configs/ of this test's own (the hand-written families and none generated), and a function
+    that commits a generated family file into it."""
+    from parity_cli.resources import configs_dir
+
+    root = tmp_path / "configs"
+    shutil.copytree(configs_dir(), root, ignore=shutil.ignore_patterns("derived"))
+    (root / "families" / "derived").mkdir()
+
+    def commit(model_type: str, edit=lambda text: text) -> str:
+        text = generator.to_toml(derive_module.derive(model_type, None, "test"))
+        text = edit(text.replace(f"transformers {INSTALLED}:", f"transformers {OTHER}:"))  # another release's stamp
+        (root / "families" / "derived" / f"{model_type}.toml").write_text(text)
+        families.clear_caches()
+        return text
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(families, "configs_dir", lambda: root)
+        families.clear_caches()
+        yield commit
+    families.clear_caches()
+
+
+def _source(report) -> str:
+    return report.header["checkpoint"]["family_source"]
+
+
+def _stale_name(cls: type) -> str:
+    """The other of the two names Mamba2's gated norm has had, in the module it lives in."""
+    old = "MambaRMSNormGated" if cls.__name__ != "MambaRMSNormGated" else "Mamba2RMSNormGated"
+    return f"{cls.__module__}.{old}"
+
+
+def test_a_renamed_class_is_derived_again_and_said(tiny, configs):
+    """The 5.24 -> 5.25 Mamba2 break: the committed file names a gated norm class the installed release
+    does not have. The check re-derives, passes with the model's own class, and says what moved."""
+    built = built_class("mamba2", "layers.0.mixer.norm")
+    stale = _stale_name(built)
+    text = configs("mamba2", lambda t: t.replace(f"{built.__module__}.{built.__qualname__}", stale))
+    assert stale in text and f"transformers {OTHER}: Mamba2ForCausalLM" in text
+    report = api.check(tiny("mamba2"), candidate="transformers", dtype="float32", isolation="none")
+    assert report.passed and {layer.kind for layer in report.layers} == {"rms_norm", "gated_rms_norm"}
+    assert _source(report) == (f"derived at run time: transformers {INSTALLED} renamed {stale.rsplit('.', 1)[1]} → "
+                               f"{built.__name__} (committed: transformers {OTHER}: Mamba2ForCausalLM)")
+    assert report.header["environment"]["transformers"] == INSTALLED
+
+
+def test_a_planted_gated_norm_fault_keeps_its_cause_under_a_renamed_class(tiny, configs):
+    built = built_class("mamba2", "layers.0.mixer.norm")
+    configs("mamba2", lambda t: t.replace(f"{built.__module__}.{built.__qualname__}", _stale_name(built)))
+    plugin = f"{ROOT / 'tests' / 'plugins' / 'other_kinds.py'}:mamba_sigmoid"
+    report = api.check(tiny("mamba2"), candidate=plugin, dtype="float32", isolation="none", layers="*.mixer.norm")
+    assert not report.passed and report.layers
+    assert [{d.code for d in layer.diagnoses} for layer in report.layers] == [{"gate_activation_mismatch"}] * 2
+
+
+def test_a_family_that_still_holds_is_used_and_said_validated(tiny, configs):
+    text = configs("smollm3")
+    report = api.check(tiny("smollm3"), candidate="transformers", dtype="float32", isolation="none")
+    assert report.passed and report.layers
+    assert _source(report) == (f"transformers {OTHER}: SmolLM3ForCausalLM, validated against the installed "
+                               f"transformers {INSTALLED}")
+    assert "rms_norm_eps" in text and all(layer.eps["source"] == "config:rms_norm_eps" for layer in report.layers)
+
+
+def test_an_eps_key_that_moved_is_derived_again(tiny, configs):
+    """A committed family reading eps from a key the installed classes no longer read would use the
+    family default (1e-6 here) where the model runs at its config's: derived again, it reads the
+    key the modules do."""
+    text = configs("smollm3", lambda t: t.replace('eps_keys = ["rms_norm_eps"]', 'eps_keys = ["norm_eps_moved"]'))
+    assert "norm_eps_moved" in text
+    report = api.check(tiny("smollm3"), candidate="transformers", dtype="float32", isolation="none")
+    assert report.passed and all(layer.eps["source"] == "config:rms_norm_eps" for layer in report.layers)
+    assert _source(report).startswith(f"derived at run time: transformers {INSTALLED} ")
+    assert "eps_keys ('norm_eps_moved',) → ('rms_norm_eps',)" in _source(report)
+
+
+def test_a_class_gone_that_cannot_be_derived_again_is_one_line(tiny, configs, monkeypatch):
+    built = built_class("mamba2", "layers.0.mixer.norm")
+    stale = _stale_name(built)
+    configs("mamba2", lambda t: t.replace(f"{built.__module__}.{built.__qualname__}", stale))
+    monkeypatch.setattr(derive_module, "MAX_PARAMETERS", 10)  # the derivation refuses to build the model
+    with pytest.raises(InputError) as err:
+        api.check(tiny("mamba2"), candidate="transformers", dtype="float32", isolation="none")
+    line = str(err.value)
+    assert "\n" not in line and "config.json" in line and f"derived with transformers {OTHER}" in line
+    assert f"renamed {stale.rsplit('.', 1)[1]} → {built.__name__}" in line and "cannot be derived again" in line
+    assert "too old" not in line
+
+
+def test_without_transformers_the_committed_family_is_used_and_said_unvalidated(tiny, configs, monkeypatch):
+    configs("smollm3")
+    monkeypatch.setattr(installed, "installed_version", lambda: None)
+    report = api.check(tiny("smollm3"), dtype="float32", isolation="none")
+    assert report.passed
+    assert _source(report) == f"transformers {OTHER}: SmolLM3ForCausalLM; transformers is not installed: not validated"
+
+
+def test_a_hand_written_family_s_class_is_the_one_the_installed_release_builds(tiny, configs):
+    """--candidate transformers runs the class the model builds at each pattern: a hand-written
+    family naming a class the release renamed still runs the model's own, and says so."""
+    from parity_cli.resources import load_toml
+
+    llama = families.configs_dir() / "families" / "llama.toml"
+    text = llama.read_text()
+    named = load_toml(llama)["hf_class"]
+    assert named.endswith(".LlamaRMSNorm") and named in text
+    llama.write_text(text.replace(f'"{named}"', f'"{named}Before"', 1))
+    families.clear_caches()
+    report = api.check(tiny("llama"), candidate="transformers", dtype="bfloat16", isolation="none")
+    assert report.passed and report.layers
+    assert _source(report).endswith(f"; transformers {INSTALLED} renamed LlamaRMSNormBefore → LlamaRMSNorm")
+
+
+def test_tagged_non_finite_floats_are_read_as_transformers_reads_them():
+    config = {"time_step_limit": [0.0, {"__float__": "Infinity"}], "x": {"__float__": "NaN"},
+              "y": {"__float__": "-Infinity"}, "z": {"__float__": "1.0"}, "w": {"a": 1}}
+    got = derive_module.tagged_floats(config)
+    assert got["time_step_limit"] == [0.0, float("inf")] and got["y"] == float("-inf") and got["x"] != got["x"]
+    assert got["z"] == {"__float__": "1.0"} and got["w"] == {"a": 1}  # not a tag transformers writes: as it is
