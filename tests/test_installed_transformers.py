@@ -19,11 +19,12 @@ from conftest import ROOT
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from plugins.installed_classes import built_class  # noqa: E402
+
 from parity_cli import api  # noqa: E402
 from parity_cli.errors import InputError  # noqa: E402
 from parity_cli.model import derive as derive_module  # noqa: E402
 from parity_cli.model import families, installed  # noqa: E402
-from plugins.installed_classes import built_class  # noqa: E402
 
 INSTALLED = metadata.version("transformers")
 OTHER = "5.24.0" if INSTALLED != "5.24.0" else "5.25.0"  # a release the family was "generated with"

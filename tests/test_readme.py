@@ -88,8 +88,33 @@ def test_quick_start_demo_command():
 def test_quick_start_test_command():
     test = steps(quick_start()[1])
     assert torch_pin(test[0]) == "torch==2.13.0"
-    assert ["python", "-m", "pip", "install", "-e", ".[test]"] in test[1:-1]
+    assert ["python", "-m", "pip", "install", "-e", ".[test]", "-c", "constraints/test.txt"] in test[1:-1]
     assert test[-1] == ["python", "-m", "pytest", "-q"]
+
+
+def _lock() -> dict:
+    pins = {}
+    for line in (ROOT / "constraints" / "test.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.strip().partition("==")
+            assert version and not any(c in version for c in "<>=!~*"), f"not an exact pin: {line}"
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_the_lock_pins_every_package_of_the_test_extra_exactly():
+    """Issue 34: the test command installs from the lock, which pins the whole test extra (and what it
+    pulls in) to one version each; the package's own ranges stay open for users."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _lock()
+    for requirement in project["optional-dependencies"]["test"] + project["dependencies"]:
+        name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        if "python_version < '3.11'" in requirement:
+            continue
+        assert name in pins, f"{name} is not in constraints/test.txt"
+    assert pins["torch"] == torch_pin(steps(quick_start()[1])[0]).split("==")[1]  # the README's torch pin
+    for requirement in project["dependencies"] + project["optional-dependencies"]["transformers"]:
+        assert not re.search(r"==", requirement), f"a user-facing range is pinned: {requirement}"
 
 
 def test_quick_start_states_how_long_the_tests_take():
