@@ -33,6 +33,10 @@ MOST_DEPLOYED = [
 ]
 # resnet: BatchNorm2d; fastspeech2_conformer: BatchNorm1d in an audio conformer (issue 26's batch_norm)
 OTHERS = ["bert", "roberta", "t5", "bart", "whisper", "vit", "clip", "siglip", "resnet", "fastspeech2_conformer"]
+# every other norm kind, for --sample runs (tools/compat_sweep.py): gated RMSNorm with its gate before the
+# statistic (Mamba2) and after it (Falcon-H1), GroupNorm (wav2vec2's feature extractor), a weightless LayerNorm
+# (OLMo); the suite's zoo sample leaves them to tests/test_other_kinds.py
+KINDS = ["mamba2", "falcon_h1", "wav2vec2", "olmo"]
 
 STRATA = ["zero", "tiny", "normal", "large"]
 
@@ -261,8 +265,8 @@ def main(argv=None) -> int:
 
     types = args.types or sorted(CONFIG_MAPPING_NAMES)
     if args.sample is not None:
-        rest = sorted(set(types) - set(MOST_DEPLOYED) - set(OTHERS))
-        types = [t for t in MOST_DEPLOYED + OTHERS if t in CONFIG_MAPPING_NAMES] + \
+        rest = sorted(set(types) - set(MOST_DEPLOYED) - set(OTHERS) - set(KINDS))
+        types = [t for t in MOST_DEPLOYED + OTHERS + KINDS if t in CONFIG_MAPPING_NAMES] + \
             random.Random(args.seed).sample(rest, min(args.sample, len(rest)))
     sys.path.insert(0, str(ROOT / "tools"))
     from per_type import run

@@ -156,6 +156,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
         "checkpoint": {"path": str(ckpt.path), "format": ckpt.format, "family": fam.name,
                        "family_from": family_choice(family, fam, ckpt.model_type, ckpt.format,
                                              getattr(ckpt, "architecture", None)),
+                       "family_source": fam.source_line,
                        "model_type": ckpt.model_type, "files": [f.name for f in ckpt.files],
                        "unmatched": found.unmatched},
         "eps": _eps_dict(resolved),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,13 @@ def sweep(version: str, venvs: Path, sample: int, seed: int, jobs: int) -> dict:
     return {"version": version, "rows": rows}
 
 
+def _moved_words(source: str) -> str:
+    """What a run-time derivation said moved, without its frame ("derived at run time: transformers X ...
+    (committed: ...)")."""
+    words = re.sub(r"^derived at run time: transformers \S+ ", "", source)
+    return re.sub(r" \(committed: [^)]*\).*$", "", words)
+
+
 def summary(result: dict, sample: list[str]) -> dict:
     """Types fully correct of those the release ships with a norm parity can express; the rest, why."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -82,7 +90,8 @@ def summary(result: dict, sample: list[str]) -> dict:
     scope = [r for r in scope if r["model_type"] not in needs]
     correct = [r["model_type"] for r in scope if fully_correct(r)]
     gaps = {r["model_type"]: _why(r) for r in scope if not fully_correct(r)}
-    rederived = sorted({r["model_type"] for r in rows if str(r.get("family_source", "")).startswith("derived at run")})
+    rederived = {r["model_type"]: _moved_words(r["family_source"]) for r in rows
+                 if str(r.get("family_source", "")).startswith("derived at run")}
     return {"version": result["version"], "error": result.get("error"), "swept": len(rows), "absent": absent,
             "needs": needs, "in_scope": len(scope), "correct": len(correct), "gaps": gaps, "rederived": rederived}
 
@@ -90,9 +99,12 @@ def summary(result: dict, sample: list[str]) -> dict:
 def table(summaries: list[dict], sample: int, seed: int) -> str:
     lines = [BEGIN, "", "## transformers releases (tools/compat_sweep.py)", "",
              f"The zoo sample (`benchmarks/zoo_sweep.py --sample {sample} --seed {seed}`: the most deployed LLM/VLM "
-             "types, encoders, vision and audio models) under each release, in a venv of its own with the locked "
-             "torch. Absent: types the release does not ship. Re-derived: types whose committed family differed "
-             "from the installed classes and was derived again at run time.", "",
+             "types, encoders, vision and audio models, and a type of every other norm kind: gated RMSNorm both ways, "
+             "GroupNorm, weightless) under each release, in a venv of its own with the locked "
+             "torch. The committed families were generated with one release (their stamp); under each other one "
+             "parity validated them against the installed classes and derived again, at run time, those whose "
+             "classes, eps keys or forms had moved: the re-derived column says what moved. Absent: types the "
+             "release does not ship.", "",
              "| transformers | types in the sample it ships | fully correct | re-derived at run time | not correct, why |",
              "|---|---|---|---|---|"]
     for s in summaries:
@@ -100,8 +112,8 @@ def table(summaries: list[dict], sample: int, seed: int) -> str:
             lines.append(f"| {s['version']} | | | | the sweep did not run: {s['error']} |")
             continue
         why = "; ".join(f"{t}: {w}" for t, w in sorted(s["gaps"].items())).replace("|", "/") or ""
-        lines.append(f"| {s['version']} | {s['in_scope']} | {s['correct']} of {s['in_scope']} | "
-                     f"{', '.join(s['rederived']) or ''} | {why} |")
+        moved = "; ".join(f"{t}: {w}" for t, w in sorted(s["rederived"].items())).replace("|", "/")
+        lines.append(f"| {s['version']} | {s['in_scope']} | {s['correct']} of {s['in_scope']} | {moved} | {why} |")
     absent = {s["version"]: s["absent"] for s in summaries if s.get("absent")}
     if absent:
         lines += [""] + [f"- absent from {v}: {', '.join(a)}" for v, a in absent.items()]
@@ -136,9 +148,9 @@ def main(argv=None) -> int:
         venvs.mkdir(parents=True, exist_ok=True)
         results = [sweep(v, venvs, args.sample, args.seed, args.jobs) for v in args.versions]
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from zoo_sweep import MOST_DEPLOYED, OTHERS
+    from zoo_sweep import KINDS, MOST_DEPLOYED, OTHERS
 
-    summaries = [summary(r, MOST_DEPLOYED + OTHERS) for r in results]
+    summaries = [summary(r, MOST_DEPLOYED + OTHERS + KINDS) for r in results]
     OUT.write_text(json.dumps(summaries, indent=1) + "\n")
     text = table(summaries, args.sample, args.seed)
     print(text)

@@ -84,8 +84,9 @@ def _class_path(module) -> str:
 
 
 def meta_tree(model_type: str, config: dict | None, where: str):
-    """(norm modules [(name, module)], eps markers {value: dotted key}) of the model the installed
-    transformers builds from `config`, on the meta device: no memory, no weights."""
+    """(norm modules [(name, module)], eps markers {value: dotted key}, the shrunk config they were
+    built from) of the model the installed transformers builds from `config`, on the meta device: no
+    memory, no weights."""
     import torch
 
     from parity_cli.model import derive as d
@@ -100,7 +101,7 @@ def meta_tree(model_type: str, config: dict | None, where: str):
     with torch.device("meta"):
         model = cls._from_config(cfg)
     norms = [(name, module) for name, module in model.named_modules() if name and d._is_norm(module)]
-    return norms, markers
+    return norms, markers, cfg
 
 
 def _eps_key(module, markers: dict) -> str | None:
@@ -113,10 +114,12 @@ def _eps_key(module, markers: dict) -> str | None:
                  and math.isclose(marker, eps, rel_tol=1e-9)), None)
 
 
-def _form(module, semantics) -> tuple[str, str] | None:
+def _form(module, semantics, cfg=None) -> tuple[str, str] | None:
     """(the family's form, the installed class's form) where classify says they differ; None where
     they agree or the class cannot be run apart from its model (a weightless norm's size, a frozen
-    BatchNorm's eps are the model's: left to the names and eps checks)."""
+    BatchNorm's eps are the model's: left to the names and eps checks). A grouped norm's count is
+    compared with the family's, read from the config it was built with (Mamba2's gated norm took one
+    group over the whole width until transformers 5.24, whatever n_groups said)."""
     import copy
 
     import torch
@@ -143,9 +146,28 @@ def _form(module, semantics) -> tuple[str, str] | None:
     if not sem.get("order_exact", True):  # no order matched bit for bit: the form alone is compared
         got["order"], got["inverse_sqrt"] = want["order"], want["inverse_sqrt"]
     diff = [k for k in keys if got[k] != want[k]]
+    if sem.get("kind") in ("gated_rms_norm", "group_norm") and semantics.groups is not None:
+        named = _group_count(semantics.groups, cfg, weight.numel())
+        if named is not None and named != _group_count(sem.get("groups"), None, weight.numel()):
+            diff.append("groups")
+            want["groups"], got["groups"] = semantics.groups, sem.get("groups")
     if not diff:
         return None
     return ", ".join(f"{k} {want[k]}" for k in diff), ", ".join(f"{k} {got[k]}" for k in diff)
+
+
+def _group_count(groups, cfg, channels: int) -> int | None:
+    """A group count as an integer: itself, `channels`, or a (dotted) config key read from `cfg`."""
+    if groups == "channels":
+        return channels
+    if type(groups) is int:
+        return groups
+    if isinstance(groups, str) and cfg is not None:
+        node = cfg
+        for part in groups.split("."):
+            node = getattr(node, part, None)
+        return node if type(node) is int else None
+    return None
 
 
 def _unsupported(family: Family) -> list[re.Pattern]:
@@ -163,7 +185,7 @@ def _unsupported(family: Family) -> list[re.Pattern]:
     return [_compile(str(u.get("name", "")), ("",)) for u in data.get("unsupported", []) if isinstance(u, dict)]
 
 
-def differences(family: Family, model_type: str, norms, markers, check_new: bool = True) -> list[Difference]:
+def differences(family: Family, model_type: str, norms, markers, cfg=None, check_new: bool = True) -> list[Difference]:
     """Each way `family` no longer describes the modules the installed transformers builds."""
     out: list[Difference] = []
     claimed: set[str] = set()
@@ -187,7 +209,7 @@ def differences(family: Family, model_type: str, norms, markers, check_new: bool
         cls = _class_path(found[0][1])
         if cls + pattern.name not in formed and not pattern.weightless:
             formed.add(cls + pattern.name)
-            moved = _form(found[0][1], sem)
+            moved = _form(found[0][1], sem, cfg)
             if moved:
                 out.append(Difference(pattern.name, "form", *moved))
     if check_new:
@@ -289,10 +311,16 @@ def _current(family: Family, model_type: str, config: dict | None, where: str, i
                              f"installed transformers {installed} {moved}, and it cannot be derived again: {failed}")
         return _with_provenance(family, f"{family.derived_from}; not validated against the installed transformers "
                                         f"{installed}: {why or failed}")
-    moved = _moved(family, fresh, model_type) or [d.words() for d in (found or [])[:2]] or ["nothing the check uses"]
+    if used is None and config is not None and not defaults:
+        defaults = f"; {where} is not a config transformers {installed} builds ({failed}), its class defaults used"
+    moved = _moved(family, fresh, model_type)
+    if not moved:  # the tree's names are not the stored ones (a checkpoint layout), or it did not build on meta:
+        # derived for real, the family is the committed one in everything a check uses
+        return _with_provenance(family, f"{family.derived_from}, validated against the installed transformers "
+                                        f"{installed} (derived again: the same){defaults}")
     return dataclasses.replace(fresh, name=family.name, source=family.source, provenance=(
         f"derived at run time: transformers {installed} " + "; ".join(moved[:4])
-        + (f" (+{len(moved) - 4} more)" if len(moved) > 4 else "") + f" (committed: {family.derived_from})"))
+        + (f" (+{len(moved) - 4} more)" if len(moved) > 4 else "") + f" (committed: {family.derived_from}){defaults}"))
 
 
 def stamp_of(family: Family) -> str:
@@ -307,7 +335,7 @@ def bind_classes(family: Family, model_type: str, config: dict | None, where: st
     tree, _, _ = _first([config, None] if config is not None else [None], lambda c: meta_tree(model_type, c, where))
     if tree is None:
         return family
-    norms, _ = tree
+    norms = tree[0]
     patterns, renamed = [], []
     for pattern in family.norms:
         named = family.hf_class_for(pattern, model_type)

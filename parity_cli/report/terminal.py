@@ -573,6 +573,9 @@ def render_inspect(info: dict, console, verbose: bool = False) -> None:
     width = console.width
     ck = info["checkpoint"]
     chosen = f"; {_e(ck['family_from'])}" if ck.get("family_from") else ""
+    source = ck.get("family_source") or ""
+    if source.startswith("derived at run time") or ", validated against" in source or "not validated" in source:
+        chosen += f"; {_e(source)}"  # a committed family as the installed transformers bore on it
     _print(console, wrap(f"[bold]{_e(ck['path'])}[/]: family [bold]{_e(ck['family'])}[/] (model_type "
                          f"{_e(ck['model_type'])}{chosen}), eps {fmt(info['eps']['value'])} ({_e(info['eps']['source'])}), "
                          f"{len(info['layers'])} norm layers", width))
