@@ -118,8 +118,8 @@ def _form(module, semantics, cfg=None) -> tuple[str, str] | None:
     """(the family's form, the installed class's form) where classify says they differ; None where
     they agree or the class cannot be run apart from its model (a weightless norm's size, a frozen
     BatchNorm's eps are the model's: left to the names and eps checks). A grouped norm's count is
-    compared with the family's, read from the config it was built with (Mamba2's gated norm took one
-    group over the whole width until transformers 5.24, whatever n_groups said)."""
+    compared with the family's, read from the config it was built with (Mamba2's gated norm is one
+    group over the whole width in transformers 4.53.3 and 5.12.1 whatever n_groups says; per group in 5.24.0)."""
     import copy
 
     import torch
