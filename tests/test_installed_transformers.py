@@ -156,3 +156,58 @@ def test_tagged_non_finite_floats_are_read_as_transformers_reads_them():
     got = derive_module.tagged_floats(config)
     assert got["time_step_limit"] == [0.0, float("inf")] and got["y"] == float("-inf") and got["x"] != got["x"]
     assert got["z"] == {"__float__": "1.0"} and got["w"] == {"a": 1}  # not a tag transformers writes: as it is
+
+
+def _gemma3n_with_audio(path):
+    """A Gemma 3n checkpoint of its language model, audio tower and audio embedder, written from their
+    own classes (its vision tower needs timm, which the test extra lacks), gains randomised: {stored
+    name: module} of every RMSNorm with a gain (the class its language model's final norm is built with;
+    the audio tower's cumulative GroupNorms are a kind parity cannot express yet)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Gemma3nAudioConfig, Gemma3nConfig, Gemma3nTextConfig
+    from transformers.models.gemma3n import modeling_gemma3n as g
+
+    text = Gemma3nTextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, vocab_size=256, vocab_size_per_layer_input=256,
+                             hidden_size_per_layer_input=16, layer_types=["sliding_attention", "full_attention"],
+                             num_kv_shared_layers=0, laurel_rank=8, activation_sparsity_pattern=[0.0, 0.0],
+                             rms_norm_eps=2e-6)
+    audio = Gemma3nAudioConfig(hidden_size=64, conf_num_hidden_layers=2, conf_num_attention_heads=4, rms_norm_eps=3e-6,
+                               vocab_size=128)
+    config = Gemma3nConfig(text_config=text.to_dict(), audio_config=audio.to_dict())
+    config.architectures = ["Gemma3nForConditionalGeneration"]
+    rms_norm = built_class("gemma3n_text", "norm")
+    torch.manual_seed(0)
+    parts = {"model.language_model.": g.Gemma3nTextModel(config.text_config),
+             "model.audio_tower.": g.Gemma3nAudioEncoder(config.audio_config),
+             "model.embed_audio.": g.Gemma3nMultimodalEmbedder(config.audio_config, config.text_config)}
+    tensors, norms = {}, {}
+    for prefix, part in parts.items():
+        for name, module in part.named_modules():
+            if type(module) is rms_norm and module.with_scale:
+                with torch.no_grad():
+                    module.weight.copy_(torch.rand(module.weight.shape) * 0.5 + 0.1)
+                norms[prefix + name] = module
+        tensors.update({prefix + k: v.contiguous() for k, v in part.state_dict().items()})
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    config.save_pretrained(path)
+    return norms
+
+
+def test_mamba2_llama4_and_gemma3n_pass_with_the_installed_classes(tiny, tmp_path):
+    """Issue 34's three breaks, each checked end to end with --candidate transformers on the installed
+    release: every norm with a gain found and checked, at the module's own eps."""
+    from plugins.installed_classes import eps_of
+
+    for model_type in ("mamba2", "llama4"):
+        report = api.check(tiny(model_type), candidate="transformers", dtype="float32", isolation="none")
+        assert report.passed and report.layers, (model_type, [layer.error for layer in report.layers])
+    norms = _gemma3n_with_audio(tmp_path / "gemma3n")
+    report = api.check(tmp_path / "gemma3n", candidate="transformers", dtype="float32", isolation="none")
+    assert report.passed, [(layer.name, layer.error) for layer in report.layers if layer.status != "pass"]
+    checked = {layer.name: layer.eps["value"] for layer in report.layers}
+    assert set(norms) <= set(checked), sorted(set(norms) - set(checked))[:4]
+    assert {name: eps_of(m) for name, m in norms.items()} == {name: checked[name] for name in norms}
+    assert {2e-6, 3e-6} <= set(checked.values())  # the language model's eps and the audio tower's
