@@ -23,6 +23,10 @@ from _common import median, print_machine  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def cell(v, base) -> str:
+    return f"{v * 1e3:7.1f} ms {v / base:5.1f}x" if v is not None else f"{'-':>16}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=15)
@@ -72,11 +76,8 @@ def main(argv=None) -> int:
             target.write_text(committed)
             base = rows["committed"]
 
-            def cell(v):
-                return f"{v * 1e3:7.1f} ms {v / base:5.1f}x" if v is not None else f"{'-':>16}"
-
-            print(f"{model_type:10} {base * 1e3:10.1f} ms {cell(rows['validated'])} {cell(rows['derived'])} "
-                  f"{cell(rows['bind'])}")
+            print(f"{model_type:10} {base * 1e3:10.1f} ms {cell(rows['validated'], base)} {cell(rows['derived'], base)} "
+                  f"{cell(rows['bind'], base)}")
     return 0
 
 
