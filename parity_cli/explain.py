@@ -55,7 +55,7 @@ def explain(path: str | Path, opts, layer_names: list[str] | None = None) -> dic
         wanted = {l.name for l in pipeline.check(path, opts).layers if not l.passed}
         if not wanted:
             return {}
-    ckpt, fam, eps = load(path, opts.family, opts.eps)
+    ckpt, fam, eps = load(path, opts.family, opts.eps, classes=options.uses_transformers(opts))
     found = {l.name: l for l in discover_layers(ckpt, fam, eps).layers}
     unknown = sorted(wanted - set(found))
     if unknown:

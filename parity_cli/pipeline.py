@@ -296,7 +296,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
                      "eps": info["eps"], "layers": len(layers), "unmatched": [], "openvino": info}
         dtype = info["dtype"]
     else:
-        ckpt2, fam2, eps2 = load(opts.candidate_checkpoint, model=model)
+        ckpt2, fam2, eps2 = load(opts.candidate_checkpoint, model=model, classes=uses_transformers(opts))
         found2 = discover_layers(ckpt2, fam2, eps2)
         layers = found2.layers
         described = {"path": recorded_path(ckpt2.path), "format": ckpt2.format, "family": fam2.name,
@@ -498,7 +498,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         torch.set_num_threads(opts.threads)
         if sharded:
             _say(progress, f"starting {workers} worker processes")
-            plan = parallel.Plan(str(path), opts, cand_dtype_name, tol, grad_tol, tuple(strata), timeout)
+            plan = parallel.Plan(str(path), opts, cand_dtype_name, tol, grad_tol, tuple(strata), timeout, fam)
             results = parallel.check_shards(plan, [layer.name for layer in found.layers], workers, progress)
         else:
             candidates = [Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps,

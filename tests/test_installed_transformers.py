@@ -211,3 +211,69 @@ def test_mamba2_llama4_and_gemma3n_pass_with_the_installed_classes(tiny, tmp_pat
     assert set(norms) <= set(checked), sorted(set(norms) - set(checked))[:4]
     assert {name: eps_of(m) for name, m in norms.items()} == {name: checked[name] for name in norms}
     assert {2e-6, 3e-6} <= set(checked.values())  # the language model's eps and the audio tower's
+
+
+def test_an_eps_the_code_fixes_that_moved_is_derived_again(tiny, configs):
+    """Whisper's LayerNorms take torch's default eps (1e-5, no config key): a committed file saying the
+    code fixes 1e-6 no longer describes them and is derived again."""
+    text = configs("whisper", lambda t: t.replace("eps = 1e-05", "eps = 1e-06"))
+    assert "eps = 1e-06" in text and "eps = 1e-05" not in text
+    report = api.check(tiny("whisper"), candidate="transformers", dtype="float32", isolation="none")
+    assert report.passed and {layer.eps["value"] for layer in report.layers} == {1e-5}
+    assert "eps 1e-06 → 1e-05" in _source(report), _source(report)
+
+
+def test_a_class_that_stops_computing_any_form_parity_knows_is_refused(tiny, configs, monkeypatch):
+    """SmolLM3's RMSNorm made to divide by sqrt(q) + eps (eps outside the root): parity cannot express
+    that form, so a committed family of it is neither validated nor derived again; the check is refused
+    in one line saying what the installed class computes now."""
+    import torch
+
+    cls = built_class("smollm3", "norm")
+    configs("smollm3")
+
+    def outside(self, x):
+        v = x.float().pow(2).mean(-1, keepdim=True)
+        return (self.weight * (x.float() / (torch.sqrt(v) + self.variance_epsilon))).to(x.dtype)
+
+    monkeypatch.setattr(cls, "forward", outside)
+    with pytest.raises(InputError) as err:
+        api.check(tiny("smollm3"), candidate="hf", dtype="float32", isolation="none")
+    line = str(err.value)
+    assert "\n" not in line and "cannot be derived again" in line and "as unsupported (" in line, line
+    assert line.count("matches no RMSNorm") <= 2, line  # the patterns that moved alike said once
+
+
+def test_a_torch_layer_norm_named_by_its_short_path_is_the_class_built(tiny):
+    """The layer_norm family names torch.nn.LayerNorm; BERT builds torch.nn.modules.normalization.LayerNorm,
+    the same class: nothing was renamed."""
+    report = api.check(tiny("bert"), candidate="transformers", dtype="float32", isolation="none")
+    assert report.passed and _source(report) == "configs/families/layer_norm.toml"
+
+
+def test_a_type_the_installed_release_does_not_know_runs_unvalidated_unless_its_classes_are_needed(
+        tiny, configs, tmp_path):
+    """A family committed from a newer release for a type the installed one does not ship: a check
+    that runs no transformers class goes on, said unvalidated; --candidate transformers needs a class
+    the release lacks and is refused in one line."""
+    import json
+
+    def other_type(text):
+        return text.replace('"smollm3"', '"smollm9"').replace("SmolLM3RMSNorm", "SmolLM9RMSNorm")
+
+    configs("smollm3", other_type)
+    root = families.configs_dir() / "families" / "derived"
+    (root / "smollm3.toml").rename(root / "smollm9.toml")
+    families.clear_caches()
+    path = tmp_path / "smollm9"
+    shutil.copytree(tiny("smollm3"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "smollm9"}))
+    report = api.check(path, candidate="hf", dtype="float32", isolation="none")
+    assert report.passed and report.layers
+    source = _source(report)
+    assert source.startswith(f"transformers {OTHER}: SmolLM3ForCausalLM; not validated against the installed "
+                             f"transformers {INSTALLED}") and "'smollm9' is not known to transformers" in source
+    with pytest.raises(InputError) as err:
+        api.check(path, candidate="transformers", dtype="float32", isolation="none")
+    assert "has no class SmolLM9RMSNorm" in str(err.value) and "\n" not in str(err.value)

@@ -49,6 +49,7 @@ class Plan:
     grad_tol: object
     strata: tuple
     timeout: float | None
+    family: object = None  # model.families.Family as the parent settled it (validated, derived again, classes bound)
 
 
 def check_shards(plan: Plan, names: list[str], workers: int, progress=None) -> list:
@@ -137,7 +138,7 @@ def _run_share(task):
     key = (plan.path, opts.family, opts.eps)
     if key not in _STATE:
         _STATE.clear()
-        _STATE[key] = load(plan.path, opts.family, opts.eps, classes=options.uses_transformers(opts))
+        _STATE[key] = load(plan.path, opts.family, opts.eps, resolved=plan.family)
     ckpt, fam, eps = _STATE[key]
     layers = {layer.name: layer for layer in discover_layers(ckpt, fam, eps, opts.layers, names=set(share)).layers}
     reference = Side(impls.resolve(opts.reference), opts.reference, getattr(torch, options.dtype_name(opts.reference_dtype)),

@@ -45,15 +45,17 @@ class Difference:
     """One way the committed family no longer describes the installed classes."""
 
     pattern: str
-    what: str  # "renamed", "gone", "eps", "form", "unmatched", "new"
+    what: str  # "renamed", "gone", "several", "eps", "form", "unmatched", "new"
     old: str = ""
     new: str = ""
 
     def words(self) -> str:
-        if self.what in ("renamed", "gone") and self.new:
+        if self.what == "renamed":
             return f"renamed {_short(self.old)} → {_short(self.new)}"
         if self.what == "gone":
             return f"has no class {_short(self.old)}"
+        if self.what == "several":
+            return f"builds {', '.join(_short(c) for c in self.new.split(', '))} at {self.pattern} (not {_short(self.old)})"
         if self.what == "eps":
             return f"reads {self.pattern}'s eps from {self.new or 'no config key'} (was {self.old or 'fixed'})"
         if self.what == "form":
@@ -63,20 +65,36 @@ class Difference:
         return f"builds nothing at {self.pattern}"
 
 
+def said(found: list[Difference]) -> str:
+    """The differences in a few words: one phrase for the patterns that moved the same way."""
+    groups: dict = {}
+    for d in found:
+        groups.setdefault((d.what, d.old, d.new), []).append(d)
+    out = []
+    for same in groups.values():
+        more = f" (and {len(same) - 1} more pattern{'s' if len(same) > 2 else ''})" if len(same) > 1 else ""
+        out.append(same[0].words() + more)
+    return "; ".join(dict.fromkeys(out))
+
+
 def _short(path: str) -> str:
     return path.rsplit(".", 1)[-1]
 
 
-def _importable(path: str | None) -> bool:
+def _resolved(path: str | None) -> type | None:
+    """The class a dotted path names, or None where it does not import (a class a release renamed)."""
     import importlib
 
-    if not path:
-        return True
-    module, _, attr = path.rpartition(".")
+    module, _, attr = (path or "").rpartition(".")
     try:
-        return isinstance(getattr(importlib.import_module(module), attr, None), type)
+        found = getattr(importlib.import_module(module), attr, None)
     except Exception:
-        return False
+        return None
+    return found if isinstance(found, type) else None
+
+
+def _importable(path: str | None) -> bool:
+    return not path or _resolved(path) is not None
 
 
 def _class_path(module) -> str:
@@ -115,9 +133,10 @@ def _eps_key(module, markers: dict) -> str | None:
 
 
 def _form(module, semantics, cfg=None) -> tuple[str, str] | None:
-    """(the family's form, the installed class's form) where classify says they differ; None where
-    they agree or the class cannot be run apart from its model (a weightless norm's size, a frozen
-    BatchNorm's eps are the model's: left to the names and eps checks). A grouped norm's count is
+    """(the family's form, the installed class's form) where classify says they differ (a form parity
+    cannot express any more included); None where they agree or the class cannot be run apart from
+    its model (a weightless norm's size, a frozen BatchNorm's eps are the model's: left to the names
+    and eps checks). A grouped norm's count is
     compared with the family's, read from the config it was built with (Mamba2's gated norm is one
     group over the whole width in transformers 4.53.3 and 5.12.1 whatever n_groups says; per group in 5.24.0)."""
     import copy
@@ -136,8 +155,8 @@ def _form(module, semantics, cfg=None) -> tuple[str, str] | None:
         for name, p in real.named_parameters(recurse=False):
             p.copy_(torch.rand(p.shape, generator=gen) + (0.5 if name == "weight" else -0.5))
     sem = classify(real, eps if eps is not None else 1e-5)
-    if "kind" not in sem:
-        return None
+    if "kind" not in sem:  # it computed the family's form once; now nothing parity can express
+        return f"kind {semantics.kind}", f"unsupported ({sem.get('unsupported', '?')})"
     keys = ("kind", "gain_offset", "order", "inverse_sqrt", "gate", "activation")
     want = {"kind": semantics.kind, "gain_offset": semantics.gain_offset, "order": semantics.order,
             "inverse_sqrt": semantics.inverse_sqrt, "gate": semantics.gate, "activation": semantics.activation}
@@ -185,6 +204,29 @@ def _unsupported(family: Family) -> list[re.Pattern]:
     return [_compile(str(u.get("name", "")), ("",)) for u in data.get("unsupported", []) if isinstance(u, dict)]
 
 
+def _eps_moved(sem, modules, markers) -> tuple[str, str] | None:
+    """(the family's eps, the modules') where they part: a fixed eps the modules no longer hold, or a
+    config key they no longer read (each eps-like key holds a distinct marker in the tree's config, so
+    a module's eps names its key, or none: fixed by the code). A module without an eps attribute
+    (measured from its output) is left to the derivation."""
+    import math
+
+    from parity_cli.model.derive import _eps_of
+
+    family = f"fixed {sem.eps:g}" if sem.eps is not None else ", ".join(sem.eps_keys) or "no key"
+    for module in modules:
+        eps = _eps_of(module)
+        if eps is None:
+            continue
+        key = _eps_key(module, markers)
+        if sem.eps is not None:
+            if key is not None or not math.isclose(eps, sem.eps, rel_tol=1e-9):
+                return family, key or f"fixed {eps:g}"
+        elif key not in sem.eps_keys:
+            return family, key or f"fixed {eps:g}"
+    return None
+
+
 def differences(family: Family, model_type: str, norms, markers, cfg=None, check_new: bool = True) -> list[Difference]:
     """Each way `family` no longer describes the modules the installed transformers builds."""
     out: list[Difference] = []
@@ -197,15 +239,14 @@ def differences(family: Family, model_type: str, norms, markers, cfg=None, check
         if not found:
             out.append(Difference(pattern.name, "gone" if not _importable(named) else "unmatched", named or ""))
             continue
-        built = {_class_path(m) for _, m in found}
-        if named and named not in built:
-            out.append(Difference(pattern.name, "renamed" if len(built) == 1 else "gone", named,
-                                  next(iter(built)) if len(built) == 1 else ""))
+        built = {type(m) for _, m in found}
+        if named and _resolved(named) not in built:
+            out.append(Difference(pattern.name, "renamed" if len(built) == 1 else "several", named,
+                                  ", ".join(sorted(f"{c.__module__}.{c.__qualname__}" for c in built))))
         sem = pattern.semantics
-        if sem.eps is None:
-            keys = {_eps_key(m, markers) for _, m in found} - {None}
-            if keys and not keys <= set(sem.eps_keys):
-                out.append(Difference(pattern.name, "eps", ", ".join(sem.eps_keys), ", ".join(sorted(keys))))
+        moved = _eps_moved(sem, [m for _, m in found], markers)
+        if moved:
+            out.append(Difference(pattern.name, "eps", *moved))
         cls = _class_path(found[0][1])
         if cls + pattern.name not in formed and not pattern.weightless:
             formed.add(cls + pattern.name)
@@ -231,9 +272,12 @@ def _moved(old: Family, new: Family, model_type: str) -> list[str]:
         ca, cb = old.hf_class_for(before[name], model_type), new.hf_class_for(after[name], model_type)
         if ca != cb:
             said.append(f"renamed {_short(ca or '?')} → {_short(cb or '?')}")
-        for key in ("kind", "gain_offset", "order", "inverse_sqrt", "eps_keys", "eps", "groups", "gate", "activation"):
-            if getattr(a, key) != getattr(b, key):
+        for key in (f.name for f in dataclasses.fields(a)):
+            if key not in ("hf_class", "eps_source") and getattr(a, key) != getattr(b, key):
                 said.append(f"{name}: {key} {getattr(a, key)} → {getattr(b, key)}")
+        for key in ("weightless", "dim"):
+            if getattr(before[name], key) != getattr(after[name], key):
+                said.append(f"{name}: {key} {getattr(before[name], key)} → {getattr(after[name], key)}")
     if set(after) - set(before):
         said.append(f"{len(set(after) - set(before))} norm pattern(s) added")
     if set(before) - set(after):
@@ -245,9 +289,11 @@ def _with_provenance(family: Family, line: str) -> Family:
     return dataclasses.replace(family, provenance=line)
 
 
-def current(family: Family, model_type: str, config: dict | None, where: str) -> Family:
+def current(family: Family, model_type: str, config: dict | None, where: str, classes: bool = False) -> Family:
     """`family` as the installed transformers has it: the committed one where it was generated with
-    the installed release or still describes it, else derived again; its provenance says which."""
+    the installed release or still describes it, else derived again; its provenance says which.
+    `classes`: the run needs the family's module classes (--candidate transformers), so a class the
+    release no longer has, and that a derivation cannot replace, refuses the run."""
     if not family.derived_from:
         return family
     stamped, installed = stamped_version(family), installed_version()
@@ -255,9 +301,9 @@ def current(family: Family, model_type: str, config: dict | None, where: str) ->
         return _with_provenance(family, f"{family.derived_from}; transformers is not installed: not validated")
     if stamped == installed:
         return family
-    key = (family.source, model_type, json.dumps(config, sort_keys=True, default=str), installed)
-    if key not in _CURRENT:  # one validation a process for a model and release (a check's workers each have theirs)
-        _CURRENT[key] = _current(family, model_type, config, where, installed)
+    key = (family.source, model_type, json.dumps(config, sort_keys=True, default=str), installed, where, classes)
+    if key not in _CURRENT:  # one validation a process for a model and release
+        _CURRENT[key] = _current(family, model_type, config, where, installed, classes)
     return _CURRENT[key]
 
 
@@ -293,7 +339,8 @@ def _first(configs, fn):
     return None, None, why
 
 
-def _current(family: Family, model_type: str, config: dict | None, where: str, installed: str) -> Family:
+def _current(family: Family, model_type: str, config: dict | None, where: str, installed: str,
+             classes: bool) -> Family:
     configs = [config, None] if config is not None else [None]
     tree, used, why = _first(configs, lambda c: meta_tree(model_type, c, where))
     found = differences(family, model_type, *tree) if tree is not None else None
@@ -304,13 +351,7 @@ def _current(family: Family, model_type: str, config: dict | None, where: str, i
                                         f"{installed}{defaults}")
     fresh, used, failed = _first(configs, lambda c: derived_family(model_type, c, where))
     if fresh is None:
-        gone = [d for d in (found or []) if d.what in ("gone", "renamed")]
-        if gone or not all(_importable(family.hf_class_for(p, model_type)) for p in family.norms):
-            moved = "; ".join(d.words() for d in gone) or "lacks a class it names"
-            raise InputError(f"{where}: family {family.name} was derived with transformers {stamp_of(family)}; the "
-                             f"installed transformers {installed} {moved}, and it cannot be derived again: {failed}")
-        return _with_provenance(family, f"{family.derived_from}; not validated against the installed transformers "
-                                        f"{installed}: {why or failed}")
+        return _undecided(family, model_type, found or [], installed, where, why or failed, classes)
     if used is None and config is not None and not defaults:
         defaults = f"; {where} is not a config transformers {installed} builds ({failed}), its class defaults used"
     moved = _moved(family, fresh, model_type)
@@ -321,6 +362,27 @@ def _current(family: Family, model_type: str, config: dict | None, where: str, i
     return dataclasses.replace(fresh, name=family.name, source=family.source, provenance=(
         f"derived at run time: transformers {installed} " + "; ".join(moved[:4])
         + (f" (+{len(moved) - 4} more)" if len(moved) > 4 else "") + f" (committed: {family.derived_from}){defaults}"))
+
+
+def _undecided(family: Family, model_type: str, found: list, installed: str, where: str, why: str,
+               classes: bool) -> Family:
+    """The family could not be derived again. Where the installed classes were seen to compute
+    something else (an eps, a form), the committed semantics would judge the candidate by a model
+    the release no longer builds: refused, saying what moved. A class gone or renamed refuses only a
+    run that needs the classes; otherwise (names, or nothing seen) the committed family serves, said
+    unvalidated with what was seen."""
+    semantic = [d for d in found if d.what in ("eps", "form")]
+    names = [d for d in found if d.what in ("gone", "renamed", "several")]
+    if not names and classes and not all(_importable(family.hf_class_for(p, model_type)) for p in family.norms):
+        names = [Difference("", "gone", next(family.hf_class_for(p, model_type) for p in family.norms
+                                             if not _importable(family.hf_class_for(p, model_type))))]
+    refuse = semantic + (names if classes else [])
+    seen = said(refuse or found)
+    if refuse:
+        raise InputError(f"{where}: family {family.name} was derived with transformers {stamp_of(family)}; the "
+                         f"installed transformers {installed} {seen}, and it cannot be derived again: {why}")
+    return _with_provenance(family, f"{family.derived_from}; not validated against the installed transformers "
+                                    f"{installed}" + (f" ({seen})" if seen else "") + f": {why}")
 
 
 def stamp_of(family: Family) -> str:
@@ -339,11 +401,11 @@ def bind_classes(family: Family, model_type: str, config: dict | None, where: st
     patterns, renamed = [], []
     for pattern in family.norms:
         named = family.hf_class_for(pattern, model_type)
-        found = [m for n, m in norms if pattern.regex.fullmatch(n)]
-        built = {_class_path(m) for m in found}
+        built = {type(m) for n, m in norms if pattern.regex.fullmatch(n)}
         cls = named
-        if len(built) == 1 and named not in built:
-            cls = next(iter(built))
+        if len(built) == 1 and _resolved(named) not in built:
+            (one,) = built
+            cls = f"{one.__module__}.{one.__qualname__}"
             renamed.append(f"renamed {_short(named or '?')} → {_short(cls)}")
         patterns.append(dataclasses.replace(pattern, semantics=dataclasses.replace(pattern.semantics, hf_class=cls)))
     if not renamed:

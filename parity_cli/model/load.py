@@ -30,23 +30,27 @@ def open_checkpoint(path: str | Path, model=None) -> Checkpoint:
     return open_directory(path)
 
 
-def load(path: str | Path, family: str | None = None, eps: float | None = None, model=None, classes: bool = False):
+def load(path: str | Path, family: str | None = None, eps: float | None = None, model=None, classes: bool = False,
+         resolved: Family | None = None):
     """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share); `model`
     (family, model_type) is the model an mmproj holds the towers of (--candidate-checkpoint's).
     `classes` (--candidate transformers, or that reference): each norm's module class is the one the
-    installed transformers builds at its pattern, not the name the family file holds."""
+    installed transformers builds at its pattern, not the name the family file holds. `resolved`: the
+    family the parent process settled on (a --jobs worker), used as it is, never validated again."""
     forced = family_by_name(family) if family else None
     if forced is not None and model is None:
         model = (forced, family if family in forced.model_types else forced.model_types[0])
     ckpt = open_checkpoint(path, model)
     where = str(path) if ckpt.format == "gguf" else str(Path(path) / "config.json")
+    if resolved is not None:
+        return ckpt, resolved, resolve_eps(ckpt, resolved, eps)
     fam = forced or _family(ckpt, where)
     if fam.derived_from and isinstance(ckpt.model_type, str) and ckpt.model_type in fam.model_types:
         from parity_cli.model.installed import current
 
         # a committed derived family is a cache of one transformers release: under another, the installed
         # classes decide (validated, or derived again), never the file alone
-        fam = current(fam, ckpt.model_type, ckpt.config if ckpt.format != "gguf" else None, where)
+        fam = current(fam, ckpt.model_type, ckpt.config if ckpt.format != "gguf" else None, where, classes)
     if classes and isinstance(ckpt.model_type, str) and ckpt.model_type:
         from parity_cli.model.installed import bind_classes
 

@@ -123,7 +123,7 @@ def verify_fingerprint(data: dict, path: str, opts, where: str) -> str | None:
     recorded = (data["checkpoint"].get("fingerprint") or {}).get("sha256")
     if not recorded:
         return f"{where} has no checkpoint fingerprint (an older report): cannot check {path} is the same model"
-    ckpt, fam, eps = load(path, opts.family, opts.eps)
+    ckpt, fam, eps = load(path, opts.family, opts.eps)  # the tensors' fingerprint: no class is run
     here = fingerprint(discover_layers(ckpt, fam, eps, opts.layers).layers)["sha256"]
     if here != recorded:
         raise InputError(f"{path}: its norm tensors differ from those {where} was made from "
