@@ -162,3 +162,47 @@ def test_a_norm_far_wider_than_its_config_dimension_is_refused(llama_dir):
     _replace_norm(llama_dir, "F32", [4096], b"\0" * 4 * 4096)  # hidden_size is 16
     r = parity("check", llama_dir)
     one_line_error(r, "model.norm.weight", "4096 channels")
+
+
+# --- a config.json transformers would build without bound (issue 35) ---------------------------------------------
+
+HOSTILE_CONFIGS = [
+    ("10^9 layers", {"model_type": "laguna", "num_hidden_layers": 10**9}, "'num_hidden_layers' = 1000000000"),
+    ("10^9 layers of another type", {"model_type": "cohere_compass_text", "num_hidden_layers": 10**9},
+     "'num_hidden_layers' = 1000000000"),
+    ("GPT-Neo's layer kinds repeated 5e8 times", {"model_type": "gpt_neo", "num_layers": 2,
+                                                  "attention_types": [[["global", "local"], 500_000_000]]},
+     "'attention_types' = 500000000"),
+    ("a block of 10^9 layers", {"model_type": "funnel", "block_sizes": [10**9]}, "'block_sizes' = 1000000000"),
+    ("70,000 layer kinds", {"model_type": "laguna", "layer_types": ["full_attention"] * 70_000}, "70,000 elements"),
+    ("an integer of 2^40", {"model_type": "laguna", "vocab_size": 1 << 40}, "'vocab_size' = 1099511627776"),
+]
+
+
+@pytest.mark.parametrize("label,config,words", HOSTILE_CONFIGS, ids=[c[0] for c in HOSTILE_CONFIGS])
+def test_a_config_that_would_build_without_bound_never_reaches_transformers(label, config, words):
+    """A config class expands its layer counts into per-layer lists in its own __init__, before any shrink
+    (10^9 layers took 8 GB and ran past 60 s): the count is refused from the JSON itself, by the run-time
+    derivation and by the validation of a committed family alike."""
+    from parity_cli.errors import InputError
+    from parity_cli.model.derive import derive
+    from parity_cli.model.installed import meta_tree
+
+    for build in (derive, meta_tree):
+        with pytest.raises(InputError) as err:
+            build(config["model_type"], config, "m/config.json")
+        assert str(err.value).startswith("m/config.json: ") and words in str(err.value), (build, err.value)
+
+
+def test_a_hostile_config_of_a_type_derived_at_run_time_is_one_line(config_of):
+    r = parity("inspect", config_of(json.dumps({"model_type": "laguna", "num_hidden_layers": 10**9})))
+    one_line_error(r, "config.json", "num_hidden_layers", "layer count over 4,096")
+
+
+def test_gpt_neo_derives_with_its_layer_kinds_shrunk_alike():
+    """GPT-Neo validates len(attention_layers) == num_layers on save: the shrink sets both (it was an
+    internal error for every GPT-Neo checkpoint without a family file)."""
+    from parity_cli.model.derive import derive
+
+    norms = derive("gpt_neo", {"model_type": "gpt_neo"}, "m/config.json")["norms"]
+    assert norms and {n["kind"] for n in norms} == {"layer_norm"}

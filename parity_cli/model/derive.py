@@ -132,6 +132,7 @@ def _shrink(cfg) -> None:
                 kinds = list(dict.fromkeys(primary))
                 first = [list(primary).index(kind) for kind in (kinds * n)[:n]]
                 sub.per_layer_config = {k: overrides[i] for k, i in enumerate(first) if i in overrides} or None
+        _attention_types(sub)
         _mamba_heads(sub)
         heads, width = vars(sub).get("num_attention_heads"), vars(sub).get("hidden_size")
         if vars(sub).get("head_dim", 0) is None and type(heads) is int and type(width) is int and heads:
@@ -147,6 +148,19 @@ def _shrink(cfg) -> None:
                     setattr(sub, key, vocab - 1)
                 elif isinstance(value, list):
                     setattr(sub, key, [min(v, vocab - 1) if type(v) is int else v for v in value])
+
+
+def _attention_types(sub) -> None:
+    """GPT-Neo's layer kinds are [[kinds, repeats], ...] expanded into attention_layers, which its
+    validator requires to have num_layers entries: one repeat of each kind, as many layers."""
+    v = vars(sub)
+    types, layers = v.get("attention_types"), v.get("attention_layers")
+    if not (isinstance(types, list) and isinstance(layers, list) and type(v.get("num_layers")) is int):
+        return
+    kinds = list(dict.fromkeys(layers)) or ["global"]
+    sub.attention_types = [[kinds, 1]]
+    sub.attention_layers = list(kinds)
+    sub.num_layers = len(kinds)
 
 
 def _mamba_heads(sub) -> None:
@@ -650,7 +664,52 @@ def _pattern(name: str, others=()) -> str:
 def derive(model_type: str, config: dict | None = None, where: str = "config.json") -> dict:
     """Family data (the configs/families TOML as a dict) for `model_type`, from its own classes:
     `config` is the checkpoint's config.json (its towers, its architectures), or None for the
-    config class's defaults."""
+    config class's defaults. The config is bounded before transformers sees it (bounded_config), and
+    whatever fails on the way is one line naming the file, never an internal error."""
+    if config is not None:
+        bounded_config(config, where)
+    try:
+        return _derive(model_type, config, where)
+    except InputError:
+        raise
+    except Exception as exc:  # a config transformers' own validation refuses after the shrink, a save that fails
+        raise InputError(f"{where}: cannot derive {model_type}'s family from its transformers classes: "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}; force a family with --family") \
+            from None
+
+
+# what bounds a config.json before transformers builds anything from it: a config class expands layer counts
+# into per-layer lists in its __init__, before any shrink can run (num_hidden_layers = 10^9 took 8 GB here)
+LAYER_COUNT = re.compile(r"(^|_)(layers?|n_layers?|depth|blocks?|block_sizes|attention_types|layer_types|"
+                         r"num_.*layers|num_.*blocks)$")
+MAX_LAYERS = 4096  # Llama 3.1 405B has 126; a config past this is not a model
+MAX_INT = 1 << 31  # ids, sizes and positions of every released model are far below
+MAX_LIST = 65536
+
+
+def bounded_config(config: dict, where: str) -> None:
+    """Refuses, in one line, a config.json whose counts would make transformers' config classes build
+    per-layer structures without bound: a layer or block count (scalar or inside a list) over
+    MAX_LAYERS, any integer over MAX_INT, a list over MAX_LIST elements."""
+
+    def walk(value, path: str, counts: bool) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else str(key), bool(LAYER_COUNT.search(str(key))))
+        elif isinstance(value, list):
+            if len(value) > MAX_LIST:
+                raise InputError(f"{where}: '{path}' is a list of {len(value):,} elements (at most {MAX_LIST:,}); "
+                                 "refused")
+            for item in value:
+                walk(item, path, counts)
+        elif type(value) is int and (value > MAX_LAYERS if counts else abs(value) > MAX_INT):
+            limit = f"a layer count over {MAX_LAYERS:,}" if counts else f"an integer over {MAX_INT:,}"
+            raise InputError(f"{where}: '{path}' = {value} is {limit}, more than any model has; refused")
+
+    walk(config, "", False)
+
+
+def _derive(model_type: str, config: dict | None, where: str) -> dict:
     import tempfile
     import time
 

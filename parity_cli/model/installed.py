@@ -110,6 +110,8 @@ def meta_tree(model_type: str, config: dict | None, where: str):
     from parity_cli.model import derive as d
 
     transformers, config_class = d._transformers(model_type, where)
+    if config is not None:
+        d.bounded_config(config, where)
     cfg = config_class.from_dict(d.tagged_floats(dict(config))) if config is not None else config_class()
     markers = d._mark_eps(cfg)
     d._shrink(cfg)
