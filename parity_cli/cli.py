@@ -235,6 +235,8 @@ def cli():
               help="Write a Markdown summary here (PR comment, CI job summary).")
 @click.option("--baseline", "baseline_path", default=None, type=click.Path(dir_okay=False),
               help="A previous JSON report: its findings are accepted, only new ones fail.")
+@click.option("--baseline-any", is_flag=True,
+              help="Gate on a --baseline from another checkpoint, dtype or candidate (refused without it).")
 @click.option("--fail-on", type=click.Choice(["fail", "warn"]), default="fail", show_default=True,
               help="'warn' also fails on warnings such as a defaulted eps.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
@@ -246,8 +248,8 @@ def cli():
 @click.option("--verbose", "-v", is_flag=True, help="Every layer: the table, each diagnosis and every group.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
           exact, grad, timeout, candidate_memory, isolation, jobs, threads, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
-          seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, fail_on,
-          plot_path, activations, quiet, verbose):
+          seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, baseline_any,
+          fail_on, plot_path, activations, quiet, verbose):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
     from parity_cli import preflight
 
@@ -296,13 +298,17 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
             if layer["name"] in data["explain"]["layers"]:
                 layer["conclusion"] = data["explain"]["layers"][layer["name"]]
     data["gate"] = gate(data, fail_on, baseline, baseline_path)
+    mismatch = (data["gate"].get("baseline") or {}).get("mismatch")
+    if mismatch and not baseline_any:  # its accepted findings would say nothing of this run: no output, exit 2
+        raise InputError(f"{baseline_path}: the baseline is from another run ({'; '.join(mismatch)}); it gates "
+                         "only a run of the same checkpoint, dtype and candidate (--baseline-any to use it anyway)")
+    verdicts(data)
     to_stdout = json_path == "-"
     _write_outputs(data, None if to_stdout else json_path, junit_path, markdown_path, plot=(report, plot_path))
     from parity_cli.report import terminal
 
     console = _console(stderr=to_stdout)  # with the JSON on stdout, the human output goes to stderr
-    mismatch = (data["gate"].get("baseline") or {}).get("mismatch")
-    if mismatch:  # first: every accepted finding below rests on it
+    if mismatch:  # --baseline-any: first, since every accepted finding below rests on it
         said = f"the baseline {baseline_path} is from another run: " + "; ".join(mismatch)
         console.print(f"[yellow]warning:[/] {escape(said)}", soft_wrap=True)
     written = [str(p) for p in (json_path if not to_stdout else None, junit_path, markdown_path, plot_path) if p]
@@ -321,6 +327,14 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
 
         click.echo(json_text(data), nl=False)
     return data["gate"]["exit_code"]
+
+
+def verdicts(data: dict) -> None:
+    """One verdict a reader cannot mistake: the top-level `verdict` is the gate's (what the exit code
+    says, after --baseline and --fail-on); summary.verdict is the comparison's alone, and says so."""
+    data["verdict"] = data["gate"]["verdict"]
+    data["summary"]["verdict_is"] = ("the comparison's alone, before --baseline and --fail-on; the run's verdict "
+                                     "is the top-level verdict (gate.verdict)")
 
 
 class _progress:

@@ -81,7 +81,7 @@ def test_baseline_accepts_known_findings_and_lists_gone_ones(failing_run, tmp_pa
     # A different fault: new findings fail, the old ones are listed as gone.
     other = tmp_path / "other.json"
     r = run_parity("check", path, "--candidate", plugin("eps_outside_sqrt"), "--layers", "model.layers.*",
-                   "--baseline", out["json"], "--json", other, "-q")
+                   "--baseline", out["json"], "--baseline-any", "--json", other, "-q")  # another candidate: said so
     assert r.returncode == 1
     gate = load_json(other)["gate"]
     assert "eps_outside_sqrt" in {f["code"] for f in gate["new_findings"]}
@@ -94,7 +94,7 @@ def test_baseline_accepts_known_findings_and_lists_gone_ones(failing_run, tmp_pa
     # Fixed: everything in the baseline is gone, exit 0.
     fixed = tmp_path / "fixed.json"
     r = run_parity("check", path, "--candidate", "hf", "--layers", "model.layers.*", "--baseline", out["json"],
-                   "--json", fixed, "-q")
+                   "--baseline-any", "--json", fixed, "-q")
     assert r.returncode == 0 and len(load_json(fixed)["gate"]["baseline"]["gone"]) == len(expected)
 
 

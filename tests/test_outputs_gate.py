@@ -115,9 +115,14 @@ def test_a_worse_eps_fails_the_gate_and_the_same_one_passes(model, tmp_path):
     assert "worse than the baseline" in stdout and "model.norm" in stdout
     code, stdout, _ = parity("check", model, "--candidate-eps", "1e-6", *FAST, "--baseline", base, "-q")
     assert code == 0 and stdout.startswith("PASS: no new finding against the baseline"), stdout
-    # another dtype: said first, before the verdict
+    # another dtype: refused in one line, nothing written, unless --baseline-any (then said first)
+    other = tmp_path / "other.json"
+    code, stdout, stderr = parity("check", model, "--candidate-eps", "1e-6", "--dtype", "float32", *FAST,
+                                  "--baseline", base, "--json", other, "-q")
+    assert code == 2 and not other.exists() and len(stderr.strip().splitlines()) == 1, stderr
+    assert "dtype bfloat16, here float32" in stderr and "--baseline-any" in stderr, stderr
     code, stdout, _ = parity("check", model, "--candidate-eps", "1e-6", "--dtype", "float32", *FAST,
-                             "--baseline", base, "-q")
+                             "--baseline", base, "--baseline-any", "-q")
     first = stdout.splitlines()[0]
     assert first.startswith("warning: the baseline") and "dtype bfloat16, here float32" in first, stdout
 
@@ -326,3 +331,89 @@ def test_names_past_name_max(model, tmp_path):
     near = tmp_path / ("b" * (limit - 5) + ".json")
     code, _, err = parity("check", model, *FAST, "--json", near, "-q")
     assert code == 0 and json.loads(near.read_text())["schema_version"] == 1, err
+
+
+# --- one verdict everywhere (issue 35) ----------------------------------------------------------------------------
+
+
+def test_a_baseline_that_accepts_every_finding_says_pass_in_all_four_outputs(model, tmp_path):
+    """JSON, JUnit, Markdown and the terminal agree with the exit code: the accepted findings are
+    skipped with their reason in JUnit, marked in Markdown, and the JSON's top-level verdict is the gate's
+    (summary.verdict, the comparison's alone, says so)."""
+    import xml.etree.ElementTree as ET
+
+    args = ("check", model, "--candidate-eps", "1e-6", "--layers", "model.*")
+    base = tmp_path / "base.json"
+    assert parity(*args, "--json", base, "-q")[0] == 1
+    failing = [layer["name"] for layer in json.loads(base.read_text())["layers"] if layer["status"] != "pass"]
+    assert len(failing) == 3  # the eps fault in every layer
+    out = {k: tmp_path / f"r.{k}" for k in ("json", "xml", "md")}
+    code, stdout, _ = parity(*args, "--baseline", base, "--json", out["json"], "--junit", out["xml"],
+                             "--markdown", out["md"])
+    assert code == 0 and stdout.splitlines()[-1].startswith("PASS: no new finding against the baseline"), stdout
+    data = json.loads(out["json"].read_text())
+    assert data["verdict"] == data["gate"]["verdict"] == "pass" and data["summary"]["verdict"] == "fail"
+    assert "before --baseline" in data["summary"]["verdict_is"]
+    suite = ET.parse(out["xml"]).getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("3", "0", "0", "3")
+    for case in suite.findall("testcase"):
+        (skipped,) = case.findall("skipped")
+        assert case.find("failure") is None and "accepted by the baseline" in skipped.get("message")
+        assert "eps_mismatch" in skipped.get("message")
+    md = out["md"].read_text()
+    assert md.startswith("## parity: PASS") and "| accepted: " in md and "| new: " not in md
+
+
+def _crafted(base, edit):
+    data = json.loads(base.read_text())
+    edit(data)
+    crafted = base.with_name("crafted.json")
+    crafted.write_text(json.dumps(data))
+    return crafted
+
+
+def _eps_diagnoses(data):
+    return [d for layer in data["layers"] for d in layer["diagnoses"] if d["code"] == "eps_mismatch"]
+
+
+@pytest.mark.parametrize("label,edit,words", [
+    ("an eps interval of [0, 1e300]", lambda d: [x.update(interval=[0, 1e300]) for x in _eps_diagnoses(d)],
+     "is not an interval a diagnosis gives"),
+    ("an eps interval not around its estimate", lambda d: [x.update(interval=[1.0, 2.0]) for x in _eps_diagnoses(d)],
+     "is not an interval a diagnosis gives"),
+    ("a worst candidate of inf with no non-finite output",
+     lambda d: [s["worst"].update(candidate="inf") for layer in d["layers"] for s in layer["strata"] if s.get("worst")],
+     "worst.candidate is inf where the stratum counts no non-finite output"),
+])
+def test_a_crafted_baseline_is_refused_in_one_line(model, tmp_path, label, edit, words):
+    """The issue's catch-all baseline let a 100,000x eps fault pass: each crafted size is refused before
+    the run, naming the field."""
+    base = tmp_path / "base.json"
+    assert parity("check", model, "--candidate-eps", "1e-6", *FAST, "--json", base, "-q")[0] == 1
+    crafted = _crafted(base, edit)
+    out = tmp_path / "r.json"
+    code, _, err = parity("check", model, "--candidate-eps", "1.0", *FAST, "--baseline", crafted, "--json", out)
+    assert code == 2 and not out.exists() and len(err.strip().splitlines()) == 1, err
+    assert str(crafted) in err and words in err, err
+
+
+def test_a_baseline_of_another_checkpoint_never_gates(model, tmp_path):
+    """Another checkpoint's baseline (its norm tensors' fingerprint) is exit 2 in one line, nothing written;
+    --baseline-any gates with it, saying so first."""
+    other = write_checkpoint(tmp_path / "other", "llama", layers=1, hidden=16, heads=2, eps=1e-5, seed=9)
+    base = tmp_path / "base.json"
+    assert parity("check", other, "--candidate-eps", "1e-6", *FAST, "--json", base, "-q")[0] == 1
+    out = tmp_path / "r.json"
+    code, _, err = parity("check", model, "--candidate-eps", "1e-6", *FAST, "--baseline", base, "--json", out, "-q")
+    assert code == 2 and not out.exists() and "another checkpoint" in err and len(err.strip().splitlines()) == 1
+    code, stdout, _ = parity("check", model, "--candidate-eps", "1e-6", *FAST, "--baseline", base, "--baseline-any",
+                             "-q")
+    assert stdout.splitlines()[0].startswith("warning: the baseline") and "another checkpoint" in stdout
+
+
+def test_a_baseline_nested_past_64_levels_is_refused(model, tmp_path):
+    base = tmp_path / "base.json"
+    parity("check", model, "--candidate-eps", "1e-6", *FAST, "--json", base, "-q")
+    deep = _crafted(base, lambda d: d["environment"].update(x=json.loads("[" * 70 + "]" * 70)))
+    code, _, err = parity("check", model, *FAST, "--baseline", deep)
+    assert code == 2 and "nests deeper than the 64 levels" in err and len(err.strip().splitlines()) == 1, err

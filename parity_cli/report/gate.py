@@ -57,8 +57,9 @@ def _num(value, where: str) -> float | None:
     return float(value)
 
 
-def _entries(report: dict) -> dict:
-    """{(layer, stratum, code): its size}, every field read checked (a baseline is a file)."""
+def _entries(report: dict, strict: bool = False) -> dict:
+    """{(layer, stratum, code): its size}, every field read checked (a baseline is a file; `strict`
+    for one: each size must be one a run can write)."""
     out: dict = {}
     for i, layer in enumerate(_list(report, "layers", "layers", required=True)):
         at = f"layers[{i}]"
@@ -70,7 +71,8 @@ def _entries(report: dict) -> dict:
         diagnoses = [_dict(d, f"{at}.diagnoses[{j}]") for j, d in enumerate(_list(layer, "diagnoses", f"{at}.diagnoses", True))]
         codes = {}
         for j, d in enumerate(diagnoses):
-            codes.setdefault(_str(d.get("code"), f"{at}.diagnoses[{j}].code"), _eps_size(d, f"{at}.diagnoses[{j}]"))
+            codes.setdefault(_str(d.get("code"), f"{at}.diagnoses[{j}].code"),
+                             _eps_size(d, f"{at}.diagnoses[{j}]", strict))
         if not codes:
             codes = {"error" if status == "error" else "unexplained": {}}
         strata = {}
@@ -79,7 +81,7 @@ def _entries(report: dict) -> dict:
                 where = f"{at}.{key}[{j}]"
                 _dict(s, where)
                 if _str(s.get("status"), f"{where}.status") != "pass":
-                    strata[_str(s.get("name"), f"{where}.name")] = _stratum_size(s, where)
+                    strata[_str(s.get("name"), f"{where}.name")] = _stratum_size(s, where, strict)
         for s, size in strata.items():
             out.update(((name, s, c), {**size, **eps}) for c, eps in codes.items())
         # checkpoint-vs-checkpoint differences are findings of their own, not of a stratum
@@ -99,34 +101,52 @@ def _entries(report: dict) -> dict:
     return out
 
 
-def _eps_size(d: dict, where: str) -> dict:
+# the widest eps interval a diagnosis gives (the 25th..75th percentile of per-element estimates): a baseline's
+# wider one would accept any eps at all ([0, 1e300] let a 100,000x eps fault pass)
+MAX_INTERVAL = 1e4
+
+
+def _eps_size(d: dict, where: str, strict: bool = False) -> dict:
     est = _num(d.get("estimated_eps"), f"{where}.estimated_eps")
     if est is None:
         return {}
+    if strict and not (math.isfinite(est) and est > 0):
+        raise _Bad(f"{where}.estimated_eps is {est}, not an eps a diagnosis estimates (finite, > 0)")
     interval = d.get("interval")
     if interval is None or interval == []:
         return {"eps": est}
     if not isinstance(interval, list) or len(interval) != 2:
         raise _Bad(f"{where}.interval is not a [low, high] pair")
     lo, hi = (_num(v, f"{where}.interval") for v in interval)
+    if strict and not (lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi)
+                       and 0 < lo <= est <= hi <= lo * MAX_INTERVAL):
+        raise _Bad(f"{where}.interval [{lo:g}, {hi:g}] is not an interval a diagnosis gives (finite, > 0, around "
+                   f"its estimate {est:g}, within a factor of {MAX_INTERVAL:g})")
     return {"eps": est, "interval": (lo, hi)}
 
 
-def _stratum_size(s: dict, where: str) -> dict:
+def _stratum_size(s: dict, where: str, strict: bool = False) -> dict:
     """The worst element's |cand - ref| / allowed (its |cand - ref| where nothing is allowed:
-    --exact), and the candidate's non-finite count."""
+    --exact), and the candidate's non-finite count. `strict` (a baseline): a worst element must be
+    one a run writes: a finite reference and allowance, and a non-finite candidate only where the
+    stratum counts non-finite outputs (a worst of "inf" alone would accept any error at all)."""
     size = {}
+    nonfinite = s.get("nonfinite")
+    if nonfinite is not None:
+        size["nonfinite"] = _num(_dict(nonfinite, f"{where}.nonfinite").get("candidate"), f"{where}.nonfinite.candidate")
     worst = s.get("worst")
     if worst is not None:
         _dict(worst, f"{where}.worst")
         ref, cand, allowed = (_num(worst.get(k), f"{where}.worst.{k}") for k in ("reference", "candidate", "allowed"))
+        if strict and not (ref is None or math.isfinite(ref)) or strict and not (allowed is None or (
+                math.isfinite(allowed) and allowed >= 0)):
+            raise _Bad(f"{where}.worst holds a reference or allowance that is not a finite number")
+        if strict and cand is not None and not math.isfinite(cand) and not (size.get("nonfinite") or 0) > 0:
+            raise _Bad(f"{where}.worst.candidate is {cand} where the stratum counts no non-finite output")
         if None not in (ref, cand, allowed):
             err = abs(cand - ref)
             size["ratio"] = (err / allowed if allowed > 0 else err) if not math.isnan(err) else math.inf
             size["exact"] = not allowed > 0
-    nonfinite = s.get("nonfinite")
-    if nonfinite is not None:
-        size["nonfinite"] = _num(_dict(nonfinite, f"{where}.nonfinite").get("candidate"), f"{where}.nonfinite.candidate")
     return size
 
 
@@ -147,6 +167,8 @@ def _worse(new: dict, old: dict) -> str | None:
         if not lo <= eps <= hi:
             return f"behaves as eps {eps:.3g}, outside the baseline's {lo:.3g}..{hi:.3g} (estimated {old['eps']:.3g})"
     ratio, was = new.get("ratio"), old.get("ratio")
+    if ratio is not None and was is not None and math.isinf(was) and math.isfinite(ratio) and not old.get("nonfinite"):
+        return f"worst |err|/allowed {ratio:.3g}, where the baseline's was not finite"
     if ratio is not None and was is not None and new.get("exact") == old.get("exact") and ratio > was * (1 + MARGIN):
         unit = "|err|" if new.get("exact") else "|err|/allowed"
         return f"worst {unit} {ratio:.3g}, the baseline's {was:.3g}"
@@ -181,7 +203,7 @@ def load_baseline(path: str | Path) -> dict:
     one line naming the file and the field, not an internal error after minutes of checking."""
     data = load_report(path, "baseline")
     try:
-        _entries(data)
+        _entries(data, strict=True)
         for key in ("checkpoint", "candidate"):
             _dict(data[key], key)
     except _Bad as exc:
@@ -232,7 +254,7 @@ def gate(report: dict, fail_on: str = "fail", baseline: dict | None = None, base
         raise InputError(f"--fail-on must be one of {', '.join(FAIL_ON)}")
     found = _entries(report)
     try:
-        known = _entries(baseline) if baseline is not None else {}
+        known = _entries(baseline, strict=True) if baseline is not None else {}
     except _Bad as exc:
         raise InputError(f"{baseline_path}: the baseline's {exc}") from None
     worse = {key: why for key in found.keys() & known.keys() if (why := _worse(found[key], known[key]))}

@@ -120,12 +120,20 @@ def _scalar(value, kind: str, bound: int = MAX_STRING) -> None:
                 raise Invalid("a string that is not valid Unicode (a lone surrogate)") from None
 
 
+MAX_DEPTH = 64  # the nesting README states for a saved report or a baseline
+LOOSE_DEPTH = MAX_DEPTH - 8  # what the schema's own parts leave to the loose ones (a diagnosis' evidence sits 4 deep)
+
+
 def _loose(value) -> None:
     """A part the schema does not describe (environment, a diagnosis' evidence): only the rules
-    beyond the schema, walked without recursion (it may nest as deep as the parser allows)."""
+    beyond the schema, walked without recursion, to the depth the report may nest."""
     stack = [(value, ())]
     while stack:
         node, parts = stack.pop()
+        if len(parts) > LOOSE_DEPTH:
+            exc = Invalid(f"nests deeper than the {MAX_DEPTH} levels a report may have; refused")
+            exc.parts.extend(reversed(parts[:3]))
+            raise exc
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, item in items:
             kind = _KINDS.get(type(item))
