@@ -237,8 +237,9 @@ def cli():
               help="A previous JSON report: its findings are accepted, only new ones fail.")
 @click.option("--baseline-any", is_flag=True,
               help="Gate on a --baseline from another checkpoint, dtype or candidate (refused without it).")
-@click.option("--fail-on", type=click.Choice(["fail", "warn"]), default="fail", show_default=True,
-              help="'warn' also fails on warnings such as a defaulted eps.")
+@click.option("--fail-on", type=click.Choice(["fail", "unchecked", "warn"]), default="fail", show_default=True,
+              help="'unchecked' also fails where a norm of the checkpoint was not checked; 'warn' on that and on "
+                   "warnings such as a defaulted eps.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write error against q/eps with the attenuation curve (.svg or .png; needs matplotlib).")
 @click.option("--activations", default=None, type=click.Path(dir_okay=False),

@@ -14,6 +14,7 @@ from parity_cli.errors import InputError
 from parity_cli.model.families import family_choice
 from parity_cli.model.fingerprint import fingerprint
 from parity_cli.model.installed import installed_version
+from parity_cli.model.layers import unchecked
 from parity_cli.model.load import load
 from parity_cli.options import (
     ONE_PERCENT_Q_OVER_EPS,
@@ -158,7 +159,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
                                              getattr(ckpt, "architecture", None)),
                        "family_source": fam.source_line,
                        "model_type": ckpt.model_type, "files": [f.name for f in ckpt.files],
-                       "unmatched": found.unmatched},
+                       "unmatched": found.unmatched, "unchecked": unchecked(ckpt, found, fam)},
         "eps": _eps_dict(resolved),
         "layers": layers,
         "warnings": warnings,
@@ -529,6 +530,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             "model_type": ckpt.model_type,
             "files": [f.name for f in ckpt.files],
             "unmatched": found.unmatched,
+            "unchecked": unchecked(ckpt, found, fam),
         },
         "eps": _eps_dict(eps),
         "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,

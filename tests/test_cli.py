@@ -43,7 +43,7 @@ def test_pass_exit_0_and_report_matches_the_contract(ckpt, tmp_path):
     assert rep["tolerance"]["atol"] == 1e-5 and rep["tolerance"]["rtol"] == 1.6e-2
     assert rep["probes"] == {**rep["probes"], "seed": 5,
                              "strata": ["zero", "tiny", "normal", "constant", "mixed", "large", "outlier"]}
-    assert rep["summary"] == {"layers": 5, "passed": 5, "failed": 0, "errors": 0, "verdict": "pass",
+    assert rep["summary"] == {"layers": 5, "passed": 5, "failed": 0, "errors": 0, "verdict": "pass", "unchecked": 0,
                               "verdict_is": rep["summary"]["verdict_is"]}
     assert rep["verdict"] == rep["gate"]["verdict"] == "pass" and "top-level verdict" in rep["summary"]["verdict_is"]
     tiny = [s for s in rep["layers"][0]["strata"] if s["name"] == "tiny"][0]

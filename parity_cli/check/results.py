@@ -98,6 +98,8 @@ class Report:
             "failed": statuses.count("fail"),
             "errors": statuses.count("error"),
             "verdict": "pass" if self.passed else "fail",
+            # norms of the checkpoint no layer checked (checkpoint.unchecked): a verdict covers what it compared
+            "unchecked": len((self.header.get("checkpoint") or {}).get("unchecked") or []),
         }
 
     def to_dict(self) -> dict:

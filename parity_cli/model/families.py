@@ -86,6 +86,9 @@ class Family:
     gguf_architectures: dict = field(default_factory=dict)  # GGUF general.architecture -> model_type
     gguf_offset_baked: bool = False  # llama.cpp's converter stores offset + w: the gain is the stored value
     derived_from: str | None = None  # "transformers 5.24.0: Qwen2ForCausalLM" for a generated family
+    # the norms its classes build that parity cannot express ([[unsupported]] of a derived family): (pattern, its
+    # regex, why)
+    unsupported: tuple = ()
     # how the installed transformers bears on it (model.installed): validated, derived again at run time
     # ("derived at run time: transformers 5.25.0 renamed MambaRMSNormGated → Mamba2RMSNormGated"), a class rebound
     provenance: str | None = None
@@ -261,6 +264,8 @@ def parse_family(data: dict, where: str) -> Family:
         gguf_architectures={str(k): str(v) for k, v in data.get("gguf", {}).get("architectures", {}).items()},
         gguf_offset_baked=bool(data.get("gguf", {}).get("offset_baked", False)),
         derived_from=str(data["derived_from"]) if "derived_from" in data else None,
+        unsupported=tuple((u["name"], _compile(u["name"], ("",)), str(u.get("why", "")))
+                          for u in data.get("unsupported", []) if isinstance(u, dict) and isinstance(u.get("name"), str)),
     )
 
 

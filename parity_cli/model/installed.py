@@ -191,21 +191,6 @@ def _group_count(groups, cfg, channels: int) -> int | None:
     return None
 
 
-def _unsupported(family: Family) -> list[re.Pattern]:
-    """The norms a generated family lists as inexpressible (its [[unsupported]] entries): built,
-    known, not checked; never "new"."""
-    from pathlib import Path
-
-    from parity_cli.model.families import _compile
-    from parity_cli.resources import load_toml
-
-    try:
-        data = load_toml(Path(family.source)) if family.source.endswith(".toml") else {}
-    except Exception:
-        data = {}
-    return [_compile(str(u.get("name", "")), ("",)) for u in data.get("unsupported", []) if isinstance(u, dict)]
-
-
 def _eps_moved(sem, modules, markers) -> tuple[str, str] | None:
     """(the family's eps, the modules') where they part: a fixed eps the modules no longer hold, or a
     config key they no longer read (each eps-like key holds a distinct marker in the tree's config, so
@@ -256,7 +241,7 @@ def differences(family: Family, model_type: str, norms, markers, cfg=None, check
             if moved:
                 out.append(Difference(pattern.name, "form", *moved))
     if check_new:
-        known = _unsupported(family)
+        known = [regex for _, regex, _ in family.unsupported]
         for name, module in norms:
             if name not in claimed and not any(r.fullmatch(name) for r in known):
                 out.append(Difference(name, "new", "", _class_path(module)))

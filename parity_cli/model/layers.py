@@ -342,3 +342,27 @@ def discover_layers(ckpt: Checkpoint, family: Family, eps: Eps | float | None = 
             )
         )
     return Discovery(layers=layers, unmatched=sorted(unmatched), warnings=warnings)
+
+
+def unchecked(ckpt, found: Discovery, family) -> list[dict]:
+    """The norms of the checkpoint that no layer checks, each once with why: a norm-like tensor no
+    pattern claims (by its module: weight and bias are one norm), or a norm the family's classes
+    build that parity cannot express yet (its [[unsupported]] entries), where the checkpoint holds
+    it (its tensors) or, for a weightless one that stores nothing, its parent module. A verdict
+    counts them."""
+    from parity_cli.model.families import _compile
+
+    out: dict[str, str] = {}
+    modules = sorted({t.rsplit(".", 1)[0] for t in found.unmatched})
+    for module in modules:
+        why = next((w for _, regex, w in family.unsupported if regex.fullmatch(module)), None)
+        out[module] = why or f"matches no pattern of family {family.name}"
+    if family.unsupported:
+        prefixes = {".".join(t.split(".")[:k]) for t in ckpt.tensor_names() for k in range(1, t.count(".") + 1)}
+        for name, regex, why in family.unsupported:
+            if any(regex.fullmatch(m) for m in modules) or "." not in name:
+                continue
+            parent = _compile(name.rsplit(".", 1)[0], ("",))
+            if any(regex.fullmatch(p) for p in prefixes) or any(parent.fullmatch(p) for p in prefixes):
+                out.setdefault(name, why)
+    return [{"name": name, "why": why} for name, why in out.items()]

@@ -100,11 +100,12 @@ def to_junit(report: dict) -> str:
     failed = sum(1 for layer in kept if layer["status"] == "fail")
     errors = len(kept) - failed
     gate_case = gate.get("verdict") == "fail" and not failed + errors + len(extra)
-    tests = summary["layers"] + len(extra) + int(gate_case)
+    missed = ckpt.get("unchecked") or []  # norms no layer checked: skipped cases, so the counts say the model's
+    tests = summary["layers"] + len(extra) + int(gate_case) + len(missed)
     failures = failed + len(extra) + int(gate_case)
     suites = ET.Element("testsuites", name="parity", tests=str(tests), failures=str(failures), errors=str(errors))
     suite = ET.SubElement(suites, "testsuite", name=classname, tests=str(tests), failures=str(failures),
-                          errors=str(errors), skipped=str(len(accepted)))
+                          errors=str(errors), skipped=str(len(accepted) + len(missed)))
     props = ET.SubElement(suite, "properties")
     for key, value in (("checkpoint", ckpt["path"]), ("fingerprint", (ckpt.get("fingerprint") or {}).get("sha256", "")),
                        ("eps", report["eps"]["value"]), ("eps_source", report["eps"]["source"]),
@@ -135,6 +136,9 @@ def to_junit(report: dict) -> str:
         finding = layer["findings"][0]
         node = ET.SubElement(case, "failure", message=f"{g.text}; {finding['message']}", type="failure")
         node.text = f"{finding['code']}: {finding['message']}"
+    for norm in missed:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=norm["name"])
+        ET.SubElement(case, "skipped", message=f"not checked: {norm['why']}")
     if gate_case:  # every layer passed, and the gate failed the run (--fail-on warn): CI must not show green
         case = ET.SubElement(suite, "testcase", classname=classname, name="gate")
         ET.SubElement(case, "failure", message=quiet_line(report), type="failure")
@@ -189,6 +193,11 @@ def to_markdown(report: dict) -> str:
         + (f" (not covered: {_text(', '.join(report['probes'].get('not_covered', [])))})"
            if report["probes"].get("not_covered") else ""),
     ]
+    missed = report["checkpoint"].get("unchecked") or []
+    if missed:
+        lines.append(f"- not checked: {len(missed)} of {report['summary']['layers'] + len(missed)} norms ("
+                     + "; ".join(f"{_code(m['name'])}: {_text(m['why'])}" for m in missed[:5])
+                     + (f"; +{len(missed) - 5} more" if len(missed) > 5 else "") + ")")
     conv = cand.get("checkpoint")
     if conv:
         lines.append(f"- candidate checkpoint: {_code(conv['path'])} ({_text(conv['format'])}), "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from parity_cli.errors import InputError
 
-FAIL_ON = ("fail", "warn")
+FAIL_ON = ("fail", "unchecked", "warn")  # each fails on what the one before does, and more
 MARGIN = 0.10  # a worst |err|/allowed up to 10 % above the baseline's is the same fault (another
 # machine's libm, a torch update); beyond it the fault grew
 
@@ -260,12 +260,14 @@ def gate(report: dict, fail_on: str = "fail", baseline: dict | None = None, base
     worse = {key: why for key in found.keys() & known.keys() if (why := _worse(found[key], known[key]))}
     new = sorted(found.keys() - known.keys() | worse.keys())
     warnings = all_warnings(report)
-    failed = bool(new) or (fail_on == "warn" and bool(warnings))
+    missed = len((report.get("checkpoint") or {}).get("unchecked") or [])
+    failed = bool(new) or (fail_on in ("unchecked", "warn") and bool(missed)) or (fail_on == "warn" and bool(warnings))
     result = {
         "verdict": "fail" if failed else "pass",
         "exit_code": 1 if failed else 0,
         "fail_on": fail_on,
         "warnings": len(warnings),
+        "unchecked": missed,
         "new_findings": [{"layer": l, "stratum": s, "code": c, **({"worse": worse[l, s, c]} if (l, s, c) in worse else {})}
                          for l, s, c in new],
     }

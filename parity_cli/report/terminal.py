@@ -71,6 +71,23 @@ def assumed_eps(d: dict) -> str:
 
 
 def _verdict(d: dict) -> tuple[bool, str]:
+    passed, what = _compared(d)
+    return passed, what + unchecked_words(d)
+
+
+def unchecked_words(d: dict) -> str:
+    """What the verdict did not cover: `; 4 of 6 norms not checked (name: why, +3)`. A PASS over 2 of
+    6 norms is not a PASS over the model."""
+    missed = (d.get("checkpoint") or {}).get("unchecked") or []
+    if not missed:
+        return ""
+    total = d["summary"]["layers"] + len(missed)
+    first = missed[0]
+    more = f", +{len(missed) - 1} more" if len(missed) > 1 else ""
+    return f"; {len(missed)} of {total} norms not checked ({first['name']}: {first['why']}{more})"
+
+
+def _compared(d: dict) -> tuple[bool, str]:
     s = d["summary"]
     gate = d.get("gate") or {}
     passed = gate.get("verdict", s["verdict"]) == "pass"
@@ -95,6 +112,8 @@ def _verdict(d: dict) -> tuple[bool, str]:
         return passed, what
     if passed:
         return True, f"{_all(s['layers'])} within tolerance on {len(d['probes']['strata'])} strata"
+    if not bad and not extra and gate.get("fail_on") == "unchecked":
+        return False, f"--fail-on unchecked; {_all(s['layers'])} pass"
     if not bad and not extra and gate.get("fail_on") == "warn":
         return False, f"--fail-on warn and {gate.get('warnings', 0)} warning(s); {_all(s['layers'])} pass"
     return False, counts

@@ -1,0 +1,50 @@
+"""A verdict covers exactly what it compared (issue 35): a norm of the checkpoint that no layer
+checks is counted on the verdict line, listed in checkpoint.unchecked with why, written to JUnit
+as a skipped case and to Markdown, and `--fail-on unchecked` fails on it. DistilBERT saved from its
+masked-LM class, as the published checkpoints are, holds its head's `vocab_layer_norm`, which the
+family of its base model does not claim."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from conftest import run_parity
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def distilbert_mlm(tmp_path_factory):
+    import torch
+    from transformers import DistilBertConfig, DistilBertForMaskedLM
+
+    torch.manual_seed(0)
+    config = DistilBertConfig(vocab_size=128, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
+                              max_position_embeddings=64)
+    model = DistilBertForMaskedLM(config)
+    path = tmp_path_factory.mktemp("distilbert") / "mlm"
+    model.save_pretrained(path)
+    norms = [n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    return path, norms
+
+
+def test_the_head_s_norm_is_said_not_checked_and_gates_on_request(distilbert_mlm, tmp_path):
+    path, norms = distilbert_mlm
+    assert "vocab_layer_norm" in norms  # the head's, beside the base model's embeddings and 2 x 2 layer norms
+    out = {k: tmp_path / f"r.{k}" for k in ("json", "xml", "md")}
+    r = run_parity("check", path, "--json", out["json"], "--junit", out["xml"], "--markdown", out["md"])
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out["json"].read_text())
+    checked = data["summary"]["layers"]
+    assert checked + 1 == len(norms) and data["summary"]["unchecked"] == 1
+    (missed,) = data["checkpoint"]["unchecked"]
+    assert missed["name"] == "vocab_layer_norm" and "matches no pattern" in missed["why"]
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS: ") and f"1 of {len(norms)} norms not checked (vocab_layer_norm: " in last, last
+    suite = ET.parse(out["xml"]).getroot().find("testsuite")
+    assert suite.get("tests") == str(len(norms)) and suite.get("skipped") == "1" and suite.get("failures") == "0"
+    skipped = [c for c in suite.findall("testcase") if c.find("skipped") is not None]
+    assert [c.get("name") for c in skipped] == ["vocab_layer_norm"]
+    assert f"not checked: 1 of {len(norms)} norms" in out["md"].read_text()
+    r = run_parity("check", path, "--fail-on", "unchecked", "-q")
+    assert r.returncode == 1 and r.stdout.startswith("FAIL: --fail-on unchecked"), r.stdout
