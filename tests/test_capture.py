@@ -149,12 +149,13 @@ def test_rows_stay_bounded_by_k_whatever_the_tokens(llama):
         rows = {n: t for n, t in rows.items() if not n.startswith("norm:")}  # the rows, not the norms
         assert meta["tokens"] == tokens and all(1 <= t.shape[0] <= 9 for t in rows.values())
 
-def _write_gguf(hf, out, embedding_length=None, head_count_kv=None, nan_in=None, quantized=False):
+def _write_gguf(hf, out, embedding_length=None, head_count_kv=None, nan_in=None, quantized=False, block_count=None):
     """A whole tiny Llama as a GGUF transformers can dequantize: llama.cpp's tensor names (gguf-py's
     map), its metadata keys, and a gpt2-style byte-level BPE vocabulary with merges.
     `embedding_length` writes another width in the metadata than the tensors have, `head_count_kv`
     another count of key/value heads, `nan_in` a NaN into the first value of that HF tensor;
-    `quantized` stores every matrix as Q8_0 (gguf-py's quantizer), the norms as F32."""
+    `quantized` stores every matrix as Q8_0 (gguf-py's quantizer), the norms as F32; `block_count` another
+    count of blocks in the metadata than the tensors hold."""
     import json
 
     import gguf
@@ -164,7 +165,7 @@ def _write_gguf(hf, out, embedding_length=None, head_count_kv=None, nan_in=None,
     sd = load_file(f"{hf}/model.safetensors")
     L = cfg["num_hidden_layers"]
     w = gguf.GGUFWriter(out, "llama")
-    w.add_block_count(L); w.add_context_length(cfg["max_position_embeddings"]); w.add_embedding_length(embedding_length or cfg["hidden_size"])
+    w.add_block_count(block_count or L); w.add_context_length(cfg["max_position_embeddings"]); w.add_embedding_length(embedding_length or cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"]); w.add_head_count(cfg["num_attention_heads"]); w.add_head_count_kv(cfg["num_key_value_heads"] if head_count_kv is None else head_count_kv)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"]); w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_vocab_size(cfg["vocab_size"]); w.add_file_type(0)
@@ -881,7 +882,10 @@ def test_hostile_ggufs_are_one_line_and_write_nothing(copies, tmp_path):
                                "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight")
     no_kv = _write_gguf(hf, tmp_path / "kv0.gguf", head_count_kv=0)
     nan = _write_gguf(hf, tmp_path / "nan.gguf", nan_in="model.layers.0.self_attn.o_proj.weight")
+    # 10^9 blocks declared: transformers' config class would expand them into per-layer lists before any check
+    blocks = _write_gguf(hf, tmp_path / "blocks.gguf", block_count=10**9)
     for path, words in ((overlapping, "GGUF tensors blk.0.ffn_gate.weight and blk.0.ffn_up.weight share bytes"),
+                        (blocks, "declares 1,000,000,000 blocks (llama.block_count), its tensors hold 2"),
                         (no_kv, "transformers cannot build the model"),
                         (nan, "is NaN or inf; nothing captured")):
         out = tmp_path / f"{path.stem}.safetensors"

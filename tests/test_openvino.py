@@ -504,3 +504,29 @@ def test_an_irs_weights_are_an_input_no_report_overwrites(irs):
         r = run_parity(*argv)
         assert r.returncode == 2 and "would overwrite an input" in r.stderr, r.stderr
     assert weights.read_bytes() == before
+
+
+def test_an_ir_of_more_layers_than_the_cap_is_refused_before_openvino_reads_it(tmp_path, monkeypatch):
+    """OpenVINO's reader builds the whole model before its ops can be counted (700,000 layers in 124 MB took
+    2.6 GB and ran past 120 s): the XML's <layer elements are counted from its bytes first."""
+    from parity_cli.errors import InputError
+    from parity_cli.sources import openvino_ir
+
+    xml = tmp_path / "many.xml"
+    layer = b'<layer id="0" name="x" type="Parameter" version="opset1"/>\n'
+    xml.write_bytes(b'<?xml version="1.0"?>\n<net name="m" version="11"><layers>\n' + layer * (openvino_ir.MAX_OPS + 1)
+                    + b"</layers></net>\n")
+    monkeypatch.setattr(openvino_ir, "_core", lambda: (_ for _ in ()).throw(AssertionError("OpenVINO was reached")))
+    with pytest.raises(InputError) as err:
+        openvino_ir.read_model(xml)
+    assert f"more than {openvino_ir.MAX_OPS} layers" in str(err.value) and str(xml) in str(err.value)
+
+
+@pytest.mark.parametrize("at", [0, (1 << 20) - 8, (1 << 20) - 3, (1 << 20) - 1, 1 << 20])
+def test_layers_are_counted_across_the_reader_s_chunks(tmp_path, at):
+    """A <layer token cut by a 1 MiB chunk's end is counted once, whole."""
+    from parity_cli.sources.openvino_ir import count_layers
+
+    path = tmp_path / "x.xml"
+    path.write_bytes(b" " * at + b"<layer id='1'/>" + b" " * 10 + b"<layers><layer>")
+    assert count_layers(path) == 2  # <layers is not a <layer element

@@ -188,7 +188,8 @@ def test_device_syntax_agrees_with_torch():
 
 def test_unknown_family(good):
     message = refused(good, family="lama")
-    assert message.startswith("unknown family 'lama' (neither a family nor a model_type one claims); known families:")
+    assert message.startswith("unknown family 'lama' (neither a family nor a model_type one claims); did you mean "
+                              "'llama'")  # the closest names first, then every family
     assert "llama" in message.split("known families:")[1].split(", ")
 
 

@@ -349,8 +349,14 @@ def family_by_name(name: str) -> Family:
     the report's `family` then says which family that is)."""
     family = find_family(name)
     if family is None:
-        raise InputError(f"unknown family '{name}' (neither a family nor a model_type one claims); known families: "
-                         f"{known_families()}")
+        import difflib
+
+        names = list(written_families()) + sorted(_derived_stems()) + [
+            t for f in written_families().values() for t in f.model_types]
+        close = difflib.get_close_matches(str(name), list(dict.fromkeys(names)), n=3, cutoff=0.75)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise InputError(f"unknown family '{name}' (neither a family nor a model_type one claims); {hint}known "
+                         f"families: {known_families()}")
     return family
 
 

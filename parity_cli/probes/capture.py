@@ -247,7 +247,32 @@ def _read_gguf(model_dir, source: Path):
     pair = first_overlap((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
     if pair:
         raise InputError(f"{model_dir}: GGUF tensors {pair[0]} and {pair[1]} share bytes; refused")
+    _blocks_held(model_dir, reader)
     return reader
+
+
+def _blocks_held(model_dir, reader) -> None:
+    """{arch}.block_count against the blocks the tensors hold, before transformers' config is made
+    from it: the config class expands the count into per-layer lists (a count patched to 10^9 ran past
+    150 s at 1.1 GB). Every block holds a tensor (blk.N.*); a converter's extra next-token blocks come
+    after the model's, so the tensors may hold more, never fewer."""
+    import re
+
+    def value(key):
+        field = reader.fields.get(key)
+        try:
+            return field.contents() if field is not None else None
+        except Exception:  # a field gguf-py cannot decode is the config reader's to refuse
+            return None
+
+    name = value("general.architecture")
+    declared = value(f"{name}.block_count") if isinstance(name, str) else None
+    if not isinstance(declared, int) or isinstance(declared, bool):
+        return
+    held = {int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d{1,9})\.", t.name))}
+    if declared > len(held):
+        raise InputError(f"{model_dir}: its metadata declares {declared:,} blocks ({name}.block_count), its tensors "
+                         f"hold {len(held):,}; refused")
 
 
 def _runner(model, hooked) -> object:
