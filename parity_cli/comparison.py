@@ -144,14 +144,26 @@ def grad_tolerance_for(dtype_name: str, exact: bool = False) -> Tolerance:
                      row_atol=float(profile["grad_row_atol"]), mean_rounding=float(profile.get("mean_rounding", 0.0)))
 
 
-def mean_rounding_allowance(x, gain, eps: float, tol: Tolerance):
-    """Per element, the LayerNorm conditioning allowance (see configs/tolerances.toml)."""
+def summation_units(n: int) -> float:
+    """The mean of n terms summed in order at unit roundoff u is off by at most (n - 1) u max|x|
+    (the recursive sum's bound, Higham's gamma_(n-1)), and the division and the subtraction x - mean
+    add a rounding each: (n + 1) u, in units of u. A blocked or pairwise sum stays within it; an exact
+    (Welford, compensated) one is within the 4 u the tolerance table states. Never below that."""
+    return max(4.0, n + 1.0)
+
+
+def mean_rounding_allowance(x, gain, eps: float, tol: Tolerance, exact_sum: bool = False):
+    """Per element, the LayerNorm conditioning allowance (see configs/tolerances.toml): the mean's
+    rounding amplified by |g| / sqrt(var + eps), for a row of n = x.shape[-1] terms summed in any order
+    a float32 runtime uses (OpenVINO's MVN sums in order; torch's Welford mean is exact on a constant
+    row: both are correct). `exact_sum`: only the 4 u of an exact sum."""
     import torch
 
     x = x.to(torch.float64)
     m = x.abs().amax(-1, keepdim=True)
     var = x.var(-1, unbiased=False, keepdim=True)
-    return tol.mean_rounding * gain.to(torch.float64).abs() * m / torch.sqrt(var + eps)
+    units = 4.0 if exact_sum else summation_units(x.shape[-1])
+    return tol.mean_rounding * units / 4.0 * gain.to(torch.float64).abs() * m / torch.sqrt(var + eps)
 
 
 def fold_rounding_allowance(x, mean, var, gain, bias, eps: float, dtype):

@@ -42,12 +42,13 @@ def codes_for(faults: str, family: str, eps: float) -> set:
                      # issue 23: at the hairline no cause is picked; eps held as float16 is lost (1e-12 -> 0);
                      # tinygrad's float32 mean (sum / n) on constant rows is float32 rounding, not eps
                      "gain_llama": "marginal", "fp32_math": "marginal", "eps_f16": "marginal",
-                     "eps_lost": "eps_missing", "mean_sum": "float32_accumulation",
+                     # tinygrad's float32 mean summed in order: a correct float32 sum (issue 35), it passes
+                     "eps_lost": "eps_missing", "mean_sum": None,
                      "batch_stats": "batch_statistics", "swapped": "running_statistics_swapped",
                      "missing": "running_statistics_missing", "gate_moved": "gate_position_mismatch",
                      "no_gate": "gate_missing", "other_act": "gate_activation_mismatch",
                      "groups": "group_count_mismatch"}[key])
-    return out
+    return out - {None}
 
 
 def expected_codes(case) -> set:
@@ -120,7 +121,8 @@ PANEL = [
     ("layer_norm", "float64", 1e-12, "fp32_math", 64),
     ("llama", "float64", 1e-6, "fp32_math", 64),
     ("llama", "float16", 1e-5, "eps_f16", 64),
-    # eps 1e-12 held as float16 is 0 (NaN on zero rows); tinygrad's float32 mean on constant rows
+    # eps 1e-12 held as float16 is 0 (NaN on zero rows); tinygrad's float32 mean on constant rows (passes: a
+    # sum in order, within the (n + 1) u allowance)
     ("layer_norm", "float16", 1e-12, "eps_lost", 64),
     ("layer_norm", "float32", 1e-12, "mean_sum", 64),
     # issue 26: LayerNorm1P's + 1 forgotten or added twice, its eps (norm_eps) replaced, and both

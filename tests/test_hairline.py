@@ -119,15 +119,25 @@ def test_nan_on_every_zero_row_is_eps_missing_even_when_nothing_reproduces_the_r
         assert zero.nonfinite_candidate == zero.elements and zero.nonfinite_reference == 0
 
 
-def test_float32_mean_rounding_on_constant_rows_is_not_blamed_on_eps(ckpt):
-    """tinygrad's mean = sum / n in float32: a constant row's x - mean is a few ulps of its mean
-    instead of 0, which eps 1e-12 cannot absorb. eps is right; it said "suspect the eps value"."""
+def test_a_float32_mean_summed_in_order_passes_and_the_constant_rows_are_said(ckpt):
+    """tinygrad's mean = sum / n in float32, summed in order: a constant row's x - mean is a few ulps
+    instead of 0, amplified by 1/sqrt(eps) = 10^6 at eps 1e-12. That is a correct float32 algorithm
+    (issue 35: OpenVINO's MVN sums the same way), within the (n + 1) u a sum of n terms may lose: it
+    passes, and the ill-conditioned stratum is a warning. It was float32_accumulation, a failure."""
     report = check(ckpt, "bert", "float32", 1e-12, "layer_norm_mean_as_sum")
-    for layer in failing(report):
-        assert {s.name for s in layer.strata if s.status == "fail"} == {"constant"}
-        assert [d.code for d in layer.diagnoses] == ["float32_accumulation"]
-        assert "eps itself is right" in layer.diagnoses[0].message
-        assert not any("suspect q/eps" in d.message for d in layer.diagnoses)
+    assert report.passed and report.layers
+    for layer in report.layers:
+        (said,) = [w for w in layer.warnings if "summation order" in w]
+        assert said.startswith("constant: ") and "within the 65 u a sum of 64 terms may lose" in said, said
+
+
+def test_a_mean_formed_in_half_precision_still_fails(ckpt):
+    """The allowance covers float32 sums, not a mean rounded to float16 or bfloat16 (2^-11, 2^-8
+    relative: 30x and 250x (n + 1) u at n = 64)."""
+    for fn in ("layer_norm_mean_in_float16", "layer_norm_mean_in_bfloat16"):
+        report = check(ckpt, "bert", "float32", 1e-12, fn)
+        assert not report.passed and "constant" in {s.name for layer in failing(report) for s in layer.strata
+                                                     if s.status == "fail"}, fn
 
 
 def test_errors_only_on_constant_rows_are_not_blamed_on_eps_when_nothing_fits(ckpt):

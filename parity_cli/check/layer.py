@@ -81,7 +81,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
 
     from parity_cli.check.gradients import grad_strata, upstream_for
     from parity_cli.check.results import LayerResult
-    from parity_cli.comparison import compare_batch, errored, mean_rounding_allowance, workspace
+    from parity_cli.comparison import compare_batch, errored, workspace
     from parity_cli.diagnose.causes import bitwise_diagnosis, diagnose, diagnose_grad
     from parity_cli.probes.strata import Probe, build_probe_set, probe_set
 
@@ -162,7 +162,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     run = candidate.runner.collect()
     layer_error = run.error
 
-    results, grads, returned_dtypes = [], [], set()
+    results, grads, returned_dtypes, summed = [], [], set(), []
     k0 = 0
     gain = layer.gain_offset + w_ref.cpu().to(torch.float64)
     # a gain 1 + w may be formed at the candidate's own half dtype (Nemotron's LayerNorm1P adds at the
@@ -192,14 +192,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
             else:
                 cand[lo * per_row:hi * per_row].copy_(rows(out.value))
                 valid.append((k, (name, lo * per_row, hi * per_row)))
-        extra = None
-        if layer.kind == "layer_norm" and tol.mean_rounding:
-            extra = rows(mean_rounding_allowance(spread(ps.on(dev)), gain.to(dev), eps, tol))
-        if layer.kind == "group_norm" and tol.mean_rounding:  # a LayerNorm per group: the same conditioning
-            n = ps.x.shape[0]
-            grouped = ps.on(dev).reshape(n, layer.groups, -1)
-            full = gain.to(dev).repeat_interleave(layer.spatial).reshape(layer.groups, -1)
-            extra = mean_rounding_allowance(grouped, full, eps, tol).reshape(n, -1)
+        extra, summing = None, None
+        if layer.kind in ("layer_norm", "group_norm") and tol.mean_rounding:
+            extra, summing = _mean_allowances(ps.on(dev), gain.to(dev), eps, tol, layer, spread, rows)
         if layer.kind == "gated_rms_norm" and not opts.exact and candidate.dtype in (torch.float16, torch.bfloat16):
             # the gate adds roundings at the half dtype the plain norm does not have (act(z), the product,
             # and in llama order the output rounded before the gate multiplies it): one more unit
@@ -227,6 +222,8 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
             q = q.repeat_interleave(per_row)
         compared = compare_batch([seg for _, seg in valid], x_rows, ref, cand, eps, layer.kind, tol,
                                  opts.max_violation_fraction, extra, candidate.dtype, q, work)
+        if summing is not None:
+            summed += _summation_only(compared, valid, ref, cand, extra - summing, tol)
         if dev.type != "cpu" and (keep_tensors or real is not None or any(r.status != "pass" for r in compared)):
             # diagnosis (and a caller keeping the tensors) reads them on the CPU, with the gain
             x_rows, ref, cand = x_rows.cpu(), ref.cpu(), cand.cpu()
@@ -257,6 +254,14 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
                                      run.grad(k), layer_error or run.output(k).error,
                                      ref_grad=None if ref_grads is None else ref_grads[k]))
     warnings = list(layer.warnings)
+    if summed:
+        from parity_cli.comparison import summation_units
+
+        n = layer.dim // (layer.groups if layer.kind == "group_norm" else 1) * (
+            layer.spatial if layer.kind == "group_norm" else 1)
+        warnings.append(f"{', '.join(dict.fromkeys(summed))}: rows so ill-conditioned (max|x| / sqrt(var + eps) up to "
+                        f"1/sqrt({eps:g})) that the candidate's float32 mean shows its summation order: within the "
+                        f"{summation_units(n):g} u a sum of {n} terms may lose, beyond the 4 u of an exact sum")
     if overflowed:
         warnings.append(f"{overflowed} captured row(s) overflow {str(candidate.dtype).removeprefix('torch.')} "
                         "and were left out of the captured stratum")
@@ -315,6 +320,43 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         for s in results + grads:
             s.x = s.ref = s.cand = s.shared = s.bad = s.batch = None
     return result
+
+
+def _mean_allowances(x, gain, eps: float, tol, layer, spread, rows):
+    """(the LayerNorm/GroupNorm allowance for a mean summed in any order, and how much of it goes beyond
+    an exact sum's): a row of n terms summed in order may lose (n + 1) u where an exact sum loses 4 u
+    (comparison.mean_rounding_allowance)."""
+    from parity_cli.comparison import mean_rounding_allowance
+
+    if layer.kind == "layer_norm":
+        x, g = spread(x), gain
+        shape = None
+    else:  # a LayerNorm per group: the same conditioning, over a group's channels and positions
+        shape = (x.shape[0], -1)
+        x = x.reshape(x.shape[0], layer.groups, -1)
+        g = gain.repeat_interleave(layer.spatial).reshape(layer.groups, -1)
+    full = mean_rounding_allowance(x, g, eps, tol)
+    exact = mean_rounding_allowance(x, g, eps, tol, exact_sum=True)
+    if shape is not None:
+        return full.reshape(shape), (full - exact).reshape(shape)
+    return rows(full), rows(full - exact)
+
+
+def _summation_only(compared, valid, ref, cand, tight, tol) -> list[str]:
+    """The strata that pass only by the summation-order part of the mean allowance: a correct float32
+    runtime (a sum in order) there, and what a user should still see, as a warning."""
+    import torch
+
+    out = []
+    for result, (_, (name, lo, hi)) in zip(compared, valid):
+        if result.status != "pass":
+            continue
+        r, c = ref[lo:hi], cand[lo:hi]
+        finite = torch.isfinite(r) & torch.isfinite(c)
+        allowed = tol.atol + tol.rtol * r.abs() + tight[lo:hi]
+        if bool(((c - r).abs() > allowed)[finite].any()):
+            out.append(name)
+    return out
 
 
 def _reference_batch(ps, j, reference: Side, layer, w_ref, b_ref, eps, spread, rows, work, fresh):

@@ -75,6 +75,22 @@ def layer_norm_mean_as_sum(x, weight, eps, bias=None):
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
+def _mean_in(x, weight, eps, bias, dtype):
+    """A LayerNorm in float32 whose mean alone is rounded to `dtype` (a half-precision reduction)."""
+    h = x.float()
+    h = h - h.mean(-1, keepdim=True).to(dtype).float()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def layer_norm_mean_in_float16(x, weight, eps, bias=None):
+    return _mean_in(x, weight, eps, bias, torch.float16)
+
+
+def layer_norm_mean_in_bfloat16(x, weight, eps, bias=None):
+    return _mean_in(x, weight, eps, bias, torch.bfloat16)
+
+
 def layer_norm_folded_f16(x, weight, eps, bias=None):
     """keras' generic LayerNorm formula, x * (g / sqrt(var + eps)) + (b - mean * g / sqrt(var + eps)),
     run as a float16 graph: moments in float32 and stored as float16, eps a float16 constant (1e-12
