@@ -277,3 +277,23 @@ def test_a_type_the_installed_release_does_not_know_runs_unvalidated_unless_its_
     with pytest.raises(InputError) as err:
         api.check(path, candidate="transformers", dtype="float32", isolation="none")
     assert "has no class SmolLM9RMSNorm" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_weightless_norm_the_model_does_not_build_is_not_a_layer(tiny, tmp_path):
+    """Llama 4's q/k norm has no parameter, so it is found by its parent module; a no-RoPE layer
+    (no_rope_layers = [1, 0]: layer 1) has the parent and no q/k norm. The model the installed
+    transformers builds from the config (on the meta device) says which layers have one."""
+    import json
+
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.model.load import load
+
+    path = tmp_path / "llama4_text"
+    shutil.copytree(tiny("llama4_text"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2, "no_rope_layers": [1, 0]}))
+    ckpt, family, eps = load(path)
+    names = [layer.name for layer in discover_layers(ckpt, family, eps).layers if layer.name.endswith("qk_norm")]
+    assert names == ["model.layers.0.self_attn.qk_norm"]
+    report = api.check(path, candidate="transformers", dtype="float32", isolation="none")
+    assert report.passed and "model.layers.1.self_attn.qk_norm" not in {layer.name for layer in report.layers}

@@ -124,6 +124,30 @@ def meta_tree(model_type: str, config: dict | None, where: str):
     return norms, markers, cfg
 
 
+def built_modules(model_type: str, config: dict | None, where: str) -> set[str] | None:
+    """The module names of the model the installed transformers builds from the checkpoint's own
+    config, unshrunk (which layer has which module is the config's: Llama 4's no-RoPE layers have
+    no q/k norm), on the meta device; None where it cannot be built (no transformers, a config it
+    refuses): then nothing is judged by it."""
+    try:
+        import torch
+
+        from parity_cli.model import derive as d
+
+        transformers, config_class = d._transformers(model_type, where)
+        if config is not None:
+            d.bounded_config(config, where)
+        cfg = config_class.from_dict(d.tagged_floats(dict(config))) if config is not None else config_class()
+        cls = d._model_class(transformers, cfg, (config or {}).get("architectures"))
+        if cls is None:
+            return None
+        with torch.device("meta"):
+            model = cls._from_config(cfg)
+        return {name for name, _ in model.named_modules()}
+    except Exception:  # a release or config this cannot build: the checkpoint's names stand
+        return None
+
+
 def _eps_key(module, markers: dict) -> str | None:
     import math
 

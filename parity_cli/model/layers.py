@@ -212,7 +212,28 @@ def _weightless(ckpt: Checkpoint, family: Family) -> list:
         # `{root}norm` with roots "model." and "": the model's root is the one that stores something
         # under it, so "norm" beside "model.norm" is the same module seen without its root
         found += [(name, None, pattern) for name in names if not any(o.endswith("." + name) for o in names)]
-    return found
+    return _built(ckpt, found)
+
+
+def _built(ckpt: Checkpoint, found: list) -> list:
+    """The weightless norms the model really builds: a parent module that stores something need not
+    hold one (Llama 4's no-RoPE layers have no q/k norm). Where the installed transformers builds the
+    model from this config (on the meta device), a pattern it builds modules for keeps only the
+    indices it builds; elsewhere the checkpoint's names stand."""
+    if not found or ckpt.format == "gguf" or not isinstance(ckpt.model_type, str):
+        return found
+    from parity_cli.model.installed import built_modules
+
+    modules = built_modules(ckpt.model_type, ckpt.config, str(ckpt.path / "config.json"))
+    if modules is None:
+        return found
+    indices = re.compile(r"(?<=\.)\d+(?=\.|$)")
+    kept = []
+    for name, tensor, pattern in found:
+        built = {tuple(indices.findall(m)) for m in modules if pattern.regex.fullmatch(m)}
+        if not built or tuple(indices.findall(name)) in built:
+            kept.append((name, tensor, pattern))
+    return kept
 
 
 def _weightless_layer(ckpt: Checkpoint, family: Family, name: str, pattern, override) -> NormLayer | None:
