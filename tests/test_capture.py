@@ -249,25 +249,17 @@ def test_hostile_captures_and_texts_are_one_line(llama, tmp_path):
 
 
 def test_rows_of_the_wrong_width_are_refused(llama, tmp_path):
-    import json
-
     import torch
-    from safetensors.torch import save_file
 
-    from parity_cli import api
-    from parity_cli.model.fingerprint import fingerprint
-    from parity_cli.model.layers import discover_layers
-
-    ckpt, fam, eps = api.load(llama)
-    meta = {"parity": json.dumps({"fingerprint": fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"]})}
-    bad = tmp_path / "wide.safetensors"
-    save_file({"model.norm": torch.zeros(3, 65)}, str(bad), metadata=meta)  # the model's width is 64
+    bad = _capture_file(llama, tmp_path, "wide.safetensors", {"model.norm": torch.zeros(3, 65)})  # the width is 64
     r = run_parity("check", llama, "--activations", bad)
     assert r.returncode == 2 and "model.norm holds [3, 65]" in r.stderr and "rows of 64" in r.stderr
 
 
-def _capture_file(llama, tmp_path, name, rows: dict, **meta_extra):
-    """A capture file of this model (its fingerprint) holding `rows`, written by the test."""
+def _capture_file(llama, tmp_path, name, rows: dict, gain_scale: float = 1.0, **meta_extra):
+    """A capture file of this model holding `rows`, written by the test as `parity capture` writes one:
+    its fingerprint, and the norm tensors it was made with beside the rows (`gain_scale` times them:
+    another model's norms under this model's fingerprint)."""
     import json
 
     from safetensors.torch import save_file
@@ -277,10 +269,31 @@ def _capture_file(llama, tmp_path, name, rows: dict, **meta_extra):
     from parity_cli.model.layers import discover_layers
 
     ckpt, fam, eps = api.load(llama)
-    meta = {"fingerprint": fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"], **meta_extra}
+    layers = discover_layers(ckpt, fam, eps).layers
+    norms = {f"norm:weight:{layer.name}": (layer.weight.float() * gain_scale).contiguous() for layer in layers}
+    meta = {"fingerprint": fingerprint(layers)["sha256"],
+            "norms": {layer.name: {"dtype": str(layer.weight.dtype).removeprefix("torch."),
+                                   "shape": list(layer.weight.shape), "gain_offset": layer.gain_offset}
+                      for layer in layers}, **meta_extra}
     path = tmp_path / name
-    save_file(rows, str(path), metadata={"parity": json.dumps(meta)})
+    save_file({**rows, **norms}, str(path), metadata={"parity": json.dumps(meta)})
     return path
+
+
+def test_a_capture_that_claims_this_model_over_another_s_norms_is_refused(llama, tmp_path):
+    """Its metadata fingerprint is this model's, the norms it carries are another's (x 1.5): the match
+    is computed from the tensors carried, never read from what the file says about itself (it was
+    accepted as "exact: the same norm tensors")."""
+    import torch
+
+    rows = {"model.norm": torch.randn(3, 64, generator=torch.Generator().manual_seed(0))}
+    honest = _capture_file(llama, tmp_path, "honest.safetensors", rows)
+    r = run_parity("check", llama, "--activations", honest, "--json", tmp_path / "ok.json")
+    assert r.returncode in (0, 1) and "exact: the same norm tensors" in (tmp_path / "ok.json").read_text(), r.stderr
+    forged = _capture_file(llama, tmp_path, "forged.safetensors", rows, gain_scale=1.5)
+    r = run_parity("check", llama, "--activations", forged)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "captured from another model" in r.stderr and "weight differs by up to" in r.stderr, r.stderr
 
 
 def test_hostile_rows_are_refused_or_left_out(llama, tmp_path):

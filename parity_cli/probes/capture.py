@@ -562,12 +562,13 @@ def load(path, layers, all_layers, family=None) -> tuple[dict, dict]:
             meta = parse((fh.metadata() or {}).get("parity", "null"), path, "the capture's metadata")
             if not isinstance(meta, dict) or "fingerprint" not in meta:
                 raise InputError(f"{path}: not a parity capture (no parity metadata)")
-            mapping: dict = {}
-            if meta["fingerprint"] == fingerprint(all_layers)["sha256"]:
+            # the match is computed from the norm tensors the capture carries, never read from what its
+            # metadata says of itself (a fingerprint copied from this model over another's norms was "exact")
+            meta["match"], meta["norms_match"], mapping = _same_norms(fh, meta, all_layers, path, family)
+            if meta["fingerprint"] == fingerprint(all_layers)["sha256"] and not mapping \
+                    and meta["norms_match"]["kind"] == "equal_values":
                 meta["match"] = "exact: the same norm tensors"
                 meta["norms_match"] = {"kind": "exact", "max_abs_diff": 0.0}
-            else:
-                meta["match"], meta["norms_match"], mapping = _same_norms(fh, meta, all_layers, path, family)
             rows = {}
             by_name = {layer.name: layer for layer in layers}
             for stored_name in fh.keys():
