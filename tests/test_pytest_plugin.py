@@ -117,8 +117,8 @@ def test_a_failure_reads_as_the_finding(pytester, monkeypatch):
     result.assert_outcomes(passed=15, failed=3)
     out = result.stdout.str()
     result.stdout.fnmatch_lines(["*FAILED test_lib.py::test_kernel[[]gemma-bf16-h256[]] - AssertionError: "
-                                 "FAIL: weight_offset_mismatch (the +1 is missing (gain w))*"])
-    result.stdout.fnmatch_lines(["E * FAIL: weight_offset_mismatch*", "E *checked: gemma RMSNorm (gain 1 + w*",
+                                 "weight_offset_mismatch (the +1 is missing (gain w))*"])
+    result.stdout.fnmatch_lines(["E *AssertionError: weight_offset_mismatch*", "E *checked: gemma RMSNorm (gain 1 + w*",
                                  "E *strata * q/eps *", "E *worst gemma:rms_norm[[]256[]] * allowed*"])
     assert out.count("norm_parity(KERNELS[case.family])") == 3  # the test's own line, once per failure
     assert "tensor(" not in out and "parity_cli/testing" not in out and "parity_cli/check" not in out
@@ -164,7 +164,7 @@ def test_parity_strata_sets_the_probes(pytester):
     pytester.runpytest("--parity-strata=normal,large", "-p", "no:cacheprovider").assert_outcomes(passed=1)
     failing = pytester.runpytest("--parity-strata=normal,tiny", "-p", "no:cacheprovider")
     failing.assert_outcomes(failed=1)
-    failing.stdout.fnmatch_lines(["*AssertionError: FAIL: eps_mismatch (behaves as eps ≈ 1e-5, configured 1e-6)*"])
+    failing.stdout.fnmatch_lines(["*AssertionError: eps_mismatch (behaves as eps ≈ 1e-5, configured 1e-6)*"])
     bad = pytester.runpytest("--parity-strata=tinny", "-p", "no:cacheprovider")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
     bad.stderr.fnmatch_lines(["*--parity-strata: unknown stratum 'tinny'*"])

@@ -58,7 +58,7 @@ def test_eps_hard_coded_1e5_is_named_with_the_eps_it_behaves_as():
     result = check_norm(k.rms_norm_eps_1e5, **llama(dtype=torch.bfloat16))
     assert message == result.message
     first = message.splitlines()[0]
-    assert first.startswith("FAIL:") and "eps_mismatch" in first and "1e-5" in first and "configured 1e-6" in first
+    assert first.startswith("eps_mismatch") and "eps_mismatch" in first and "1e-5" in first and "configured 1e-6" in first
     assert "tiny" in result.failing_strata and "tiny" in message
     assert "q/eps" in message and "worst" in message
     (diag,) = [d for d in result.diagnoses if d["code"] == "eps_mismatch"]
@@ -77,7 +77,7 @@ def test_eps_outside_the_sqrt_is_named_on_tiny(dtype, unit):
     """x / (sqrt(q) + eps) for x / sqrt(q + eps): at the worst element the ratio is sqrt(q + eps) / (sqrt(q) + eps)."""
     result = check_norm(k.rms_norm_eps_outside_sqrt, **llama(dtype=dtype))
     assert not result
-    assert result.message.splitlines()[0].startswith("FAIL: eps_outside_sqrt")
+    assert result.message.splitlines()[0].startswith("eps_outside_sqrt")
     assert "tiny" in result.failing_strata
     w = stratum(result, "tiny")["worst"]
     q = w["q_over_eps"] * 1e-6
@@ -396,7 +396,7 @@ def test_message_goes_through_summary_lines_when_the_cli_has_it(monkeypatch):
     monkeypatch.setattr(terminal, "summary_lines", summary_lines, raising=False)
     result = check_norm(k.rms_norm_eps_1e5, **llama(dtype=torch.bfloat16))
     lines = result.message.splitlines()
-    assert lines[0] == "FAIL: rendered by the CLI" and "second line" in lines
+    assert lines[0] == "rendered by the CLI" and "second line" in lines  # the cause first, no "FAIL: "
     assert seen and seen[0][0] == "llama:rms_norm[4096]"
 
 
