@@ -643,12 +643,36 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
     from parity_cli.probes.capture import capture as run_capture
     from parity_cli.probes.capture import summary, write
 
-    tensors, meta = run_capture(model, text, max_tokens=max_tokens, rows_per_layer=rows_per_layer, device=device,
-                                seed=seed)
-    write(tensors, meta, outputs["-o"])
-    for line in summary(out_path, tensors, meta):
-        click.echo(line)
+    with _stages() as stage:
+        tensors, meta = run_capture(model, text, max_tokens=max_tokens, rows_per_layer=rows_per_layer, device=device,
+                                    seed=seed, stage=stage)
+        stage(f"writing {outputs['-o']}")
+        write(tensors, meta, outputs["-o"])
+    console = _console()
+    for line in summary(out_path, tensors, meta):  # wrapped to the width (COLUMNS where not a terminal)
+        console.print(escape(line), soft_wrap=False, overflow="fold", highlight=False)
     return EXIT_PASS
+
+
+class _stages:
+    """What a long command is doing: a transient status line on stderr where it is a terminal. Where it
+    is a pipe or a file, nothing: stderr then holds only an error, in one line."""
+
+    def __enter__(self):
+        self.console = _console(stderr=True)
+        self.spinner = self.console.status("starting") if self.console.is_terminal else None
+        if self.spinner is not None:
+            self.spinner.start()
+        return self
+
+    def __call__(self, text: str) -> None:
+        if self.spinner is not None:
+            self.spinner.update(escape(text))
+
+    def __exit__(self, *exc):
+        if self.spinner is not None:
+            self.spinner.stop()
+        return False
 
 
 @cli.command()

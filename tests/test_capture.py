@@ -560,11 +560,13 @@ def test_third_party_progress_bars_and_warnings_stay_out(copies, monkeypatch, ca
         assert "de-quantizing" not in text and "%|" not in text and "Loading weights" not in text, text
         assert text == ""
     assert (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()) == (bars, verbosity)
-    # and through a real process: stderr empty, stdout parity's two lines
+    # and through a real process: stderr empty, stdout parity's two statements, each wrapped to COLUMNS
     monkeypatch.undo()
     r = run_parity("capture", gguf_path, "--prompt", PROMPT, "-o", tmp_path / "p.safetensors",
-                   process=True)  # the process's own file descriptors, not a captured stream
-    assert r.returncode == 0 and r.stderr == "" and len(r.stdout.splitlines()) == 2, r.stdout + r.stderr
+                   process=True, env={"COLUMNS": "100"})  # the process's own file descriptors, not a captured stream
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and r.stderr == "" and all(len(line) <= 100 for line in lines), r.stdout + r.stderr
+    assert lines[0].startswith(f"{gguf_path}: read ") and " rows from " in " ".join(lines), r.stdout
 
 
 def test_the_gguf_loaded_here_gives_the_rows_transformers_gives(copies, monkeypatch):

@@ -425,8 +425,10 @@ def _hooked(model, names: dict, family) -> list:
 
 
 def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 96, device: str = "cpu",
-            seed: int = 0, chunk: int | None = None) -> tuple[dict, dict]:
-    """({layer name: float32 rows (k, dim)}, metadata) for the norm layers parity checks."""
+            seed: int = 0, chunk: int | None = None, stage=None) -> tuple[dict, dict]:
+    """({layer name: float32 rows (k, dim)}, metadata) for the norm layers parity checks. `stage(text)`
+    is told what the capture does next (the CLI's status line, or a line on stderr when piped)."""
+    say = stage or (lambda text: None)
     import torch
 
     from parity_cli.backends.implementations import mean_square
@@ -439,6 +441,7 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         raise InputError(f"--rows-per-layer must be between 3 and {MAX_ROWS_PER_LAYER}")
     if max_tokens < 1:
         raise InputError("--max-tokens must be at least 1")
+    say(f"reading the norm layers of {model_dir}")
     ckpt, fam, eps = load(model_dir)
     layers = discover_layers(ckpt, fam, eps).layers
     names = {layer.name: layer for layer in layers}
@@ -452,6 +455,7 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         return _hooked(model, names, fam)
 
     source = Path(model_dir)
+    say(f"loading the model ({len(layers)} norm layers to hook)")
     if source.is_file() and is_gguf(source):  # transformers' config, tokenizer and classes (needs gguf)
         loaded = _load_gguf(model_dir, source, hooked)
     else:
@@ -480,6 +484,7 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
             samples[name].add(rows, mean_square(rows, layer.kind))
 
         hooks.append(module.register_forward_pre_hook(hook))
+    say(f"running {ids.numel()} tokens through {cls.__name__}")
     try:
         with torch.no_grad():
             for start in range(0, ids.numel(), chunk):
