@@ -48,3 +48,40 @@ def test_the_head_s_norm_is_said_not_checked_and_gates_on_request(distilbert_mlm
     assert f"not checked: 1 of {len(norms)} norms" in out["md"].read_text()
     r = run_parity("check", path, "--fail-on", "unchecked", "-q")
     assert r.returncode == 1 and r.stdout.startswith("FAIL: --fail-on unchecked"), r.stdout
+
+
+def test_layer_norms_saved_as_gamma_and_beta_are_checked(tmp_path):
+    """transformers 5 saves ESM's encoder LayerNorms as `.gamma`/`.beta` (4 of its 6 norms): the family
+    derived at run time reads the names the file holds, so all 6 are checked, each with its own beta as
+    bias, and an eps fault shows on every one (they were 'not checked', and the check passed on 2)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    from parity_cli import api
+
+    torch.manual_seed(0)
+    config = EsmConfig(vocab_size=33, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, pad_token_id=1, mask_token_id=32, max_position_embeddings=64)
+    model = EsmForMaskedLM(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.copy_(torch.rand(32) + 0.5)
+                module.bias.copy_(torch.rand(32) - 0.5)
+    path = tmp_path / "esm"
+    model.save_pretrained(path)
+    with safe_open(str(path / "model.safetensors"), "pt") as fh:
+        stored = {k: fh.get_tensor(k) for k in fh.keys()}
+    assert sum(k.endswith(".gamma") for k in stored) == 4  # what the file holds
+    report = api.check(path, candidate="transformers", dtype="float32", isolation="none")
+    assert report.passed and len(report.layers) == 6 and report.header["checkpoint"]["unchecked"] == []
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.model.load import load
+
+    ckpt, family, eps = load(path)
+    for layer in discover_layers(ckpt, family, eps).layers:
+        bias = stored.get(f"{layer.name}.beta", stored.get(f"{layer.name}.bias"))
+        assert layer.bias is not None and torch.equal(layer.bias, bias), layer.name
+    faulty = api.check(path, dtype="float32", isolation="none", candidate_eps=1e-5)
+    assert not faulty.passed and all(layer.status == "fail" for layer in faulty.layers)

@@ -51,6 +51,9 @@ def to_toml(data: dict) -> str:
         if key in fam:
             lines.append(f"{key} = {_value(fam[key])}")
     lines.append(f"roots = {_value(fam['roots'])}")
+    for key in ("weight_names", "bias_names"):  # .gamma/.beta where transformers saves a LayerNorm so
+        if key in fam:
+            lines.append(f"{key} = {_value(fam[key])}")
     for norm in data["norms"]:
         lines += ["", "[[norms]]"] + [f"{k} = {_value(norm[k])}" for k in KEY_ORDER if k in norm]
     for norm in data["unsupported"]:

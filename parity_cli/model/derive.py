@@ -767,7 +767,7 @@ def _derive(model_type: str, config: dict | None, where: str) -> dict:
               if k not in norm_keys and k.rsplit(".", 1)[0] + ".weight" not in norm_keys}
     version = f"transformers {transformers.__version__}: {cls.__name__}"
     prefix = getattr(model, "base_model_prefix", "") or ""
-    entries, unsupported, seen = [], [], set()
+    entries, unsupported, seen, gamma = [], [], set(), False
     sizes = _seen_sizes(model, norms)
     for name, module in norms:
         eps = module_eps(module)
@@ -775,7 +775,10 @@ def _derive(model_type: str, config: dict | None, where: str) -> dict:
         if sem.get("measured_eps") is not None:  # fixed inside a weightless norm's forward: measured
             eps = sem["measured_eps"]
         key = stored_key(stored, module)
-        tensor = key[: -len(".weight")] if key and key.endswith(".weight") else (key or name)
+        # transformers 5 saves some legacy LayerNorms as .gamma/.beta (ESM's encoder): the norm is the module
+        suffix = next((f".{w}" for w in ("weight", "gamma") if key and key.endswith(f".{w}")), None)
+        tensor = key[: -len(suffix)] if suffix else (key or name)
+        gamma = gamma or suffix == ".gamma"
         pattern = _pattern(tensor, others)
         hf_class = f"{type(module).__module__}.{type(module).__qualname__}"
         dim_key = None
@@ -828,8 +831,9 @@ def _derive(model_type: str, config: dict | None, where: str) -> dict:
         entries.append(entry)
     if not math.isfinite(time.monotonic() - start):
         raise AssertionError
+    named = {"weight_names": ["weight", "gamma"], "bias_names": ["bias", "beta"]} if gamma else {}
     return {"name": model_type, "description": f"derived from {version}", "derived_from": version,
-            "model_types": [model_type], "norms": entries, "unsupported": unsupported}
+            "model_types": [model_type], "norms": entries, "unsupported": unsupported, **named}
 
 
 def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
