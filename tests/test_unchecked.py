@@ -1,8 +1,9 @@
 """A verdict covers exactly what it compared (issue 35): a norm of the checkpoint that no layer
 checks is counted on the verdict line, listed in checkpoint.unchecked with why, written to JUnit
 as a skipped case and to Markdown, and `--fail-on unchecked` fails on it. DistilBERT saved from its
-masked-LM class, as the published checkpoints are, holds its head's `vocab_layer_norm`, which the
-family of its base model does not claim."""
+masked-LM class, as the published checkpoints are: its head's `vocab_layer_norm` is checked (the
+family is derived again from the class config.json names), and a norm-like tensor an adapter added,
+which nothing builds, is the one not checked."""
 
 import json
 import xml.etree.ElementTree as ET
@@ -15,7 +16,10 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def distilbert_mlm(tmp_path_factory):
+    """(path, the model's LayerNorm names): DistilBertForMaskedLM as it saves itself, plus an
+    adapter's LayerNorm stored beside it (adapter.LayerNorm.weight/bias) that no class builds."""
     import torch
+    from safetensors.torch import load_file, save_file
     from transformers import DistilBertConfig, DistilBertForMaskedLM
 
     torch.manual_seed(0)
@@ -24,28 +28,42 @@ def distilbert_mlm(tmp_path_factory):
     model = DistilBertForMaskedLM(config)
     path = tmp_path_factory.mktemp("distilbert") / "mlm"
     model.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({"adapter.LayerNorm.weight": torch.ones(32), "adapter.LayerNorm.bias": torch.zeros(32)})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     norms = [n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
     return path, norms
 
 
-def test_the_head_s_norm_is_said_not_checked_and_gates_on_request(distilbert_mlm, tmp_path):
+def test_the_masked_lm_head_s_norm_is_checked_from_the_class_the_config_names(distilbert_mlm, tmp_path):
     path, norms = distilbert_mlm
-    assert "vocab_layer_norm" in norms  # the head's, beside the base model's embeddings and 2 x 2 layer norms
+    out = tmp_path / "r.json"
+    r = run_parity("check", path, "--candidate", "transformers", "--json", out)
+    data = json.loads(out.read_text())
+    checked = {layer["name"] for layer in data["layers"]}
+    assert "vocab_layer_norm" in norms and set(norms) <= checked, sorted(set(norms) - checked)
+    assert data["checkpoint"]["family_source"].startswith("derived at run time: DistilBertForMaskedLM (the class "
+                                                          "config.json names)"), data["checkpoint"]["family_source"]
+    assert r.returncode == 0, r.stdout
+
+
+def test_a_norm_no_layer_checks_is_said_and_gates_on_request(distilbert_mlm, tmp_path):
+    path, norms = distilbert_mlm
     out = {k: tmp_path / f"r.{k}" for k in ("json", "xml", "md")}
     r = run_parity("check", path, "--json", out["json"], "--junit", out["xml"], "--markdown", out["md"])
     assert r.returncode == 0, r.stderr
     data = json.loads(out["json"].read_text())
-    checked = data["summary"]["layers"]
-    assert checked + 1 == len(norms) and data["summary"]["unchecked"] == 1
+    total = len(norms) + 1
+    assert data["summary"]["layers"] == len(norms) and data["summary"]["unchecked"] == 1
     (missed,) = data["checkpoint"]["unchecked"]
-    assert missed["name"] == "vocab_layer_norm" and "matches no pattern" in missed["why"]
+    assert missed["name"] == "adapter.LayerNorm" and "matches no pattern" in missed["why"]
     last = r.stdout.strip().splitlines()[-1]
-    assert last.startswith("PASS: ") and f"1 of {len(norms)} norms not checked (vocab_layer_norm: " in last, last
+    assert last.startswith("PASS: ") and f"1 of {total} norms not checked (adapter.LayerNorm: " in last, last
     suite = ET.parse(out["xml"]).getroot().find("testsuite")
-    assert suite.get("tests") == str(len(norms)) and suite.get("skipped") == "1" and suite.get("failures") == "0"
+    assert suite.get("tests") == str(total) and suite.get("skipped") == "1" and suite.get("failures") == "0"
     skipped = [c for c in suite.findall("testcase") if c.find("skipped") is not None]
-    assert [c.get("name") for c in skipped] == ["vocab_layer_norm"]
-    assert f"not checked: 1 of {len(norms)} norms" in out["md"].read_text()
+    assert [c.get("name") for c in skipped] == ["adapter.LayerNorm"]
+    assert f"not checked: 1 of {total} norms" in out["md"].read_text()
     r = run_parity("check", path, "--fail-on", "unchecked", "-q")
     assert r.returncode == 1 and r.stdout.startswith("FAIL: --fail-on unchecked"), r.stdout
 
