@@ -193,3 +193,50 @@ def test_a_graph_of_too_many_nodes_is_refused_before_it_is_parsed(tmp_path, monk
     small = tmp_path / "small.onnx"  # the same file under the bound counts exactly: one entry a node
     small.write_bytes(b"\x08\x08" + b"\x3a" + _varint(len(entry) * 3) + entry * 3)
     assert onnx_checkpoint.count_entries(small) == 3
+
+
+def _message(field: int, body: bytes) -> bytes:
+    """A length-delimited field (wire type 2) holding `body`."""
+    return _varint(field << 3 | 2) + _varint(len(body)) + body
+
+
+_NODE = _message(1, b"\x0a\x01a" + b"\x12\x01b" + b"\x22\x08Identity")  # GraphProto.node: Identity a -> b
+
+
+def _nested(depth: int) -> bytes:
+    """A graph whose one node holds an attribute whose subgraph holds ... `depth` If levels, 3 nodes at the bottom."""
+    graph = _NODE * 3
+    for _ in range(depth):
+        attribute = _message(6, graph)  # AttributeProto.g
+        graph = _message(1, b"\x22\x02If" + _message(5, attribute))  # NodeProto.attribute
+    return graph
+
+
+@pytest.mark.parametrize("label,model,words", [
+    ("nodes in ModelProto.training_info", lambda many: b"\x08\x08" + _message(20, _message(2, many)),
+     "more than 50 nodes"),
+    ("a group field before the nodes", lambda many: b"\x08\x08" + _message(7, b"\x0b\x0c" + many),
+     "protobuf group field"),
+    ("subgraphs nested 12 If levels deep", lambda many: b"\x08\x08" + _message(7, _nested(12)),
+     "more than 32 levels deep"),
+])
+def test_the_node_count_cannot_be_bypassed(tmp_path, monkeypatch, label, model, words):
+    """Issue 35: three ways past the count that protobuf still parses (1e6 nodes took 2.0 GB): a training
+    graph (ModelProto.training_info), a group field (wire types 3/4 ended the count's walk), and nodes
+    nested deeper than the count followed. Each is counted, or refused, before onnx parses a byte."""
+    from parity_cli.sources import onnx_graph as onnx_checkpoint
+
+    monkeypatch.setattr(onnx_checkpoint, "MAX_ENTRIES", 50)
+    path = tmp_path / "hostile.onnx"
+    path.write_bytes(model(_NODE * 51))
+    with pytest.raises(InputError) as err:
+        onnx_checkpoint.count_entries(path)
+    assert str(path) in str(err.value) and words in str(err.value), (label, err.value)
+
+
+def test_nesting_a_real_export_has_is_counted(tmp_path):
+    from parity_cli.sources import onnx_graph as onnx_checkpoint
+
+    path = tmp_path / "nested.onnx"
+    path.write_bytes(b"\x08\x08" + _message(7, _nested(4)))  # 4 If levels: 4 If nodes and 3 Identity below
+    assert onnx_checkpoint.count_entries(path) == 7

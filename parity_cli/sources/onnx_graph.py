@@ -109,14 +109,22 @@ def _varint(buf, i: int, end: int) -> tuple[int, int]:
             return value, i
 
 
+class _Group(Exception):
+    """A protobuf group field (wire types 3 and 4): protobuf parses past it, a count that stopped there
+    would not, and no ONNX message has one."""
+
+
 def _fields(buf, start: int, end: int):
     """(field number, start, end) of each length-delimited field of one protobuf message; other
-    wire types are stepped over. Malformed bytes end the walk (onnx's own parse then says so)."""
+    wire types are stepped over. Malformed bytes end the walk (onnx's own parse then says so); a
+    group field raises _Group (protobuf would parse what follows it)."""
     i = start
     try:
         while i < end:
             key, i = _varint(buf, i, end)
             wire = key & 7
+            if wire in (3, 4):
+                raise _Group
             if wire == 0:
                 _, i = _varint(buf, i, end)
             elif wire == 1:
@@ -137,8 +145,10 @@ def _fields(buf, start: int, end: int):
 
 # message -> {field: message it holds} for the fields that hold graph entries: ModelProto's graph (7)
 # and functions (25); a GraphProto's every entry counts; a node's attributes (5) hold subgraphs (6, 11)
-_GRAPH_HOLDERS = {"model": {7: "graph", 25: "function"}, "function": {7: "node"}, "node": {5: "attribute"},
-                  "attribute": {6: "graph", 11: "graph"}}
+# and functions (25), and its training_info (20: TrainingInfoProto's initialization 1 and algorithm 2)
+_GRAPH_HOLDERS = {"model": {7: "graph", 25: "function", 20: "training"}, "training": {1: "graph", 2: "graph"},
+                  "function": {7: "node"}, "node": {5: "attribute"}, "attribute": {6: "graph", 11: "graph"}}
+MAX_NESTING = 32  # messages within messages the count follows; protobuf's own limit is about 100
 
 
 def count_entries(path: Path) -> int:
@@ -158,8 +168,9 @@ def count_entries(path: Path) -> int:
         stack = [("model", 0, size, 0)]
         while stack:
             kind, start, end, depth = stack.pop()
-            if depth > 32:  # protobuf's own recursion limit is about 100; no real graph nests this deep
-                continue
+            if depth > MAX_NESTING:  # what protobuf would still parse and a count that skipped it would not see
+                raise InputError(f"{path}: nests subgraphs more than {MAX_NESTING} levels deep (no real export "
+                                 "nests this deep); refused before parsing it")
             for field, a, b in _fields(buf, start, end):
                 inner = "node" if kind == "graph" and field == 1 else _GRAPH_HOLDERS.get(kind, {}).get(field)
                 if kind == "graph" or inner == "node":
@@ -169,6 +180,9 @@ def count_entries(path: Path) -> int:
                                          "model's export has about 18,000); refused before parsing it")
                 if inner is not None:
                     stack.append((inner, a, b, depth + 1))
+    except _Group:
+        raise InputError(f"{path}: holds a protobuf group field, which no ONNX message has (the count of its "
+                         "nodes would stop there, protobuf's parse would not); refused before parsing it") from None
     finally:
         buf.close()
     return count
