@@ -206,3 +206,17 @@ def test_gpt_neo_derives_with_its_layer_kinds_shrunk_alike():
 
     norms = derive("gpt_neo", {"model_type": "gpt_neo"}, "m/config.json")["norms"]
     assert norms and {n["kind"] for n in norms} == {"layer_norm"}
+
+
+def test_a_config_nested_past_the_recursion_limit_is_walked_without_recursion():
+    """bounded_config walks what the JSON parser accepted, however deep (a recursive walk would raise
+    RecursionError, an internal error, on what the parser took): an integer 5,000 levels down is found."""
+    from parity_cli.errors import InputError
+    from parity_cli.model.derive import bounded_config
+
+    deep: list = [1 << 40]
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(InputError, match="'x' = 1099511627776 is an integer over"):
+        bounded_config({"model_type": "laguna", "x": deep}, "m/config.json")
+    bounded_config({"model_type": "laguna", "x": [[[[1]]]] * 10}, "m/config.json")  # nothing to refuse

@@ -89,6 +89,8 @@ def test_a_planted_gated_norm_fault_keeps_its_cause_under_a_renamed_class(tiny, 
     plugin = f"{ROOT / 'tests' / 'plugins' / 'other_kinds.py'}:mamba_sigmoid"
     report = api.check(tiny("mamba2"), candidate=plugin, dtype="float32", isolation="none", layers="*.mixer.norm")
     assert not report.passed and report.layers
+    # the cause comes from the family derived again from the installed classes, not the stale file
+    assert _source(report).startswith(f"derived at run time: transformers {INSTALLED} renamed ")
     assert [{d.code for d in layer.diagnoses} for layer in report.layers] == [{"gate_activation_mismatch"}] * 2
 
 
@@ -297,3 +299,16 @@ def test_a_weightless_norm_the_model_does_not_build_is_not_a_layer(tiny, tmp_pat
     assert names == ["model.layers.0.self_attn.qk_norm"]
     report = api.check(path, candidate="transformers", dtype="float32", isolation="none")
     assert report.passed and "model.layers.1.self_attn.qk_norm" not in {layer.name for layer in report.layers}
+
+
+def test_validation_and_class_binding_build_one_tree(tiny, configs):
+    """The committed family's validation and --candidate transformers's class binding ask for the same
+    meta-device tree of the same config: it is built once (a work bound, not a time)."""
+    from parity_cli.model.load import load
+
+    built = built_class("mamba2", "layers.0.mixer.norm")
+    configs("mamba2", lambda t: t.replace(f"{built.__module__}.{built.__qualname__}", _stale_name(built)))
+    installed._TREES.clear()
+    installed._CURRENT.clear()
+    load(tiny("mamba2"), classes=True)
+    assert [shrunk for (_, _, shrunk) in installed._TREES] == [True]

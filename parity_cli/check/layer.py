@@ -162,7 +162,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     run = candidate.runner.collect()
     layer_error = run.error
 
-    results, grads, returned_dtypes, summed = [], [], set(), []
+    results, grads, returned_dtypes, summed, summed_over = [], [], set(), [], 0
     k0 = 0
     gain = layer.gain_offset + w_ref.cpu().to(torch.float64)
     # a gain 1 + w may be formed at the candidate's own half dtype (Nemotron's LayerNorm1P adds at the
@@ -194,7 +194,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
                 valid.append((k, (name, lo * per_row, hi * per_row)))
         extra, summing = None, None
         if layer.kind in ("layer_norm", "group_norm") and tol.mean_rounding:
-            extra, summing = _mean_allowances(ps.on(dev), gain.to(dev), eps, tol, layer, spread, rows)
+            extra, summing, summed_over = _mean_allowances(ps.on(dev), gain.to(dev), eps, tol, layer, spread, rows)
         if layer.kind == "gated_rms_norm" and not opts.exact and candidate.dtype in (torch.float16, torch.bfloat16):
             # the gate adds roundings at the half dtype the plain norm does not have (act(z), the product,
             # and in llama order the output rounded before the gate multiplies it): one more unit
@@ -257,8 +257,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     if summed:
         from parity_cli.comparison import summation_units
 
-        n = layer.dim // (layer.groups if layer.kind == "group_norm" else 1) * (
-            layer.spatial if layer.kind == "group_norm" else 1)
+        n = summed_over
         warnings.append(f"{', '.join(dict.fromkeys(summed))}: rows so ill-conditioned (max|x| / sqrt(var + eps) up to "
                         f"1/sqrt({eps:g})) that the candidate's float32 mean shows its summation order: within the "
                         f"{summation_units(n):g} u a sum of {n} terms may lose, beyond the 4 u of an exact sum")
@@ -323,9 +322,9 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
 
 
 def _mean_allowances(x, gain, eps: float, tol, layer, spread, rows):
-    """(the LayerNorm/GroupNorm allowance for a mean summed in any order, and how much of it goes beyond
-    an exact sum's): a row of n terms summed in order may lose (n + 1) u where an exact sum loses 4 u
-    (comparison.mean_rounding_allowance)."""
+    """(the LayerNorm/GroupNorm allowance for a mean summed in any order, how much of it goes beyond an
+    exact sum's, n): a mean of n terms summed in order may lose (n + 1) u where an exact sum loses 4 u
+    (comparison.mean_rounding_allowance); n is a row's (a head's where gains are per head) or a group's."""
     from parity_cli.comparison import mean_rounding_allowance
 
     if layer.kind == "layer_norm":
@@ -338,8 +337,8 @@ def _mean_allowances(x, gain, eps: float, tol, layer, spread, rows):
     full = mean_rounding_allowance(x, g, eps, tol)
     exact = mean_rounding_allowance(x, g, eps, tol, exact_sum=True)
     if shape is not None:
-        return full.reshape(shape), (full - exact).reshape(shape)
-    return rows(full), rows(full - exact)
+        return full.reshape(shape), (full - exact).reshape(shape), x.shape[-1]
+    return rows(full), rows(full - exact), x.shape[-1]
 
 
 def _summation_only(compared, valid, ref, cand, tight, tol) -> list[str]:

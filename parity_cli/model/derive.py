@@ -691,22 +691,20 @@ def bounded_config(config: dict, where: str) -> None:
     """Refuses, in one line, a config.json whose counts would make transformers' config classes build
     per-layer structures without bound: a layer or block count (scalar or inside a list) over
     MAX_LAYERS, any integer over MAX_INT, a list over MAX_LIST elements."""
-
-    def walk(value, path: str, counts: bool) -> None:
+    stack = [(config, "", False)]  # walked without recursion: a config may nest as deep as the parser allows
+    while stack:
+        value, path, counts = stack.pop()
         if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{path}.{key}" if path else str(key), bool(LAYER_COUNT.search(str(key))))
+            stack.extend((item, f"{path}.{key}" if path else str(key), bool(LAYER_COUNT.search(str(key))))
+                         for key, item in value.items())
         elif isinstance(value, list):
             if len(value) > MAX_LIST:
                 raise InputError(f"{where}: '{path}' is a list of {len(value):,} elements (at most {MAX_LIST:,}); "
                                  "refused")
-            for item in value:
-                walk(item, path, counts)
+            stack.extend((item, path, counts) for item in value)
         elif type(value) is int and (value > MAX_LAYERS if counts else abs(value) > MAX_INT):
             limit = f"a layer count over {MAX_LAYERS:,}" if counts else f"an integer over {MAX_INT:,}"
             raise InputError(f"{where}: '{path}' = {value} is {limit}, more than any model has; refused")
-
-    walk(config, "", False)
 
 
 def _derive(model_type: str, config: dict | None, where: str) -> dict:

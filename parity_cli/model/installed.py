@@ -50,19 +50,17 @@ class Difference:
     new: str = ""
 
     def words(self) -> str:
-        if self.what == "renamed":
-            return f"renamed {_short(self.old)} → {_short(self.new)}"
-        if self.what == "gone":
-            return f"has no class {_short(self.old)}"
-        if self.what == "several":
-            return f"builds {', '.join(_short(c) for c in self.new.split(', '))} at {self.pattern} (not {_short(self.old)})"
-        if self.what == "eps":
-            return f"reads {self.pattern}'s eps from {self.new or 'no config key'} (was {self.old or 'fixed'})"
-        if self.what == "form":
-            return f"computes {self.pattern} as {self.new} (was {self.old})"
-        if self.what == "new":
-            return f"builds a norm the family lacks ({self.pattern}, {_short(self.new)})"
-        return f"builds nothing at {self.pattern}"
+        short = {"old": _short(self.old), "new": ", ".join(_short(c) for c in self.new.split(", ")),
+                 "pattern": self.pattern, "old_text": self.old or "fixed", "new_text": self.new or "no config key"}
+        return WORDS[self.what].format(**short)
+
+
+# what each kind of Difference says, after "the installed transformers X"
+WORDS = {"renamed": "renamed {old} → {new}", "gone": "has no class {old}",
+         "several": "builds {new} at {pattern} (not {old})",
+         "eps": "reads {pattern}'s eps from {new_text} (was {old_text})",
+         "form": "computes {pattern} as {new_text} (was {old_text})",
+         "new": "builds a norm the family lacks ({pattern}, {new})", "unmatched": "builds nothing at {pattern}"}
 
 
 def said(found: list[Difference]) -> str:
@@ -101,35 +99,13 @@ def _class_path(module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
-def meta_tree(model_type: str, config: dict | None, where: str):
-    """(norm modules [(name, module)], eps markers {value: dotted key}, the shrunk config they were
-    built from) of the model the installed transformers builds from `config`, on the meta device: no
-    memory, no weights."""
-    import torch
-
-    from parity_cli.model import derive as d
-
-    transformers, config_class = d._transformers(model_type, where)
-    if config is not None:
-        d.bounded_config(config, where)
-    cfg = config_class.from_dict(d.tagged_floats(dict(config))) if config is not None else config_class()
-    markers = d._mark_eps(cfg)
-    d._shrink(cfg)
-    cls = d._model_class(transformers, cfg, (config or {}).get("architectures"))
-    if cls is None:
-        raise InputError(f"{where}: transformers {transformers.__version__} has no model class for '{model_type}'")
-    with torch.device("meta"):
-        model = cls._from_config(cfg)
-    norms = [(name, module) for name, module in model.named_modules() if name and d._is_norm(module)]
-    return norms, markers, cfg
-
-
-def built_modules(model_type: str, config: dict | None, where: str) -> set[str] | None:
-    """The module names of the model the installed transformers builds from the checkpoint's own
-    config, unshrunk (which layer has which module is the config's: Llama 4's no-RoPE layers have
-    no q/k norm), on the meta device; None where it cannot be built (no transformers, a config it
-    refuses): then nothing is judged by it."""
-    try:
+def _meta_model(model_type: str, config: dict | None, where: str, shrunk: bool):
+    """(the model the installed transformers builds from `config` on the meta device, the eps markers,
+    the config it was built from): shrunk and eps-marked as a derivation builds it, or as the checkpoint
+    says (which layer has which module is the config's). One build a process for a config: validation,
+    the class binding and weightless discovery ask for the same tree."""
+    key = (model_type, json.dumps(config, sort_keys=True, default=str), shrunk)
+    if key not in _TREES:
         import torch
 
         from parity_cli.model import derive as d
@@ -138,14 +114,41 @@ def built_modules(model_type: str, config: dict | None, where: str) -> set[str] 
         if config is not None:
             d.bounded_config(config, where)
         cfg = config_class.from_dict(d.tagged_floats(dict(config))) if config is not None else config_class()
+        markers = d._mark_eps(cfg) if shrunk else {}
+        if shrunk:
+            d._shrink(cfg)
         cls = d._model_class(transformers, cfg, (config or {}).get("architectures"))
         if cls is None:
-            return None
+            raise InputError(f"{where}: transformers {transformers.__version__} has no model class for "
+                             f"'{model_type}'")
         with torch.device("meta"):
-            model = cls._from_config(cfg)
-        return {name for name, _ in model.named_modules()}
+            _TREES[key] = (cls._from_config(cfg), markers, cfg)
+    return _TREES[key]
+
+
+_TREES: dict = {}
+
+
+def meta_tree(model_type: str, config: dict | None, where: str):
+    """(norm modules [(name, module)], eps markers {value: dotted key}, the shrunk config they were
+    built from) of the model the installed transformers builds from `config`, on the meta device: no
+    memory, no weights."""
+    from parity_cli.model.derive import _is_norm
+
+    model, markers, cfg = _meta_model(model_type, config, where, shrunk=True)
+    return [(name, module) for name, module in model.named_modules() if name and _is_norm(module)], markers, cfg
+
+
+def built_modules(model_type: str, config: dict | None, where: str) -> set[str] | None:
+    """The module names of the model the installed transformers builds from the checkpoint's own
+    config, unshrunk (which layer has which module is the config's: Llama 4's no-RoPE layers have
+    no q/k norm), on the meta device; None where it cannot be built (no transformers, a config it
+    refuses): then nothing is judged by it."""
+    try:
+        model, _, _ = _meta_model(model_type, config, where, shrunk=False)
     except Exception:  # a release or config this cannot build: the checkpoint's names stand
         return None
+    return {name for name, _ in model.named_modules()}
 
 
 def _eps_key(module, markers: dict) -> str | None:

@@ -138,8 +138,8 @@ def _stratum_size(s: dict, where: str, strict: bool = False) -> dict:
     if worst is not None:
         _dict(worst, f"{where}.worst")
         ref, cand, allowed = (_num(worst.get(k), f"{where}.worst.{k}") for k in ("reference", "candidate", "allowed"))
-        if strict and not (ref is None or math.isfinite(ref)) or strict and not (allowed is None or (
-                math.isfinite(allowed) and allowed >= 0)):
+        finite = all(v is None or math.isfinite(v) for v in (ref, allowed)) and (allowed is None or allowed >= 0)
+        if strict and not finite:
             raise _Bad(f"{where}.worst holds a reference or allowance that is not a finite number")
         if strict and cand is not None and not math.isfinite(cand) and not (size.get("nonfinite") or 0) > 0:
             raise _Bad(f"{where}.worst.candidate is {cand} where the stratum counts no non-finite output")
