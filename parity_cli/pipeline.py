@@ -268,6 +268,18 @@ def effective(opts: CheckOptions) -> CheckOptions:
     return dataclasses.replace(opts, candidate="onnxruntime" if onnx_copy else "openvino" if ir_copy else "torch")
 
 
+def _forward_of(ckpt, layers, copy_layers) -> dict | None:
+    """The model's forward order of its norms, asked only of a copy paired by value (its graph's
+    order is then what says which layer a gain belongs to)."""
+    from parity_cli.model.pairing import BY_VALUE
+
+    if ckpt.format == "gguf" or not any(BY_VALUE in layer.warnings for layer in copy_layers):
+        return None
+    from parity_cli.model.installed import forward_order
+
+    return forward_order(ckpt.model_type, ckpt.config, [layer.name for layer in layers], str(ckpt.path / "config.json"))
+
+
 def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     """--candidate-checkpoint: (its layers under the reference's names, the report's description
     of it, the dtype its norms compute in or None). GGUF and HF copies go through discovery like
@@ -430,7 +442,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                     raise InputError(f"{flag}: an OpenVINO IR runs its own subgraphs, with the eps and form it has "
                                      "(--candidate-arg precision= still sets the plugin's precision); edit the IR, "
                                      "or check another candidate against its weights")
-        pairing = pair(found.layers, copy_layers, conversion["path"])
+        pairing = pair(found.layers, copy_layers, conversion["path"], _forward_of(ckpt, found.layers, copy_layers))
         other = next((f for f in pairing.report_findings if f["code"] == "checkpoint_model_mismatch"), None)
         if other is not None:  # a copy of another model is bad input, not a verdict on a conversion
             raise InputError(other["message"] + "; refused (--candidate-checkpoint takes a copy of this model)")

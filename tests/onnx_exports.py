@@ -36,10 +36,25 @@ class Seq(torch.nn.Module):
         return state
 
 
+# the order the models' own forward calls a block's norms in (read from modeling_gemma3, _llama,
+# _qwen3, _bert, _gpt2): a value-paired graph is checked against that order, so the harness runs it
+FORWARD_ROLES = ("embeddings.LayerNorm", "input_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+                 "attention.output.LayerNorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "output.LayerNorm", "ln_1", "ln_2")
+
+
+def forward_key(name: str) -> tuple:
+    import re
+
+    block = re.search(r"\.(\d+)\.", name)
+    where = int(block.group(1)) if block else (-1 if "embed" in name else 1 << 30)
+    return (where, next((k for k, role in enumerate(FORWARD_ROLES) if name.endswith(role)), len(FORWARD_ROLES)))
+
+
 class Norms(Seq):
     def __init__(self, layers, swap_class=None, eps=None):
         super().__init__()
-        for layer in layers:
+        for layer in sorted(layers, key=lambda layer: forward_key(layer.name)):
             cls = swap_class or _norm_class(layer)
             if cls is torch.nn.LayerNorm:
                 mod = cls(layer.dim, eps=(eps or {}).get(layer.name, layer.eps.value), bias=layer.bias is not None)

@@ -240,3 +240,127 @@ def test_nesting_a_real_export_has_is_counted(tmp_path):
     path = tmp_path / "nested.onnx"
     path.write_bytes(b"\x08\x08" + _message(7, _nested(4)))  # 4 If levels: 4 If nodes and 3 Identity below
     assert onnx_checkpoint.count_entries(path) == 7
+
+
+# --- the graph's order, where pairing falls back to values ---------------------------------------
+
+def _gemma3_export(tmp_path, swap=None):
+    """A real Gemma3ForCausalLM (2 blocks, every norm's gain random, so each is its own), saved,
+    exported whole by the dynamo exporter and fused by ONNX Runtime's transformer optimizer: its
+    gains become `onnx::Mul_*` initializers holding 1 + w, and its fused nodes name no module, so
+    every norm pairs by value (the TorchScript exporter has no aten::diff for its mask). `swap` exchanges two modules' gains before the export."""
+    import warnings
+
+    import torch
+    import transformers as T
+    from onnxruntime.transformers import optimizer
+
+    pytest.importorskip("onnxscript")
+    hf = tmp_path / "hf"
+    if not hf.exists():
+        torch.manual_seed(0)
+        cfg = T.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                                 sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+        model = T.Gemma3ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.5)
+        model.save_pretrained(hf, safe_serialization=True)
+    model = T.Gemma3ForCausalLM.from_pretrained(hf).eval()
+    if swap:
+        mods = dict(model.named_modules())
+        with torch.no_grad():
+            a, b = mods[swap[0]].weight, mods[swap[1]].weight
+            saved = a.clone()
+            a.copy_(b)
+            b.copy_(saved)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    out = tmp_path / f"{'_'.join(swap or ('faithful',))}.onnx"
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Logits(model), (torch.randint(0, 128, (1, 8)),), str(out), dynamo=True, opset_version=18)
+        optimizer.optimize_model(str(out), model_type="gpt2", num_heads=4, hidden_size=64).save_model_to_file(str(out))
+    return hf, out
+
+
+def test_an_optimised_gemma3_export_with_gains_swapped_inside_a_block_fails(tmp_path):
+    """Issue 35's false pass: ORT's optimised Gemma 3 pairs by value, and two gains of one block
+    exchanged (input_layernorm and post_attention_layernorm, same width) passed, since each is
+    some layer's gain. The graph runs them out of the model's forward order."""
+    from parity_cli.model.pairing import BY_VALUE
+
+    hf, faithful = _gemma3_export(tmp_path)
+    graph = onnx.load(str(faithful)).graph
+    assert not any("norm" in i.name for i in graph.initializer)  # 1 + w folded into `add_6`, `add_8`, ...
+    assert not any("norm" in n.name for n in graph.node if n.op_type == "SimplifiedLayerNormalization")
+    report = api.check(str(hf), candidate_checkpoint=str(faithful))
+    assert report.passed and len(report.layers) == 13, _codes(report)
+    assert all(BY_VALUE in l.warnings for l in report.layers)  # the premise: no name said which layer
+    a, b = "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"
+    _, swapped = _gemma3_export(tmp_path, (a, b))
+    report = api.check(str(hf), candidate_checkpoint=str(swapped))
+    assert not report.passed
+    codes = _codes(report)
+    assert codes.pop(a) == codes.pop(b) == ["checkpoint_layer_order"]
+    assert all(c == [] for c in codes.values()), codes
+    order = {l.name: next(f for f in l.findings) for l in report.layers if l.name in (a, b)}
+    assert order[a]["graph_position"] == b and order[b]["graph_position"] == a
+
+
+def _value_paired(name, depth, dim=4, value=None):
+    import torch
+
+    from parity_cli.model.layers import NormLayer
+    from parity_cli.model.pairing import BY_VALUE
+    from parity_cli.sources.tensors import Eps
+
+    layer = NormLayer(name=name, kind="rms_norm", dim=dim, order="native", gain_offset=0.0, eps=Eps(1e-6, "config"),
+                      weight=torch.full((dim,), value if value is not None else depth + 1.0), bias=None,
+                      family="llama", tensor=name, warnings=[BY_VALUE])
+    layer.graph_depth = depth
+    return layer
+
+
+def test_norms_level_in_the_data_flow_may_come_in_either_order():
+    """q_norm and k_norm read parallel branches: the graph's node list may give k first. Only
+    norms of different depth are ordered, so that is no finding; k's gain one norm deeper is."""
+    from parity_cli.model.pairing import _order_findings
+
+    forward = {"b.0.in": 0, "b.0.q": 1, "b.0.k": 2, "b.0.post": 3}
+    ref = [_value_paired(n, 0) for n in forward]
+    level = [_value_paired("b.0.in", 0), _value_paired("b.0.k", 1), _value_paired("b.0.q", 1),
+             _value_paired("b.0.post", 2)]
+    assert _order_findings(ref, level, forward) == {}
+    deeper = [_value_paired("b.0.in", 0), _value_paired("b.0.q", 1), _value_paired("b.0.post", 1),
+              _value_paired("b.0.k", 2)]
+    found = _order_findings(ref, deeper, forward)
+    assert set(found) == {"b.0.post", "b.0.k"}
+    assert found["b.0.k"]["graph_position"] == "b.0.post"
+    # without the model's order, only a role's layer indices say anything: blocks 0 and 1 swapped
+    swapped = [_value_paired("b.1.in", 0), _value_paired("b.0.in", 1)]
+    assert set(_order_findings([_value_paired("b.0.in", 0), _value_paired("b.1.in", 0)], swapped, None)) == \
+        {"b.0.in", "b.1.in"}
+
+
+def test_the_forward_order_is_the_models_own():
+    """Gemma3DecoderLayer.forward: input_layernorm, then self_attn (q_norm, k_norm), then
+    post_attention_layernorm, pre_feedforward_layernorm, post_feedforward_layernorm; model.norm last."""
+    from parity_cli.model.installed import forward_order
+
+    block = ["input_layernorm", "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm",
+             "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    names = [f"model.layers.{i}.{r}" for i in range(2) for r in block] + ["model.norm"]
+    config = {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 128}
+    order = forward_order("gemma3_text", config, list(reversed(names)), "config.json")
+    assert sorted(order, key=order.__getitem__) == names

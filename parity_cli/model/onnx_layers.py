@@ -65,6 +65,7 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
                                               f"{ref.groups} of {ref.dim // max(ref.groups, 1)}"})
         if graph_findings:
             layer.graph_findings = graph_findings
+        layer.graph_depth = norm.depth
         layers.append(layer)
     eps_common = Counter(n.eps for n in norms).most_common(1)
     dtypes = Counter(n.dtype for n in norms).most_common(1)

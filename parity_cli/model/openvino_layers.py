@@ -77,6 +77,7 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
         found = graph_findings(norm, ref)
         if found:
             layer.graph_findings = found
+        layer.graph_depth = norm.depth
         layers.append(layer)
     eps_common = Counter(n.eps for n in norms).most_common(1)
     dtypes = Counter(n.dtype for n in norms).most_common(1)

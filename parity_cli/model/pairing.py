@@ -140,36 +140,78 @@ def _gain_owner(reference: list[NormLayer]):
     return owners
 
 
-def _order_findings(reference: list[NormLayer], candidate: list[NormLayer]) -> dict[str, dict]:
-    """A copy paired by value: within each role (`model.layers.*.input_layernorm`), the graph must
-    run the norms holding layer 0's, 1's, ... gains in that order. A gain moved between two layers
-    of one role runs out of place, which the values alone never show."""
+def _depth(layer, k: int) -> tuple:
+    """Where a copy's norm runs: its depth in the graph's data flow (onnx_graph.norm_depths), then
+    its place in the graph's list."""
+    return (getattr(layer, "graph_depth", k), k)
+
+
+def _order_findings(reference: list[NormLayer], candidate: list[NormLayer],
+                    forward: dict[str, int] | None = None) -> dict[str, dict]:
+    """A copy paired by value must run the norms holding each layer's gain where the model runs
+    that layer. With the model's forward order (installed.forward_order): among the value-paired
+    norms of one width, the n-th deepest in the graph holds the gain of the n-th the model calls;
+    norms level in the data flow (q_norm beside k_norm) may come in either order. Without it: within
+    each role (`model.layers.*.input_layernorm`), layer 0's, 1's, ... gains in that order. A gain
+    moved to another layer runs out of place, which the values alone never show."""
+    paired = [(k, layer) for k, layer in enumerate(candidate) if BY_VALUE in layer.warnings]
+    if not paired:
+        return {}
+    ref_names = {layer.name for layer in reference}
+    paired = [(k, layer) for k, layer in paired if layer.name in ref_names]
+    if forward:
+        placed = [(k, layer) for k, layer in paired if layer.name in forward]
+        widths: dict = {}
+        for k, layer in placed:
+            widths.setdefault((layer.dim, layer.weight.numel()), []).append((k, layer))
+        out = {}
+        for group in widths.values():
+            out.update(_out_of_place(sorted(group, key=lambda item: _depth(item[1], item[0])), forward))
+        return out
+    return _out_of_role(paired, ref_names)
+
+
+def _out_of_place(graph: list, forward: dict[str, int]) -> dict[str, dict]:
+    expected = sorted((layer.name for _, layer in graph), key=forward.__getitem__)
+    out, i = {}, 0
+    while i < len(graph):
+        j = i
+        while j < len(graph) and _depth(graph[j][1], 0)[0] == _depth(graph[i][1], 0)[0]:
+            j += 1
+        want = expected[i:j]
+        for k in range(i, j):
+            layer = graph[k][1]
+            if layer.name not in want:
+                place = want[k - i] if len(want) == 1 else " or ".join(want)
+                out[layer.name] = _misplaced(layer.name, place, "the model's forward order")
+        i = j
+    return out
+
+
+def _out_of_role(paired: list, ref_names: set) -> dict[str, dict]:
     import re
 
     digits = re.compile(r"(?<![^.])\d+(?![^.])")
-    if not any(BY_VALUE in layer.warnings for layer in candidate):
-        return {}
-    ref_names = {layer.name for layer in reference}
     roles: dict[str, list] = {}
-    for layer in candidate:  # the copy's own order: an exported graph's
-        if layer.name in ref_names and digits.search(layer.name):
+    for k, layer in sorted(paired, key=lambda item: _depth(item[1], item[0])):  # the copy's own order
+        if digits.search(layer.name):
             roles.setdefault(digits.sub("*", layer.name), []).append(layer)
     out = {}
     for layers in roles.values():
-        if not any(BY_VALUE in layer.warnings for layer in layers):
-            continue
         key = [tuple(int(d) for d in digits.findall(layer.name)) for layer in layers]
         expected = sorted(range(len(layers)), key=lambda k: key[k])
         for k, layer in enumerate(layers):
             place = layers[expected[k]].name
             if place != layer.name:
-                out[layer.name] = {
-                    "code": "checkpoint_layer_order",
-                    "message": f"the copy's norm holding {layer.name}'s gain runs where the checkpoint has {place}: "
-                               "the graph's order disagrees with the checkpoint's layer order (a gain moved to "
-                               "another layer)",
-                    "graph_position": place}
+                out[layer.name] = _misplaced(layer.name, place, "the checkpoint's layer order")
     return out
+
+
+def _misplaced(name: str, place: str, order: str) -> dict:
+    return {"code": "checkpoint_layer_order",
+            "message": f"the copy's norm holding {name}'s gain runs where the model runs {place}: the graph's "
+                       f"order disagrees with {order} (a gain moved to another layer)",
+            "graph_position": place}
 
 
 def _shape_of(layers: list[NormLayer]) -> dict:
@@ -221,12 +263,15 @@ def _statistics_findings(layer: NormLayer, other: NormLayer) -> list[dict]:
     return out
 
 
-def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str) -> Pairing:
+def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str,
+         forward: dict[str, int] | None = None) -> Pairing:
+    """`forward`: the model's forward order of the reference layers, where known (a copy paired by
+    value is checked against it)."""
     by_name = {layer.name: layer for layer in candidate}
     ref_names = {layer.name for layer in reference}
     out = Pairing(candidate_layers={})
     owners = _gain_owner(reference)
-    order = _order_findings(reference, candidate)
+    order = _order_findings(reference, candidate, forward)
     other_model = _model_mismatch(reference, candidate, cand_path)
     if other_model:  # said first: every layer's difference follows from it
         out.report_findings.append(other_model)

@@ -79,6 +79,8 @@ class OnnxNorm:
     running_var: object = None
     training: bool = False  # BatchNormalization with training_mode=1: the batch's statistics, not these
     groups: int | None = None  # GroupNormalization: its num_groups
+    depth: int = 0  # norms on the longest path of the data flow before this one (norm_depths)
+    ends: tuple = ()  # (the norm's input tensor, its output tensor)
 
 
 def load_model(path: Path):
@@ -451,6 +453,7 @@ def find_norms(model, path: Path) -> list[OnnxNorm]:
             found.append(norm)
             if len(found) > MAX_NORMS:
                 raise InputError(f"{path}: more than {MAX_NORMS} norms in one graph (a 405B model has 253); refused")
+    norm_depths(model.graph.node, found)
     return found
 
 
@@ -707,7 +710,23 @@ def _norm(graph, kind, w, offset, bias, eps, source, form, x, y, nodes, zeros=fr
     norm = OnnxNorm(name=names[0], kind=kind, dim=int(weight.shape[-1]), eps=eps, eps_source=source, form=form,
                     weight=weight, bias=bias, offset=offset, dtype=dtype, names=tuple(names))
     norm.program = _subgraph(graph, x, y, nodes, elem, zeros, original, channels_first)
+    norm.ends = (x, y)
     return norm
+
+
+def norm_depths(nodes, norms) -> None:
+    """Each norm's depth: how many norms the longest path of the data flow passes before it. A
+    norm that reads another's output (through attention, a residual) is deeper; q_norm and k_norm,
+    side by side, are level. The order check of a value-paired copy (pairing) compares norms of
+    different depth only: a graph's node list orders parallel branches as it likes."""
+    ends = {norm.ends[1]: norm for norm in norms if norm.ends}
+    level: dict = {}
+    for node in nodes:  # topologically sorted, as ONNX requires of a graph's node list
+        here = max((level.get(name, 0) for name in node.input if name), default=0)
+        for name in node.output:
+            level[name] = here + 1 if name in ends else here
+    for y, norm in ends.items():
+        norm.depth = level.get(y, 1) - 1
 
 
 def _elem_type(graph, x: str, w) -> int:

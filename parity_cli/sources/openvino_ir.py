@@ -75,6 +75,7 @@ class IrNorm:
     running_var: object = None
     training: bool = False
     groups: int | None = None
+    depth: int = 0  # norms on the longest path of the data flow before this one
 
 
 def is_openvino_ir(path) -> bool:
@@ -338,8 +339,22 @@ def find_norms(model, ops, path) -> list:
             found.append(norm)
             if len(found) > MAX_NORMS:
                 raise InputError(f"{path}: more than {MAX_NORMS} norms in one IR (a 405B model has 253); refused")
+    _depths(ops, found)
     _programs(found, path)
     return found
+
+
+def _depths(ops, norms) -> None:
+    """Each norm's depth in the data flow, as onnx_graph.norm_depths counts it (ops in
+    topological order, as get_ordered_ops gives them)."""
+    ends = {_key(norm._ends[1]): norm for norm in norms}
+    level: dict = {}
+    for node in ops:
+        here = max((level.get(_key(node.input_value(k)), 0) for k in range(node.get_input_size())), default=0)
+        for output in node.outputs():
+            level[_key(output)] = here + 1 if _key(output) in ends else here
+    for key, norm in ends.items():
+        norm.depth = level.get(key, 1) - 1
 
 
 def _gain_after(reader, output) -> tuple:
