@@ -280,6 +280,29 @@ def _forward_of(ckpt, layers, copy_layers) -> dict | None:
     return forward_order(ckpt.model_type, ckpt.config, [layer.name for layer in layers], str(ckpt.path / "config.json"))
 
 
+def _unread_not_missing(pairing, conversion: dict, found):
+    """A checkpoint layer the copy lacks, where the copy's graph has normalisation nodes the reader
+    cannot take as norms (an unknown decomposition, another op's form), may be one of those nodes:
+    it is not checked (a verdict counts it), never said missing. None left to check is one line."""
+    unread = (conversion.get("onnx") or conversion.get("openvino") or {}).get("unread")
+    if not unread:
+        return found
+    gone = [name for name, items in pairing.layer_findings.items()
+            if [item["code"] for item in items] == ["checkpoint_layer_missing"] and not items[0].get("folded")]
+    if not gone:
+        return found
+    ops = ", ".join(f"{count} {op}" for op, count in sorted(unread.items()))
+    why = (f"the copy's graph has normalisation nodes parity cannot read as a norm ({ops}): this layer may be "
+           "one of them, so it is not checked there")
+    if len(gone) == len(found.layers):
+        raise InputError(f"{conversion['path']}: no norm of the checkpoint could be read in the copy ({ops} not "
+                         "read as norms); nothing to check")
+    for name in gone:
+        del pairing.layer_findings[name]
+    conversion["unchecked"] = [{"name": name, "why": why} for name in gone]
+    return dataclasses.replace(found, layers=[layer for layer in found.layers if layer.name not in set(gone)])
+
+
 def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     """--candidate-checkpoint: (its layers under the reference's names, the report's description
     of it, the dtype its norms compute in or None). GGUF and HF copies go through discovery like
@@ -454,6 +477,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                     if item["code"] == "checkpoint_layer_missing" and kinds.get(name) == "batch_norm":
                         item["message"] += f" ({folded['message']})"
                         item["folded"] = True
+        found = _unread_not_missing(pairing, conversion, found)
         conversion["findings"] = sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings)
     # an exported graph computes in its own input type (float32 for most exports): probe it there
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else (copy_dtype or stored_dtype(found.layers))
@@ -545,7 +569,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             "model_type": ckpt.model_type,
             "files": [f.name for f in ckpt.files],
             "unmatched": found.unmatched,
-            "unchecked": unchecked(ckpt, found, fam),
+            "unchecked": unchecked(ckpt, found, fam) + list((conversion or {}).get("unchecked", [])),
         },
         "eps": _eps_dict(eps),
         "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,

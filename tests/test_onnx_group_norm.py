@@ -4,7 +4,10 @@
   epsilon, stash_type=1) reading the state dict's own initializers (`<module>.weight`, `.bias`);
 - dynamo=True at opset 18, and the TorchScript exporter at every opset: the decomposition
   Reshape(N, G, -1) -> InstanceNormalization(ones, zeros, epsilon) -> Reshape -> Mul(w[C, 1]) ->
-  Add(b[C, 1]), which the reader does not find (the copy is then one line: no norm found).
+  Add(b[C, 1]), read as a GroupNorm of G groups and run rebuilt over (N, C, S) maps;
+- OpenVINO's convert_model: one GroupNormalization-12 op (data, scale, bias, num_groups, epsilon).
+
+A normalisation node the reader cannot take leaves its layer "not checked", never "missing".
 
 The GroupNorms here are the real modules of a tiny transformers Mask2Former (write_tiny_checkpoint:
 GroupNorm(32, 256) in the pixel decoder), at their real module paths, loaded with the checkpoint's
@@ -136,14 +139,141 @@ def test_dynamo_at_opset_21_emits_group_normalization_under_the_state_dict_names
         assert attrs["epsilon"] == pytest.approx(f32(eps))
 
 
-def test_torchscript_decomposes_group_norm_and_the_copy_is_one_line(m2f):
-    """TorchScript (and dynamo at opset 18) emit InstanceNormalization over (N, G, -1) with a
-    constant scale of ones, then Mul/Add by the gain: not found, said in one line, never passed."""
-    out = _export(m2f["norms"], m2f["inputs"], m2f["root"] / "ts.onnx", dynamo=False, opset_version=21)
+def _decomposed_export(m2f, name, **kwargs):
+    import contextlib
+    import io
+
+    out = m2f["root"] / f"{name}.onnx"
+    if not out.exists():
+        with contextlib.redirect_stdout(io.StringIO()):
+            _export(m2f["norms"], m2f["inputs"], out, **kwargs)
+    return out
+
+
+DECOMPOSED = {"torchscript": {"dynamo": False, "opset_version": 17}, "dynamo18": {"dynamo": True, "opset_version": 18}}
+
+
+@pytest.mark.parametrize("exporter", sorted(DECOMPOSED))
+def test_the_instance_norm_decomposition_is_read_and_passes(m2f, exporter):
+    """Issue 35: wav2vec2's GroupNorm exported by TorchScript or dynamo at opset 18 was reported
+    'missing from the candidate checkpoint'. Each of the five is read with its 32 groups (the
+    InstanceNormalization's scale of ones), its epsilon and the stored w and b, and passes."""
+    from parity_cli.model.onnx_layers import candidate_layers
+
+    out = _decomposed_export(m2f, exporter, **DECOMPOSED[exporter])
     ops = {n.op_type for n in onnx.load(str(out)).graph.node}
     assert "InstanceNormalization" in ops and "GroupNormalization" not in ops
-    r = run_parity("check", m2f["hf"], "--candidate-checkpoint", out)
-    assert r.returncode == 2 and "no norm found" in r.stderr and "Traceback" not in r.stderr
+    layers, info = candidate_layers(out, _reference_layers(m2f["hf"]))
+    assert info["forms"] == {"InstanceNormalization": 5} and "unread" not in info
+    for layer in layers:
+        groups, channels, eps = m2f["modules"][layer.name]
+        assert layer.groups == groups == 32 and layer.dim == channels and layer.eps.value == f32(eps)
+        assert torch.equal(layer.weight, m2f["stored"][f"{layer.name}.weight"])
+        assert torch.equal(layer.bias, m2f["stored"][f"{layer.name}.bias"])
+    report = api.check(m2f["hf"], candidate_checkpoint=str(out), isolation="none", layers=GLOB)
+    assert sorted(l.name for l in report.layers) == sorted(m2f["modules"])
+    assert report.passed, [(l.name, l.status, l.findings) for l in report.layers if not l.passed]
+    assert all(l.strata for l in report.layers)  # probed through the graph's own InstanceNormalization
+
+
+def test_an_epsilon_changed_in_the_decomposition_names_its_layer(m2f):
+    model = onnx.load(str(_decomposed_export(m2f, "torchscript", **DECOMPOSED["torchscript"])))
+    planted = 0
+    for node in model.graph.node:
+        if node.op_type == "InstanceNormalization" and "/input_projections.1/" in node.name + "/":
+            next(a for a in node.attribute if a.name == "epsilon").f = 1e-2
+            planted += 1
+    assert planted == 1
+    bad = m2f["root"] / "ts_eps.onnx"
+    onnx.save(model, str(bad))
+    report = api.check(m2f["hf"], candidate_checkpoint=str(bad), isolation="none", layers=GLOB)
+    assert [l.name for l in report.layers if not l.passed] == [EPS_LAYER]
+    eps = next(f for f in next(l for l in report.layers if l.name == EPS_LAYER).findings
+               if f["code"] == "checkpoint_eps_mismatch")
+    assert eps["candidate"]["value"] == f32(1e-2)
+
+
+def test_a_normalisation_node_that_cannot_be_read_is_not_checked_never_missing(m2f):
+    """An InstanceNormalization whose scale is not ones is no GroupNorm's decomposition the reader
+    knows: its layer is 'not checked' (the verdict says so, --fail-on unchecked fails), not a
+    checkpoint_layer_missing finding that asserts the copy lacks it."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(_decomposed_export(m2f, "torchscript", **DECOMPOSED["torchscript"])))
+    node = next(n for n in model.graph.node if n.op_type == "InstanceNormalization"
+                and "/input_projections.1/" in n.name + "/")
+    for const in model.graph.node:
+        if const.op_type == "Constant" and const.output[0] == node.input[1]:
+            value = next(a for a in const.attribute if a.name == "value")
+            value.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(value.t) * 2, value.t.name))
+    odd = m2f["root"] / "ts_odd.onnx"
+    onnx.save(model, str(odd))
+    report = api.check(m2f["hf"], candidate_checkpoint=str(odd), isolation="none", layers=GLOB)
+    assert EPS_LAYER not in {l.name for l in report.layers}
+    assert not any(f["code"] == "checkpoint_layer_missing" for l in report.layers for f in l.findings)
+    missed = report.header["checkpoint"]["unchecked"]
+    assert [m["name"] for m in missed] == [EPS_LAYER] and "1 InstanceNormalization" in missed[0]["why"]
+    assert report.passed
+    r = run_parity("check", m2f["hf"], "--candidate-checkpoint", odd, "--layers", GLOB, "--fail-on", "unchecked")
+    assert r.returncode == 1 and "not checked" in r.stdout, r.stdout + r.stderr
+
+
+# --- OpenVINO ------------------------------------------------------------------------------------
+
+
+def _ir(m2f, name, change=None):
+    ov = pytest.importorskip("openvino")
+    out = m2f["root"] / f"{name}.xml"
+    norms = m2f["norms"]
+    if change:
+        import copy
+
+        norms = copy.deepcopy(norms)
+        mods = dict(norms.named_modules())
+        for layer, (attr, value) in change.items():
+            setattr(mods[layer], attr, value)
+    ov.save_model(ov.convert_model(norms, example_input=m2f["inputs"]), str(out), compress_to_fp16=False)
+    return out
+
+
+def test_openvino_group_normalization_is_read_and_passes(m2f):
+    """Issue 35: an IR of wav2vec2's GroupNorm (OpenVINO's GroupNormalization op) was reported
+    missing. Read with its groups, epsilon and tensors, and run as the IR's own op on (N, C, S)."""
+    from parity_cli.model.openvino_layers import candidate_layers
+
+    out = _ir(m2f, "gn")
+    layers, info = candidate_layers(out, _reference_layers(m2f["hf"]))
+    assert info["forms"] == {"GroupNormalization": 5}
+    for layer in layers:
+        groups, channels, eps = m2f["modules"][layer.name]
+        assert layer.groups == groups and layer.dim == channels and layer.eps.value == f32(eps)
+        assert torch.equal(layer.weight, m2f["stored"][f"{layer.name}.weight"])
+    report = api.check(m2f["hf"], candidate_checkpoint=str(out), isolation="none", layers=GLOB)
+    assert report.header["candidate"]["impl"] == "openvino"
+    assert report.passed and len(report.layers) == 5 and all(l.strata for l in report.layers), \
+        [(l.name, l.status, l.findings) for l in report.layers if not l.passed]
+
+
+def test_openvino_epsilon_and_group_count_changed_each_name_their_layer(m2f):
+    out = _ir(m2f, "gn_bad", {EPS_LAYER: ("eps", 1e-2), GROUPS_LAYER: ("num_groups", 16)})
+    report = api.check(m2f["hf"], candidate_checkpoint=str(out), isolation="none", layers=GLOB)
+    assert sorted(l.name for l in report.layers if not l.passed) == sorted([EPS_LAYER, GROUPS_LAYER])
+    codes = {l.name: {f["code"] for f in l.findings} for l in report.layers}
+    assert "checkpoint_eps_mismatch" in codes[EPS_LAYER] and "group_count_mismatch" in codes[GROUPS_LAYER]
+
+
+def test_an_ir_whose_batch_norms_were_folded_says_why_in_one_line(tmp_path):
+    """OpenVINO converts an eval-mode BatchNorm after a Conv into constants folded into the
+    Convolution and an Add: nothing of the norm is left, which the one line says."""
+    ov = pytest.importorskip("openvino")
+    from parity_cli.model.openvino_layers import candidate_layers
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8)).eval()
+    ov.save_model(ov.convert_model(net, example_input=torch.randn(1, 3, 16, 16)), str(tmp_path / "r.xml"))
+    with pytest.raises(InputError, match=r"no norm found in the IR \(2 BatchNorm\(s\) decomposed") as info:
+        candidate_layers(tmp_path / "r.xml", [])
+    assert "\n" not in str(info.value)
 
 
 # --- the real export ------------------------------------------------------------------------------

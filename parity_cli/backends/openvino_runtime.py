@@ -246,9 +246,10 @@ def _compile(model, device: str, precision: str | None):
                          f"{' '.join(str(exc).split())[:240]}") from None
 
 
-def _runner(compiled, dtype, kind: str, rank: int | None):
+def _runner(compiled, dtype, kind: str, rank: int | None, maps: tuple | None = None):
     """x -> y through an infer request: probe rows reshaped to the model's rank (leading 1s,
-    or rows folded as ONNX's subgraphs are), y back at x's dtype and device."""
+    or rows folded as ONNX's subgraphs are), y back at x's dtype and device. `maps` (C, S): a
+    GroupNorm's rows (N, C*S), channel-major, as (N, C, S) maps (1s for the model's rank)."""
     import numpy as np
     import openvino as ov
     import torch
@@ -259,7 +260,9 @@ def _runner(compiled, dtype, kind: str, rank: int | None):
 
     def run(x):
         shaped = x
-        if rank is not None:
+        if maps is not None and x.dim() == 2:
+            shaped = x.reshape(x.shape[0], *maps, *([1] * ((rank or 3) - 3)))
+        elif rank is not None:
             if x.dim() <= rank:
                 shaped = x.reshape(*([1] * (rank - x.dim())), *x.shape)
             else:
@@ -308,7 +311,8 @@ def _program(layer, device: str, precision: str | None):
         rank = rank.get_length() if rank.is_static else None
         _MODELS[key] = (_compile(model, device, precision), dtypes[elem], rank)
     compiled, dtype, rank = _MODELS[key]
-    return _runner(compiled, dtype, layer.kind, rank)
+    maps = (layer.dim, layer.spatial) if layer.kind == "group_norm" else None
+    return _runner(compiled, dtype, layer.kind, rank, maps)
 
 
 def prepare(layer, weight, bias, eps: float, precision: str | None = None, form: str = "auto",

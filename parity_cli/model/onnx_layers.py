@@ -30,7 +30,8 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
 
     path = Path(path)
     model = load_model(path)
-    norms = find_norms(model, path)
+    unread: dict = {}
+    norms = find_norms(model, path, unread)
     by_name = {layer.name: layer for layer in reference}
     _match_by_name(norms, reference)
     _match_by_gain(norms, reference)  # only where no name or path says anything
@@ -76,6 +77,8 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             "dtype": dtypes[0][0] if dtypes else None,
             "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
             "producer": f"{model.producer_name} {model.producer_version}".strip()}
+    if unread:
+        info["unread"] = unread
     folded = _folded(model, reference, {layer.name for layer in layers})
     if not norms:  # nothing to pair, and no eps to state: one line, with why where BatchNorms were folded
         raise InputError(f"{path}: no norm found in the graph" + (f": {folded['message']}" if folded else

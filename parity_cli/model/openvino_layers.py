@@ -10,7 +10,7 @@ from parity_cli.errors import InputError
 from parity_cli.model.layers import NormLayer
 from parity_cli.model.pairing import BY_VALUE
 from parity_cli.sources.onnx_graph import _match_by_gain, _match_by_name, distinct_norms, reduced_words
-from parity_cli.sources.openvino_ir import find_norms, read_model
+from parity_cli.sources.openvino_ir import find_norms, folded_batch_norms, read_model
 from parity_cli.sources.tensors import Eps
 
 OUTSIDE_WORDS = ("the IR's {form} has eps_mode=outside_sqrt: it computes (x - mean) / (sqrt(var) + eps), "
@@ -50,10 +50,17 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
 
     path = Path(path)
     model, ops = read_model(path)
-    norms = find_norms(model, ops, path)
+    unread: dict = {}
+    norms = find_norms(model, ops, path, unread)
+    folded = folded_batch_norms(ops)
     if not norms:
-        raise InputError(f"{path}: no norm found in the IR (looked for MVN, the decomposed Power/ReduceMean/Add/"
-                         "Sqrt pattern and a fused RMS op, each followed by a Multiply by the gain)")
+        raise InputError(f"{path}: no norm found in the IR " + (
+            f"({folded} BatchNorm(s) decomposed by OpenVINO's conversion into a Multiply and an Add by constants, "
+            "w / sqrt(var + eps) and b - mean * w / sqrt(var + eps), the Multiply folded into the Convolution before "
+            "it where there is one: no eps, gain or statistics are left to compare; check the ONNX export with "
+            "do_constant_folding=False instead)" if folded else
+            "(looked for MVN, GroupNormalization, the decomposed Power/ReduceMean/Add/Sqrt pattern and a fused RMS "
+            "op, each followed by a Multiply by the gain)"))
     by_name = {layer.name: layer for layer in reference}
     _match_by_name(norms, reference)
     _match_by_gain(norms, reference)  # only where no name says anything
@@ -61,7 +68,7 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
     for norm in distinct_norms(norms):
         ref = by_name.get(norm.name)
         eps = Eps(norm.eps, norm.eps_source)
-        if ref is not None and ref.kind not in ("rms_norm", "layer_norm"):
+        if ref is not None and {"batch_norm", "group_norm"} & {ref.kind, norm.kind} and ref.kind != norm.kind:
             ref = None  # a BatchNorm or GroupNorm is no MVN's: the layer is missing, this norm extra
             norm = dataclasses.replace(norm, name=f"{norm.name} ({norm.kind})")
         if ref is not None:
@@ -69,11 +76,12 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             layer = dataclasses.replace(ref, weight=norm.weight, bias=norm.bias, eps=eps, gain_offset=norm.offset,
                                         semantic_offset=family_offset if family_offset != norm.offset else None,
                                         tensor=norm.name, program=norm.program,
-                                        warnings=[BY_VALUE] if norm.paired_by == "value" else [])
+                                        warnings=[BY_VALUE] if norm.paired_by == "value" else [],
+                                        **({"groups": norm.groups} if norm.groups else {}))
         else:
             layer = NormLayer(name=norm.name, kind=norm.kind, dim=norm.dim, order="native", gain_offset=norm.offset,
                               eps=eps, weight=norm.weight, bias=norm.bias, family="openvino", tensor=norm.name,
-                              program=norm.program)
+                              program=norm.program, **({"groups": norm.groups} if norm.groups else {}))
         found = graph_findings(norm, ref)
         if found:
             layer.graph_findings = found
@@ -87,6 +95,10 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             "dtype": dtypes[0][0] if dtypes else None,
             "weights": Path(path).with_suffix(".bin").name,
             "eps_stored_as": dict(stored) if stored else None}
+    if unread:
+        info["unread"] = unread
+    if folded:
+        info["batch_norm_decomposed"] = folded
     try:
         import openvino as ov
 

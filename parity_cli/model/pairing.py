@@ -193,7 +193,7 @@ def _out_of_role(paired: list, ref_names: set) -> dict[str, dict]:
 
     digits = re.compile(r"(?<![^.])\d+(?![^.])")
     roles: dict[str, list] = {}
-    for k, layer in sorted(paired, key=lambda item: _depth(item[1], item[0])):  # the copy's own order
+    for _k, layer in sorted(paired, key=lambda item: _depth(item[1], item[0])):  # the copy's own order
         if digits.search(layer.name):
             roles.setdefault(digits.sub("*", layer.name), []).append(layer)
     out = {}

@@ -435,7 +435,14 @@ def _scope(node) -> str | None:
     return None
 
 
-def find_norms(model, path: Path) -> list[OnnxNorm]:
+# normalisation ops a graph may hold: one the reader cannot take as a norm makes a checkpoint layer
+# the copy lacks "not checked" (it may be that node), never "missing"
+NORM_OPS = (*FUSED, "InstanceNormalization", "MeanVarianceNormalization", "LpNormalization")
+
+
+def find_norms(model, path: Path, unread: dict | None = None) -> list[OnnxNorm]:
+    """Every norm of the graph, in graph order; `unread` counts, by op, the normalisation nodes
+    that are no norm the reader can take."""
     graph = _Graph(model, path)
     found = []
     for node in model.graph.node:
@@ -443,6 +450,8 @@ def find_norms(model, path: Path) -> list[OnnxNorm]:
             norm = _batch_norm(graph, node)
         elif node.op_type == "GroupNormalization":
             norm = _group_norm(graph, node)
+        elif node.op_type == "InstanceNormalization":
+            norm = _instance_group_norm(graph, node)
         elif node.op_type in FUSED:
             norm = _fused(graph, node)
         elif node.op_type == "ReduceMean":
@@ -453,6 +462,8 @@ def find_norms(model, path: Path) -> list[OnnxNorm]:
             found.append(norm)
             if len(found) > MAX_NORMS:
                 raise InputError(f"{path}: more than {MAX_NORMS} norms in one graph (a 405B model has 253); refused")
+        elif unread is not None and node.op_type in NORM_OPS:
+            unread[node.op_type] = unread.get(node.op_type, 0) + 1
     norm_depths(model.graph.node, found)
     return found
 
@@ -573,6 +584,97 @@ def _group_norm(graph: _Graph, node):
     if norm is not None:
         norm.groups = groups
     return norm
+
+
+def _instance_group_norm(graph: _Graph, node):
+    """nn.GroupNorm as the TorchScript exporter (every opset) and dynamo below opset 21 write it:
+    Reshape(x, [N, G, -1]) -> InstanceNormalization(ones[G], zeros[G], epsilon) -> Reshape(back to
+    x's shape) -> Mul(w[C, 1...]) -> Add(b[C, 1...]). G is the length of the constant scale; an
+    InstanceNormalization with any other scale, or not between two Reshapes, is no GroupNorm's.
+    Its program is that chain rebuilt over (N, C, S) maps (the exporter bakes the traced shape
+    into the Reshapes), with the graph's own epsilon, constants and tensors."""
+    import numpy as np
+
+    if len(node.input) < 3 or not node.input[0]:
+        return None
+    before = graph.producer.get(node.input[0])
+    if before is None or before.op_type != "Reshape":
+        return None
+    scale, zero = _vector(graph, node.input[1]), _vector(graph, node.input[2])
+    if scale is None or zero is None or len(scale.dims) != 1 or list(zero.dims) != list(scale.dims):
+        return None
+    ones, zeros = graph.array(scale, limit=1 << 16), graph.array(zero, limit=1 << 16)
+    if not (np.all(ones == 1) and np.all(zeros == 0)):
+        return None
+    groups = int(scale.dims[0])
+    after = graph.only(node.output[0], "Reshape")
+    mul = graph.only(after.output[0], "Mul") if after is not None else None
+    if mul is None:
+        return None
+    w, offset = graph.gain(mul.input[1] if mul.input[0] == after.output[0] else mul.input[0])
+    if w is None or not w.dims or math.prod(w.dims[1:]) != 1 or w.dims[0] % groups:
+        return None
+    add = graph.only(mul.output[0], "Add")
+    b = None
+    if add is not None:
+        b = _vector(graph, add.input[1] if add.input[0] == mul.output[0] else add.input[0])
+        if b is None or list(b.dims) != list(w.dims):
+            add, b = None, None
+    attr = next((a for a in node.attribute if a.name == "epsilon"), None)
+    if attr is not None and attr.type != 1:
+        where = f"InstanceNormalization node {node.name!r}" if node.name else "an InstanceNormalization node"
+        raise InputError(f"{graph.path}: {where} has an epsilon attribute that is not a float; refused")
+    eps = float(attr.f) if attr is not None else 1e-5
+    source = f"onnx:{node.name or node.op_type}.epsilon" if attr is not None else "onnx:InstanceNormalization default"
+    y = (add or mul).output[0]
+    x, casts = graph.back(before.input[0])
+    nodes = casts[::-1] + [before, node, after, mul] + ([add] if add is not None else [])
+    norm = _norm(graph, "group_norm", w, offset, None if b is None else _tensor(graph, b), eps, source,
+                 "InstanceNormalization", x, y, nodes, channels_first=True)
+    if norm is None:
+        return None
+    norm.weight = norm.weight.reshape(-1)
+    norm.bias = None if norm.bias is None else norm.bias.reshape(-1)
+    norm.dim, norm.groups = int(norm.weight.numel()), groups
+    norm.program = _group_program(graph, x, y, scale, zero, w, offset, b, eps)
+    return norm
+
+
+def _group_program(graph: _Graph, x: str, y: str, scale, zero, w, offset, b, eps) -> bytes:
+    """The decomposed GroupNorm over (N, C, S): Reshape(x, [0, G, -1]), the graph's
+    InstanceNormalization (its epsilon, its ones and zeros), Reshape(Shape(x)), * (w + offset)[C, 1],
+    + b[C, 1]; tensors as stored, in x's element type."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    elem = _elem_type(graph, x, w)
+    np_type = helper.tensor_dtype_to_np_dtype(elem)
+
+    def stored(t, name):
+        return numpy_helper.from_array(graph.array(t).reshape(-1, 1) if name in ("w", "b") else graph.array(t),
+                                       name)
+
+    inits = [helper.make_tensor("group_shape", TensorProto.INT64, [3], [0, int(scale.dims[0]), -1]),
+             numpy_helper.from_array(graph.array(scale).astype(np_type), "ones"),
+             numpy_helper.from_array(graph.array(zero).astype(np_type), "zeros"), stored(w, "w")]
+    nodes = [helper.make_node("Shape", [x], ["x_shape"]),
+             helper.make_node("Reshape", [x, "group_shape"], ["h"]),
+             helper.make_node("InstanceNormalization", ["h", "ones", "zeros"], ["n"], epsilon=float(eps)),
+             helper.make_node("Reshape", ["n", "x_shape"], ["m"])]
+    gain = "w"
+    if offset:
+        inits.append(numpy_helper.from_array(np.asarray(offset, dtype=graph.array(w).dtype), "offset"))
+        nodes.append(helper.make_node("Add", ["w", "offset"], ["w1"]))
+        gain = "w1"
+    nodes.append(helper.make_node("Mul", ["m", gain], ["p" if b is not None else y]))
+    if b is not None:
+        inits.append(stored(b, "b"))
+        nodes.append(helper.make_node("Add", ["p", "b"], [y]))
+    g = helper.make_graph(nodes, "group_norm", [helper.make_tensor_value_info(x, elem, ["n", "channels", "s"])],
+                          [helper.make_tensor_value_info(y, elem, None)], initializer=inits)
+    model = helper.make_model(g, opset_imports=list(graph.model.opset_import), producer_name="parity-cli")
+    model.ir_version = min(graph.model.ir_version or 10, 10)
+    return model.SerializeToString()
 
 
 def _vector(graph: _Graph, name: str):

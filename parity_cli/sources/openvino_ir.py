@@ -313,8 +313,14 @@ def _last_axis(axes, rank) -> bool:
     return rank is not None and axes[0] == rank - 1
 
 
-def find_norms(model, ops, path) -> list:
-    """Every norm of the IR (IrNorm), in graph order, each with its serialised subgraph."""
+# normalisation ops an IR may hold: one the reader cannot take as a norm makes a checkpoint layer the
+# copy lacks "not checked" (it may be that op), never "missing"
+NORM_OPS = ("MVN", "GroupNormalization", "BatchNormInference", "NormalizeL2", *FUSED)
+
+
+def find_norms(model, ops, path, unread: dict | None = None) -> list:
+    """Every norm of the IR (IrNorm), in graph order, each with its serialised subgraph; `unread`
+    counts, by op, the normalisation ops that are no norm the reader can take."""
     path = Path(path)
     reader = _Reader(path)
     found = []
@@ -325,6 +331,8 @@ def find_norms(model, ops, path) -> list:
                 norm = _mvn(reader, node)
             elif kind == "ReduceMean":
                 norm = _decomposed(reader, node)
+            elif kind == "GroupNormalization":
+                norm = _group(reader, node)
             elif kind in FUSED:
                 norm = _fused(reader, node)
             else:
@@ -339,9 +347,44 @@ def find_norms(model, ops, path) -> list:
             found.append(norm)
             if len(found) > MAX_NORMS:
                 raise InputError(f"{path}: more than {MAX_NORMS} norms in one IR (a 405B model has 253); refused")
+        elif unread is not None and kind in NORM_OPS:
+            unread[kind] = unread.get(kind, 0) + 1
     _depths(ops, found)
     _programs(found, path)
     return found
+
+
+def folded_batch_norms(ops) -> int:
+    """Ops the PyTorch frontend named after a BatchNorm it decomposed (`.../aten::batch_norm/
+    BatchNormInference` on an Add or Multiply): OpenVINO converts an eval-mode BatchNorm into a
+    Multiply and an Add by constants, (w / sqrt(var + eps)) and (b - mean * that), and folds the
+    Multiply into a Convolution before it. Counted by their names, one per BatchNorm."""
+    names = {node.get_friendly_name().rsplit("/", 1)[0] for node in ops
+             if _type(node) in ("Add", "Multiply") and "batch_norm" in node.get_friendly_name().lower()}
+    return len(names)
+
+
+def _group(reader, node):
+    """GroupNormalization-12 (data, scale[C], bias[C]; num_groups, epsilon) over (N, C, ...): the
+    op the PyTorch frontend writes for nn.GroupNorm."""
+    attrs = node.get_attributes()
+    groups = int(attrs.get("num_groups", 0))
+    if groups < 1 or node.get_input_size() < 3:
+        return None
+    gain, offset = reader.gain(node.input_value(1))
+    bias, bias_offset = reader.gain(node.input_value(2))
+    if gain is None or bias is None or bias_offset:
+        return None
+    x, _ = _back(node.input_value(0))
+    y, casts = _forward(node.output(0))
+    where = node.get_friendly_name() or "GroupNormalization"
+    norm = _norm(reader, "group_norm", "GroupNormalization", gain, offset, bias, float(attrs.get("epsilon", 1e-5)),
+                 f"openvino:{where}.epsilon", x, y, [node, *casts])
+    if norm is not None:
+        if norm.dim % groups:
+            return None
+        norm.groups = groups
+    return norm
 
 
 def _depths(ops, norms) -> None:
@@ -615,7 +658,8 @@ def _cut(x, y, norm, path: Path, target: Path) -> bytes:
     import openvino.opset13 as op
 
     rank = _rank(x) or 2
-    param = op.parameter(ov.PartialShape([-1] * (rank - 1) + [norm.dim]), x.get_element_type(), name="x")
+    shape = [-1, norm.dim] + [-1] * (rank - 2) if norm.kind == "group_norm" else [-1] * (rank - 1) + [norm.dim]
+    param = op.parameter(ov.PartialShape(shape), x.get_element_type(), name="x")
     rewired, seen, stack = [], set(), [y.get_node()]
     while stack:
         node = stack.pop()
