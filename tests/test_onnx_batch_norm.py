@@ -335,3 +335,26 @@ def test_a_norm_of_another_kind_under_a_batch_norms_name_is_not_its_copy(resnet,
     onnx.save(model, str(tmp_path / "ln.onnx"))
     (layer,), _ = candidate_layers(tmp_path / "ln.onnx", _reference_layers(resnet["hf"]))
     assert layer.name == f"{STEM} (layer_norm)" and layer.kind == "layer_norm" and layer.running_var is None
+
+
+def test_gains_swapped_between_two_batch_norms_name_the_other_layers_gain(resnet):
+    """Issue 35: two BatchNormalization nodes reading each other's scale were blamed on their bias
+    and statistics (each norm took the name of the gain it reads). Three of its four operands say
+    which layer a node is; the gain it holds is then the other layer's."""
+    stored = resnet["stored"]
+    sizes = {}
+    for name in resnet["modules"]:
+        sizes.setdefault(stored[f"{name}.weight"].numel(), []).append(name)
+    a, b = next(names for names in sizes.values()
+                if len(names) >= 2 and not torch.equal(stored[f"{names[0]}.weight"], stored[f"{names[1]}.weight"]))[:2]
+    model = onnx.load(str(resnet["onnx"]))
+    nodes = {n.input[1].removesuffix(".weight"): n for n in model.graph.node if n.op_type == "BatchNormalization"}
+    nodes[a].input[1], nodes[b].input[1] = f"{b}.weight", f"{a}.weight"
+    path = resnet["root"] / "gains_swapped.onnx"
+    onnx.save(model, str(path))
+    report = api.check(resnet["hf"], candidate_checkpoint=str(path), isolation="none")
+    codes = {l.name: [f["code"] for f in l.findings] for l in report.layers}
+    assert codes.pop(a) == codes.pop(b) == ["checkpoint_weight_mismatch", "checkpoint_gain_of_other_layer"]
+    assert all(c == [] for c in codes.values()), {k: v for k, v in codes.items() if v}
+    moved = {l.name: f["layers"] for l in report.layers for f in l.findings if f["code"] == "checkpoint_gain_of_other_layer"}
+    assert moved == {a: [b], b: [a]}

@@ -543,7 +543,27 @@ def _batch_norm(graph: _Graph, node):
                  casts[::-1] + [node], channels_first=True)
     if norm is not None:
         norm.running_mean, norm.running_var, norm.training = mean, var, training
+        _named_by_operands(norm, [graph.through(name) for name in node.input[1:5]])
     return norm
+
+
+_OPERAND_SUFFIXES = (".weight", ".bias", ".running_mean", ".running_var", ".scale", ".gamma", ".beta")
+
+
+def _named_by_operands(norm, operands: list[str]) -> None:
+    """A BatchNorm's layer as most of its four stored operands name it: a node reading another
+    layer's scale beside its own bias and statistics is its own layer holding a moved gain (which
+    pairing names), not the other layer with a wrong bias and statistics."""
+    from collections import Counter
+
+    stems = [name[: -len(suffix)] for name in operands if not name.startswith("onnx::")
+             for suffix in _OPERAND_SUFFIXES if name.endswith(suffix)]
+    if not stems:
+        return
+    stem, votes = Counter(stems).most_common(1)[0]
+    if votes > len(operands) // 2 and stem != norm.name:
+        norm.name = stem
+        norm.names = (stem, *[n for n in norm.names if n != stem])
 
 
 def _opset(graph: _Graph, domain: str = "") -> int:
