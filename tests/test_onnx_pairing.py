@@ -293,13 +293,20 @@ def _gemma3_export(tmp_path, swap=None):
     return hf, out
 
 
-def test_an_optimised_gemma3_export_with_gains_swapped_inside_a_block_fails(tmp_path):
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma3")
+    hf, faithful = _gemma3_export(root)
+    return {"root": root, "hf": hf, "onnx": faithful}
+
+
+def test_an_optimised_gemma3_export_with_gains_swapped_inside_a_block_fails(gemma3):
     """Issue 35's false pass: ORT's optimised Gemma 3 pairs by value, and two gains of one block
     exchanged (input_layernorm and post_attention_layernorm, same width) passed, since each is
     some layer's gain. The graph runs them out of the model's forward order."""
     from parity_cli.model.pairing import BY_VALUE
 
-    hf, faithful = _gemma3_export(tmp_path)
+    hf, faithful = gemma3["hf"], gemma3["onnx"]
     graph = onnx.load(str(faithful)).graph
     assert not any("norm" in i.name for i in graph.initializer)  # 1 + w folded into `add_6`, `add_8`, ...
     assert not any("norm" in n.name for n in graph.node if n.op_type == "SimplifiedLayerNormalization")
@@ -307,7 +314,7 @@ def test_an_optimised_gemma3_export_with_gains_swapped_inside_a_block_fails(tmp_
     assert report.passed and len(report.layers) == 13, _codes(report)
     assert all(BY_VALUE in l.warnings for l in report.layers)  # the premise: no name said which layer
     a, b = "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"
-    _, swapped = _gemma3_export(tmp_path, (a, b))
+    _, swapped = _gemma3_export(gemma3["root"], (a, b))
     report = api.check(str(hf), candidate_checkpoint=str(swapped))
     assert not report.passed
     codes = _codes(report)
@@ -315,6 +322,33 @@ def test_an_optimised_gemma3_export_with_gains_swapped_inside_a_block_fails(tmp_
     assert all(c == [] for c in codes.values()), codes
     order = {l.name: next(f for f in l.findings) for l in report.layers if l.name in (a, b)}
     assert order[a]["graph_position"] == b and order[b]["graph_position"] == a
+
+
+def test_a_float16_conversion_of_gemma3_names_every_rounded_gain(gemma3):
+    """Issue 35's regression: ORT's float16 conversion of the optimised Gemma 3 rounds each folded
+    gain 1 + w to float16, and no layer said so (an allowance for llama.cpp's converter, which adds
+    1 at float16 only in a float16 checkpoint, covered it). Each gain float16 cannot hold exactly,
+    found from the stored tensors here, is a checkpoint_weight_mismatch lost to float16."""
+    import torch
+    from onnxruntime.transformers import optimizer
+    from safetensors.torch import load_file
+
+    out = gemma3["root"] / "fp16.onnx"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        opt = optimizer.optimize_model(str(gemma3["onnx"]), model_type="gpt2", num_heads=4, hidden_size=64)
+        opt.convert_float_to_float16(keep_io_types=True)
+        opt.save_model_to_file(str(out))
+    report = api.check(str(gemma3["hf"]), candidate_checkpoint=str(out))
+    assert report.header["candidate"]["dtype"] == "float16" and len(report.layers) == 13
+    stored = load_file(str(gemma3["hf"] / "model.safetensors"))
+    for layer in report.layers:
+        gain = stored[f"{layer.name}.weight"].double() + 1.0
+        lossy = not torch.equal(gain.half().double(), gain)
+        found = [f for f in layer.findings if f["code"] == "checkpoint_weight_mismatch"]
+        assert bool(found) == lossy, layer.name
+        assert not found or (found[0]["precision_loss"] and found[0]["lost_to"] == "float16")
+        assert not any(f["code"] == "checkpoint_layer_order" for f in layer.findings)
+    assert sum(1 for l in report.layers if l.findings) == 13
 
 
 def _value_paired(name, depth, dim=4, value=None):

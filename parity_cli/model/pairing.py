@@ -57,10 +57,33 @@ def eps_equal(a: float, b: float) -> bool:
         return a == b
 
 
+def _lost_to(ref64, cand64, bad, cand_dtype, stored) -> str | None:
+    """The dtype the copy's differing channels are the reference rounded to: the sum (offset + w,
+    an ONNX float16 conversion of Gemma's folded gain), w before a float32 offset was added (a
+    graph that upcasts w, then folds 1 + w), or the stored w where the copy keeps the offset apart.
+    `stored`: (reference w, copy w, reference offset)."""
+    import torch
+
+    for dtype in dict.fromkeys((cand_dtype, torch.float16, torch.bfloat16)):
+        if not dtype.is_floating_point or torch.finfo(dtype).bits >= 32 and dtype != cand_dtype:
+            continue
+        forms = [_rounded(ref64, dtype)]
+        if stored is not None and tuple(stored[0].shape) == tuple(stored[1].shape):
+            ref_w, cand_w, offset = (stored[0].double().flatten(), stored[1].double().flatten(), stored[2])
+            forms.append(_rounded(offset + _rounded(ref_w, dtype), torch.float32))
+            if bool(((cand64 - ref64) == (cand_w - ref_w)).all()):  # the same offset on both sides
+                forms.append(offset + _rounded(ref_w, dtype))
+        if any(bool((cand64[bad] == form[bad]).all()) for form in forms):
+            return str(dtype).removeprefix("torch.")
+    return None
+
+
 def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked: bool,
-                  family_offset: float = 1.0) -> dict | None:
+                  family_offset: float = 1.0, stored: tuple | None = None) -> dict | None:
     """Per channel |cand - ref|: exact agreement is expected, except the float32 rounding of
-    offset + w when the copy stores the gain with the offset baked in (llama.cpp's Gemma)."""
+    offset + w when the copy stores the gain with the offset baked in (llama.cpp's Gemma).
+    `stored` (the reference's w, the copy's w, the reference's offset): a copy's precision loss
+    may be in w rather than in the sum (_lost_to)."""
     import torch
 
     if tuple(ref.shape) != tuple(cand.shape):
@@ -72,9 +95,10 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked:
     if baked:
         mag = torch.maximum(ref64.abs(), cand64.abs())
         allowed = half_step(mag, "float32") * 1.001  # the converter's float32 rounding of offset + w
-        if torch.float16 in (ref_dtype, cand_dtype):
+        if ref_dtype == torch.float16:
             # llama.cpp's converter adds the offset in a float16 checkpoint's own dtype (it upcasts
-            # only other dtypes first): one more float16 rounding of the gain
+            # only other dtypes first): one more float16 rounding of the gain. A copy that stores
+            # float16 gains from a wider checkpoint has lost precision, which is a finding
             allowed = allowed + half_step(mag, "float16") * 1.001
     diff = (cand64 - ref64).abs()
     bad = ~(diff <= allowed) | (torch.isnan(cand64) != torch.isnan(ref64))
@@ -101,11 +125,13 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked:
         else:
             finding["message"] += (f"; every channel is shifted by {shift:+g}: a gain offset (1 + w) "
                                    + ("applied twice" if shift > 0 else "missing") + " in the conversion")
-    elif bool((cand64[bad] == _rounded(ref64, cand_dtype)[bad]).all()):
-        # every differing channel is the reference rounded to the copy's dtype, and nothing else
-        finding["precision_loss"] = True
-        finding["message"] += (f"; the candidate stores {str(cand_dtype).removeprefix('torch.')}, which does not hold "
-                               f"the reference's {str(ref_dtype).removeprefix('torch.')} values exactly")
+    else:
+        lost = _lost_to(ref64, cand64, bad, cand_dtype, stored)
+        if lost:  # every differing channel is the reference rounded to a narrower dtype, and nothing else
+            finding["precision_loss"] = True
+            finding["lost_to"] = lost
+            finding["message"] += (f"; the candidate's gains passed through {lost}, which does not hold the "
+                                   f"reference's {str(ref_dtype).removeprefix('torch.')} values exactly")
     return finding
 
 
@@ -298,7 +324,8 @@ def pair(reference: list[NormLayer], candidate: list[NormLayer], cand_path: str,
         cand_gain = other.gain_offset + other.weight.double()
         gain = _gain_finding("checkpoint_weight_mismatch", "effective gain", ref_gain, cand_gain,
                              layer.weight.dtype, other.weight.dtype, baked=layer.gain_offset != other.gain_offset,
-                             family_offset=layer.gain_offset if layer.semantic_offset is None else layer.semantic_offset)
+                             family_offset=layer.gain_offset if layer.semantic_offset is None else layer.semantic_offset,
+                             stored=(layer.weight, other.weight, layer.gain_offset))
         if gain and gain["code"] == "checkpoint_shape_mismatch":  # nothing to probe: it would only raise
             del out.candidate_layers[layer.name]
         if gain:
