@@ -317,6 +317,19 @@ def test_keras_with_the_checkpoint_eps_passes(resnet):
     assert _codes(report) == [set()] * 4
 
 
+@needs_keras
+@quiet_keras
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_keras_called_with_training_true_is_batch_statistics(resnet, dtype):
+    """Issue 35: keras' BatchNormalization called with training=True was batch_statistics on 2 of 6
+    layers and unexplained on 4. keras 3 forms the batch variance as E[x^2] - E[x]^2 in float32
+    (keras/src/backend/torch/nn.py moments), which cancels where a channel's mean is large against
+    its spread; the hypothesis now includes that form, so every layer is named."""
+    report = api.check(resnet, candidate=f"{KERAS}:batch_norm_training", dtype=dtype, isolation="none", layers=FEW)
+    assert not report.passed
+    assert _codes(report) == [{"batch_statistics"}] * 4, _codes(report)
+
+
 # --- 4. planted faults with torch's own module --------------------------------------------------------
 
 

@@ -89,6 +89,14 @@ def diagnose_batch_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
         y = F.batch_norm(x.to(dtype), None, None, w, b, training=True, eps=eps).to(torch.float64)
         return (y - (0.0 if bias is None else bias)) / gain
 
+    def batch_statistics_mean_of_squares(x, s):
+        """keras 3's moments at the candidate's dtype (float32 for a half input): the variance as
+        E[x^2] - E[x]^2, which cancels where a channel's mean is large against its spread."""
+        h = x.to(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
+        m = h.mean(0)
+        v = (h * h).mean(0) - m * m
+        return batch_normalize(x, m.to(torch.float64), v.to(torch.float64), eps)
+
     hypotheses = [
         ("batch_statistics", batch_statistics,
          "the candidate normalises with the batch's mean and variance, not the running statistics (a module in "
@@ -105,7 +113,8 @@ def diagnose_batch_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
          {"form": "(x - running_mean) / (sqrt(running_var) + eps)"}),
     ]
     found = []
-    alternatives = {"batch_statistics": (batch_statistics, batch_statistics_at_dtype)}
+    alternatives = {"batch_statistics": (batch_statistics, batch_statistics_at_dtype,
+                                         batch_statistics_mean_of_squares)}
     for code, variant, message, evidence in hypotheses:
         forms = alternatives.get(code, (variant,))
         if all(any(_reproduces([s], form, tol, gain, bias, slack) for form in forms) for s in compared):

@@ -12,12 +12,12 @@ if keras.backend.backend() != "torch":  # keras was imported earlier with anothe
     raise ImportError(f"keras runs on the {keras.backend.backend()} backend here, not torch")
 
 
-def _run(layer, x, weight, bias, running_mean, running_var):
+def _run(layer, x, weight, bias, running_mean, running_var, training=False):
     layer.build((None, x.shape[-1]))
     bias = torch.zeros_like(weight) if bias is None else bias
     # keras' order: gamma, beta, moving_mean, moving_variance
     layer.set_weights([t.float().numpy() for t in (weight, bias, running_mean, running_var)])
-    y = layer(x.float(), training=False)
+    y = layer(x.float(), training=training)
     return torch.as_tensor(keras.ops.convert_to_numpy(y)).to(x.dtype)
 
 
@@ -29,3 +29,10 @@ def batch_norm_default(x, weight, eps, bias=None, running_mean=None, running_var
 def batch_norm(x, weight, eps, bias=None, running_mean=None, running_var=None):
     """Used right: the checkpoint's eps."""
     return _run(keras.layers.BatchNormalization(axis=-1, epsilon=eps), x, weight, bias, running_mean, running_var)
+
+
+def batch_norm_training(x, weight, eps, bias=None, running_mean=None, running_var=None):
+    """Called with training=True at inference: the batch's moments (keras computes the variance as
+    E[x^2] - E[x]^2 in float32), not the moving statistics."""
+    return _run(keras.layers.BatchNormalization(axis=-1, epsilon=eps), x, weight, bias, running_mean, running_var,
+                training=True)
