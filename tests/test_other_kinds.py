@@ -40,7 +40,7 @@ PLUGINS = Path(__file__).resolve().parent / "plugins" / "other_kinds.py"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the norms of each tiny checkpoint that the end-to-end runs check (the gated norm alone in Qwen3-Next)
 LAYERS = {"mamba2": None, "qwen3_next": "*.linear_attn.norm", "olmo": None, "wav2vec2": "*conv_layers.*",
-          "sam3": "mask_decoder.pixel_decoder.norms.*"}
+          "sam3": "mask_decoder.pixel_decoder.norms.*", "poolformer": "encoder.block.0.0.*"}
 # the kind each class computes, read off transformers' and torch's source
 # (Mamba2's gated norm by the module it is, since transformers renames its class: see _mamba_gated)
 KIND_OF_CLASS = {"Mamba2RMSNorm": "rms_norm", "Qwen3NextRMSNormGated": "gated_rms_norm", "OlmoLayerNorm": "layer_norm",
@@ -591,6 +591,7 @@ def test_candidate_eps_is_refused_for_a_weightless_class_that_fixes_its_eps(tiny
     ("sam3", "group_norm_32", "bfloat16"),
     ("wav2vec2", "group_norm_32", "float32"),
     ("sam3", "instance_norm", "float32"),
+    ("poolformer", "group_norm_4", "float32"),  # PoolFormerGroupNorm is GroupNorm(1, C): 4 is no common count
 ])
 def test_group_norm_faults_are_named(tiny, real, model_type, plugin, dtype):
     report = api.check(tiny(model_type), candidate=_plugin(plugin), dtype=dtype, isolation="none",
@@ -605,7 +606,8 @@ def test_group_norm_faults_are_named(tiny, real, model_type, plugin, dtype):
         ev, module = layer.diagnoses[0].evidence, modules[layer.name]
         # the model's group count (SAM 3's GroupNorm(8, C), wav2vec2's one a channel), and the candidate's
         assert ev["groups"] == module.num_groups
-        assert ev["candidate_groups"] == (32 if plugin == "group_norm_32" else module.num_channels) != module.num_groups
+        want = {"group_norm_32": 32, "group_norm_4": 4}.get(plugin, module.num_channels)
+        assert ev["candidate_groups"] == want != module.num_groups
 
 
 def test_candidate_eps_on_a_group_norm_is_eps_mismatch(tiny):

@@ -80,8 +80,12 @@ def diagnose_group_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
                                        tol).reshape(n, -1)
 
     channels = layer.dim
-    counts = [g for g in sorted({1, channels, layer.groups // 2, layer.groups * 2, 32, 16, 8})
+    # the counts conversions carry first, then every other divisor of C (4 groups where the layer has 1),
+    # at most 64 in all: a count reproduces every element or is not said
+    common = [g for g in dict.fromkeys([1, channels, layer.groups // 2, layer.groups * 2, 32, 16, 8])
               if g >= 1 and channels % g == 0 and g != layer.groups]
+    rest = [g for g in range(2, min(channels, 1 << 16)) if channels % g == 0 and g not in common and g != layer.groups]
+    counts = (common + rest)[:64]
     for g in counts:
         if _reproduces(compared, grouped(g), tol, slack):
             what = ("one group over every channel (a LayerNorm)" if g == 1 else

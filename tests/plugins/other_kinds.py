@@ -104,6 +104,13 @@ def group_norm_32(x, weight, eps, bias=None, groups=1):
         return module(x)
 
 
+def group_norm_4(x, weight, eps, bias=None, groups=1):
+    """torch.nn.GroupNorm(4, C): a count no list of common ones holds where the model has 1."""
+    module = _filled(torch.nn.GroupNorm(4, x.shape[1], eps=eps), weight, bias)
+    with torch.no_grad():
+        return module(x)
+
+
 def instance_norm(x, weight, eps, bias=None, groups=1):
     """torch.nn.InstanceNorm1d(C, affine=True): every channel normalised on its own (groups = C)."""
     module = _filled(torch.nn.InstanceNorm1d(x.shape[1], eps=eps, affine=True), weight, bias)
