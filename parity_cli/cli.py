@@ -648,9 +648,12 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
                                     seed=seed, stage=stage)
         stage(f"writing {outputs['-o']}")
         write(tensors, meta, outputs["-o"])
-    console = _console()
-    for line in summary(out_path, tensors, meta):  # wrapped to the width (COLUMNS where not a terminal)
-        console.print(escape(line), soft_wrap=False, overflow="fold", highlight=False)
+    from parity_cli.report.layout import terminal_width, wrap
+
+    console, width = _console(), terminal_width()
+    for line in summary(out_path, tensors, meta):  # wrapped at spaces to the width (COLUMNS where not a terminal)
+        for piece in wrap(escape(line), width, hanging=0):
+            console.print(piece, soft_wrap=True, highlight=False)
     return EXIT_PASS
 
 

@@ -364,6 +364,10 @@ def test_a_half_model_stores_eps_as_float16(irs, tmp_path):
         named = codes["eps_mismatch"]
         assert named["value"] == half_eps and named["stored_as"] == "f16" and "1.00136e-05" in named["message"]
         assert not layer.passed
+        # the cause is that eps, read where the IR holds it (issue 35: the probes alone said 'marginal')
+        (cause,) = layer.diagnoses
+        assert cause.code == "eps_mismatch" and cause.evidence["estimated_eps"] == half_eps
+        assert cause.evidence["read_from_copy"] is True and "stored as f16" in cause.message
 
 
 def test_torch_rmsnorm_without_eps_is_float32_epsilon(irs, tmp_path):

@@ -566,6 +566,10 @@ def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata,
         result = missing_layer(layer) if other is None else check_layer(
             layer, reference, candidate, strata, tol, opts, cand_layer=other, grad_tol=grad_tol)
         result.findings = result.findings + pairing.layer_findings.get(layer.name, [])
+        if not result.passed or result.findings:
+            from parity_cli.diagnose.causes import with_copy_eps
+
+            result.diagnoses = with_copy_eps(result.diagnoses, result.findings, layer)
         return result
 
     if len(candidates) == 1 or len(layers) == 1:

@@ -405,3 +405,27 @@ def bitwise_diagnosis(strata: list[StratumResult], dtype, layer: NormLayer | Non
                       "(a different rounding order, not different math, when this is a few ulp)",
                       {"max_ulp": worst, "differing_elements": differing, "elements": total,
                        "strata": sorted(s.name for s in bad)})]
+
+
+VAGUE = {"marginal", "unexplained"}
+
+
+def with_copy_eps(diagnoses: list, findings: list, layer) -> list:
+    """A copy whose graph or file holds another eps (read there, not estimated): where the probes
+    gave no cause or a vague one (a float16 IR whose eps 1e-5 is stored as 1.00136e-5 misses by a
+    hair), that eps is the cause, stated with the value the copy holds and where it was read."""
+    if diagnoses and not {d.code for d in diagnoses} <= VAGUE:
+        return diagnoses
+    held = next((f for f in findings if f.get("code") == "eps_mismatch" and "value" in f), None)
+    copy = next((f for f in findings if f.get("code") == "checkpoint_eps_mismatch"), None)
+    if held is None and copy is None:
+        return diagnoses
+    value = held["value"] if held is not None else copy["candidate"]["value"]
+    where = (f"stored as {held['stored_as']} in the copy" if held is not None and held.get("stored_as")
+             else f"read from the copy ({copy['candidate']['source']})" if copy is not None else "read from the copy")
+    configured = layer.eps.value
+    return [Diagnosis("eps_mismatch",
+                      f"the copy computes with eps = {value:.6g} ({where}) where the layer's eps is {configured:.6g} "
+                      f"({layer.eps.source})",
+                      {"estimated_eps": value, "configured_eps": configured, "eps_source": layer.eps.source,
+                       "read_from_copy": True})] + [d for d in diagnoses if d.code not in VAGUE]
