@@ -330,6 +330,18 @@ def test_keras_called_with_training_true_is_batch_statistics(resnet, dtype):
     assert _codes(report) == [{"batch_statistics"}] * 4, _codes(report)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax (and jax); not in the test lock")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flax_with_batch_statistics_is_batch_statistics(resnet, dtype):
+    """Issue 35: flax's BatchNorm with use_running_average=False was unexplained. Its float32 fast
+    variance, in XLA's summation order, is within the bound any float32 order keeps (run here with
+    flax 0.12.8 and jax 0.10.2 from the package index)."""
+    report = api.check(resnet, candidate=f"{PLUGINS / 'flax_batch_norm.py'}:batch_statistics", dtype=dtype,
+                       isolation="none", layers=FEW)
+    assert not report.passed
+    assert _codes(report) == [{"batch_statistics"}] * 4, _codes(report)
+
+
 # --- 4. planted faults with torch's own module --------------------------------------------------------
 
 

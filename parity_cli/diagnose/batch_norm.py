@@ -112,12 +112,24 @@ def diagnose_batch_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
          "the candidate computes (x - running_mean) / (sqrt(running_var) + eps): eps is outside the root",
          {"form": "(x - running_mean) / (sqrt(running_var) + eps)"}),
     ]
+    def moments_slack(x):
+        """What float32 batch moments may carry in any summation order (XLA's, flax's fast variance
+        E[x^2] - E[x]^2 clipped at 0): mean within (n + 1) u mean|x|, the variance within
+        (n + 2) u (E[x^2] + m^2) + 2 |m| of that, each moving w h by its derivative."""
+        u, n = 2.0 ** -24, x.shape[0]
+        h = x.to(torch.float64)
+        m, v = h.mean(0), h.var(0, unbiased=False)
+        dm = (n + 1) * u * h.abs().mean(0)
+        dv = (n + 2) * u * ((h * h).mean(0) + m * m) + 2 * m.abs() * dm
+        root = torch.sqrt(v + eps)
+        return slack(x) + gain.abs() * (dm / root + 0.5 * (h - m).abs() * dv / root ** 3)
+
     found = []
-    alternatives = {"batch_statistics": (batch_statistics, batch_statistics_at_dtype,
-                                         batch_statistics_mean_of_squares)}
+    alternatives = {"batch_statistics": ((batch_statistics, slack), (batch_statistics_at_dtype, slack),
+                                         (batch_statistics_mean_of_squares, slack), (batch_statistics, moments_slack))}
     for code, variant, message, evidence in hypotheses:
-        forms = alternatives.get(code, (variant,))
-        if all(any(_reproduces([s], form, tol, gain, bias, slack) for form in forms) for s in compared):
+        forms = alternatives.get(code, ((variant, slack),))
+        if all(any(_reproduces([s], form, tol, gain, bias, room) for form, room in forms) for s in compared):
             found.append(Diagnosis(code, message, dict(evidence)))
             break
     if not found:
