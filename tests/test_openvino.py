@@ -569,3 +569,62 @@ def test_a_correct_float32_layer_norm_runtime_passes_where_eps_is_1e_12(minilm, 
     said = [w for layer in report.layers for w in layer.warnings if "summation order" in w]
     if candidate == "openvino":
         assert said and all(w.startswith("constant: ") and "385 u a sum of 384 terms" in w for w in said), said
+
+
+def _one_input(src, out, eps=None):
+    """Every norm of the checkpoint at its real module path, all fed the same x (as five norms of one
+    residual stream are after a fusion): OpenVINO's conversion merges their identical statistics."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from parity_cli.model.layers import discover_layers
+
+    ov = pytest.importorskip("openvino")
+    ckpt, fam, resolved = api.load(src)
+    layers = discover_layers(ckpt, fam, resolved).layers
+
+    class Tree(torch.nn.Module):
+        pass
+
+    class SameInput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.paths = []
+            for layer in layers:
+                parent = self
+                for part in layer.name.split(".")[:-1]:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, Tree())
+                    parent = getattr(parent, part)
+                norm = LlamaRMSNorm(layer.dim, eps=(eps or {}).get(layer.name, layer.eps.value))
+                with torch.no_grad():
+                    norm.weight.copy_(layer.weight.float())
+                parent.add_module(layer.name.split(".")[-1], norm)
+                self.paths.append(layer.name)
+
+        def forward(self, x):
+            return tuple(self.get_submodule(p)(x) for p in self.paths)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ov.convert_model(SameInput().eval(), example_input=torch.randn(1, 4, layers[0].dim))
+    ov.save_model(model, str(out), compress_to_fp16=False)
+    return out, model
+
+
+def test_norms_sharing_one_statistic_are_each_a_norm(irs, tmp_path):
+    """Issue 35: OpenVINO merged the Power/ReduceMean/Add/Sqrt/Divide of five norms fed one input,
+    then five gain Multiplies, and the IR was 'no norm found'. Each gain Multiply after the shared
+    normalisation is its layer's norm; a layer whose eps differs shares only the mean square."""
+    path, model = _one_input(irs["llama"], tmp_path / "shared.xml")
+    ops = [op.get_type_name() for op in model.get_ordered_ops()]
+    assert ops.count("ReduceMean") == 1 and ops.count("Multiply") == 6  # the premise: one statistic, 5 gains
+    report = api.check(irs["llama"], candidate_checkpoint=str(path), isolation="none")
+    assert len(report.layers) == 5 and report.header["candidate"]["checkpoint"]["findings"] == 0
+    assert report.passed, [(l.name, l.findings) for l in report.layers if not l.passed]
+    odd = "model.layers.1.input_layernorm"
+    path, model = _one_input(irs["llama"], tmp_path / "shared_eps.xml", eps={odd: 1e-3})
+    ops = [op.get_type_name() for op in model.get_ordered_ops()]
+    assert ops.count("ReduceMean") == 1 and ops.count("Add") == 2  # the mean square still shared, two eps
+    report = api.check(irs["llama"], candidate_checkpoint=str(path), isolation="none")
+    assert [l.name for l in report.layers if not l.passed] == [odd]

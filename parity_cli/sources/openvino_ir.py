@@ -343,11 +343,13 @@ def find_norms(model, ops, path, unread: dict | None = None) -> list:
             if isinstance(exc, (KeyboardInterrupt, MemoryError)):
                 raise
             norm = None
-        if norm is not None:
+        if isinstance(norm, list):  # a statistic several norms share: one norm per gain
+            found.extend(norm)
+        elif norm is not None:
             found.append(norm)
-            if len(found) > MAX_NORMS:
-                raise InputError(f"{path}: more than {MAX_NORMS} norms in one IR (a 405B model has 253); refused")
-        elif unread is not None and kind in NORM_OPS:
+        if len(found) > MAX_NORMS:
+            raise InputError(f"{path}: more than {MAX_NORMS} norms in one IR (a 405B model has 253); refused")
+        if not norm and unread is not None and kind in NORM_OPS:
             unread[kind] = unread.get(kind, 0) + 1
     _depths(ops, found)
     _programs(found, path)
@@ -402,24 +404,34 @@ def _depths(ops, norms) -> None:
 
 def _gain_after(reader, output) -> tuple:
     """From a normalised value: on through Converts to the Multiply by the gain. (gain node, offset,
-    multiply node, the Converts passed) or Nones."""
+    multiply node, the Converts passed) or None."""
+    found = _gains_after(reader, output)
+    return found[0] if len(found) == 1 else None
+
+
+def _gains_after(reader, output) -> list:
+    """Every Multiply by a gain that reads a normalised value, each as _gain_after gives it: one,
+    or several where the conversion merged the statistic of norms fed the same input (OpenVINO's
+    common subexpressions: five RMSNorms of one x share Power/ReduceMean/Add/Sqrt/Divide, then five
+    gain Multiplies). Each is a norm; [] where any reader is something else."""
     passed = []
     for _ in range(4):
         users = _users(output)
-        if len(users) != 1:
-            return None
-        nxt = users[0]
-        if _type(nxt) in _PASS:
-            passed.append(nxt)
-            output = nxt.output(0)
+        if len(users) == 1 and _type(users[0]) in _PASS:
+            passed.append(users[0])
+            output = users[0].output(0)
             continue
-        if _type(nxt) != "Multiply":
-            return None
-        mine = _key(output)
-        k = 1 if _key(nxt.input_value(0)) == mine else 0
-        w, offset = reader.gain(nxt.input_value(k))
-        return (w, offset, nxt, passed) if w is not None else None
-    return None
+        if not users or any(_type(u) != "Multiply" for u in users):
+            return []
+        found = []
+        for mul in users:
+            k = 1 if _key(mul.input_value(0)) == _key(output) else 0
+            w, offset = reader.gain(mul.input_value(k))
+            if w is None:
+                return []
+            found.append((w, offset, mul, passed))
+        return found
+    return []
 
 
 def _bias_after(reader, output):
@@ -446,7 +458,7 @@ def _names(gain, nodes) -> list:
         for suffix in (".weight", ".scale", ".gamma"):
             if bare.endswith(suffix) and len(bare) > len(suffix):
                 names.append(bare[: -len(suffix)])
-    for node in nodes:
+    for node in reversed(nodes):  # the gain Multiply's module first: a shared statistic is one norm's
         friendly = node.get_friendly_name()
         if friendly.startswith("__module."):
             names.append(friendly.split("/")[0].removeprefix("__module."))
@@ -555,22 +567,28 @@ def _decomposed(reader, mean):
     narrow = [c.get_attributes().get("destination_type") for c in pre]
     reduced = next((_DTYPES[t] for t in narrow if t in ("f16", "bf16")), None)
     q, post = _forward(mean.output(0))
-    add = _only(q, ("Add",))
-    if add is None:
-        return None
+    adds = [user for user in _users(q) if _type(user) == "Add"]
+    norms = []
+    for add in adds:  # one, or one an eps where norms of one input share the mean square (OpenVINO's CSE)
+        norms += _after_mean(reader, h, add, q, [sq, *pre, mean, *post], reduced)
+    return norms
+
+
+def _after_mean(reader, h, add, q, nodes, reduced) -> list:
+    """From Add(q, eps) on: the root, the division, then each gain that reads the normalised value."""
     other = add.input_value(1) if _key(add.input_value(0)) == _key(q) else add.input_value(0)
     eps, stored = reader.scalar(other)
     if eps is None:
-        return None
-    nodes = [sq, *pre, mean, *post, add]
+        return []
+    nodes = [*nodes, add]
     root = _only(add.output(0), ("Sqrt", "Power"))
     if root is None:
-        return None
+        return []
     nodes.append(root)
     normed = None
     if _type(root) == "Power":  # (q + eps)^-0.5
         if reader.scalar(root.input_value(1))[0] != -0.5:
-            return None
+            return []
         normed = _only(root.output(0), ("Multiply",))
     else:
         for user in _users(root.output(0)):
@@ -584,13 +602,13 @@ def _decomposed(reader, mean):
                 nodes.append(user)
                 normed = _only(user.output(0), ("Multiply",))
     if normed is None:
-        return None
+        return []
     operands = [normed.input_value(k) for k in range(normed.get_input_size())]
     if _key(h) not in {_key(o) for o in operands}:  # T5 converts x twice: one Convert feeds the Power, one the Multiply
         base = _key(_back(h)[0])
         other = next((o for o in operands if _key(_back(o)[0]) == base and _key(o) != _key(h)), None)
         if other is None:
-            return None
+            return []
         nodes += _back(other)[1]
     nodes.append(normed)
     kind, x = "rms_norm", h
@@ -600,23 +618,24 @@ def _decomposed(reader, mean):
         if _type(m) == "ReduceMean" and _key(m.input_value(0)) == _key(sub.input_value(0)):
             kind, x = "layer_norm", sub.input_value(0)
             nodes = [m, sub, *nodes]
-    after = _gain_after(reader, normed.output(0))
-    if after is None:
-        return None
-    gain, offset, mul, casts = after
-    nodes += [*casts, mul]
-    y, bias = mul.output(0), None
-    if kind == "layer_norm":
-        found = _bias_after(reader, y)
-        if found is not None:
-            bias = found[0]
-            nodes.append(found[1])
-            y = found[1].output(0)
     x, _ = _back(x)
     where = add.get_friendly_name() or "Add"
     source = f"openvino:{where} constant" + (f", stored as {stored}" if stored and stored != "f32" else "")
-    return _norm(reader, kind, "decomposed", gain, offset, bias, eps, source, x, y, nodes, eps_stored=stored or "f32",
-                 reduced=reduced)
+    norms = []
+    for gain, offset, mul, casts in _gains_after(reader, normed.output(0)):
+        own = [*nodes, *casts, mul]
+        y, bias = mul.output(0), None
+        if kind == "layer_norm":
+            found = _bias_after(reader, y)
+            if found is not None:
+                bias = found[0]
+                own.append(found[1])
+                y = found[1].output(0)
+        norm = _norm(reader, kind, "decomposed", gain, offset, bias, eps, source, x, y, own,
+                     eps_stored=stored or "f32", reduced=reduced)
+        if norm is not None:
+            norms.append(norm)
+    return norms
 
 
 # --- each norm's own subgraph ---------------------------------------------------------------------
