@@ -216,3 +216,23 @@ def test_the_header_says_which_family_a_model_type_chose_and_the_exact_reference
     r = run_parity("check", path, "--candidate", "hf", "--reference", "hf", "--exact", env={"COLUMNS": "200"})
     assert r.returncode == 0, r.stdout
     assert "reference hf bfloat16 (the candidate's, for --exact)" in r.stdout
+
+
+@pytest.mark.parametrize("count, pattern", [(1, "model.norm"), (2, "model.layers.0.*"), (13, None),
+                                            (30, "model.layers.*")])
+def test_at_80_by_24_the_last_screen_holds_the_cause_and_the_worst_element(ckpt, count, pattern):
+    """Issue 35: a terminal keeps the last 24 lines of a run. Up to 16 layers the table folds to two
+    lines a layer, and for 13 layers it pushed the cause and the worst element (lines 7-13 of 50)
+    off the screen. The table now comes before them: the bottom 24 lines at 80 columns hold the
+    group's cause, its worst element and the verdict, for 1, 2, 13 and 30 layers."""
+    src = ckpt("llama", layers=6 if count == 13 else 15, eps=1e-6)  # 2 norms a block and the final one
+    pick = ["--layers", pattern] if pattern else []
+    r = run_parity("check", src, "--candidate-eps", "1e-5", *pick, env={"COLUMNS": "80"})
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.splitlines()
+    screen = lines[-24:]
+    assert all(len(line) <= 80 for line in lines)
+    assert screen[-1].startswith(f"FAIL: {count} of {count} layer{'s' if count > 1 else ''}: eps_mismatch"), screen[-1]
+    cause = f"{count} layers: eps_mismatch" if count > 1 else "model.norm: eps_mismatch"
+    assert any(line.startswith(cause) for line in screen), "\n".join(screen)
+    assert any(line.strip().startswith("worst ") for line in screen), "\n".join(screen)

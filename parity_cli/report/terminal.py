@@ -254,9 +254,10 @@ def family_words(d: dict) -> str:
 
 
 def render(d: dict, console, verbose: bool = False, written: list[str] | None = None) -> None:
-    """Verdict, context, grouped findings, then the per-layer table (small models or --verbose),
-    the heat grid, warnings, the files written, and the verdict with its cause again as the last
-    line (what a CI log shows).
+    """Verdict, context, the per-layer table (small models or --verbose), the grouped findings
+    with their cause and worst element, the heat grid, warnings, the files written, and the verdict
+    with its cause again as the last line (what a CI log shows). What matters most comes last: at
+    80 x 24 a terminal shows the bottom 24 lines.
     Every string in the report is data from a file: its control characters are shown escaped."""
     d = printable_tree(d)
     width = console.width
@@ -291,10 +292,10 @@ def render(d: dict, console, verbose: bool = False, written: list[str] | None = 
                     f"eps {grouping.g(conv['eps']['value'])} ({_e(conv['eps']['source'])}): {_e(conv['findings'])} "
                     "difference(s)", width)
     _print(console, out)
-    _render_groups(d, console, verbose)
-    if verbose or len(d["layers"]) <= TABLE_MAX_LAYERS:
+    if verbose or len(d["layers"]) <= TABLE_MAX_LAYERS:  # before the cause: a terminal keeps the last lines
         console.print()
         _print(console, layer_table(d, width))
+    _render_groups(d, console, verbose)
     if len(d["layers"]) > 1:
         console.print()
         render_heat(d, console)
