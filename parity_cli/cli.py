@@ -658,8 +658,12 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
 
 
 class _stages:
-    """What a long command is doing: a transient status line on stderr where it is a terminal. Where it
-    is a pipe or a file, nothing: stderr then holds only an error, in one line."""
+    """What a long command is doing: a transient status line on stderr where it is a terminal; where
+    it is a pipe or a file, one line a stage (`parity capture: loading the model`), wrapped to the
+    width, so a CI log shows where a run spent its minutes. An error is still one line, the last."""
+
+    def __init__(self, command: str = "capture"):
+        self.command = command
 
     def __enter__(self):
         self.console = _console(stderr=True)
@@ -671,6 +675,11 @@ class _stages:
     def __call__(self, text: str) -> None:
         if self.spinner is not None:
             self.spinner.update(escape(text))
+            return
+        from parity_cli.report.layout import terminal_width, wrap
+
+        for piece in wrap(escape(f"parity {self.command}: {text}"), terminal_width(stderr=True)):
+            self.console.print(piece, soft_wrap=True, highlight=False)
 
     def __exit__(self, *exc):
         if self.spinner is not None:

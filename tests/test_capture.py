@@ -560,12 +560,18 @@ def test_third_party_progress_bars_and_warnings_stay_out(copies, monkeypatch, ca
         assert "de-quantizing" not in text and "%|" not in text and "Loading weights" not in text, text
         assert text == ""
     assert (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()) == (bars, verbosity)
-    # and through a real process: stderr empty, stdout parity's two statements, each wrapped to COLUMNS
+    # and through a real process: stderr parity's stage lines alone, stdout its two statements, each
+    # wrapped to COLUMNS
     monkeypatch.undo()
     r = run_parity("capture", gguf_path, "--prompt", PROMPT, "-o", tmp_path / "p.safetensors",
                    process=True, env={"COLUMNS": "100"})  # the process's own file descriptors, not a captured stream
     lines = r.stdout.splitlines()
-    assert r.returncode == 0 and r.stderr == "" and all(len(line) <= 100 for line in lines), r.stdout + r.stderr
+    assert r.returncode == 0 and all(len(line) <= 100 for line in lines), r.stdout + r.stderr
+    err = r.stderr.splitlines()  # piped: a line a stage (wrapped: its continuations indented), parity's own
+    assert all(len(line) <= 100 for line in err), err
+    stages = " ".join(line.strip() if line.startswith("    ") else "\n" + line for line in err).split("\n")[1:]
+    assert [s.split(":")[0] for s in stages] == ["parity capture"] * 4, stages
+    assert stages[0].startswith("parity capture: reading the norm layers of") and "writing" in stages[-1], stages
     assert lines[0].startswith(f"{gguf_path}: read ") and " rows from " in " ".join(lines), r.stdout
 
 
@@ -608,13 +614,23 @@ def test_the_fast_reader_reads_the_fields_gguf_py_reads(copies):
         [(t.name, t.data_offset, t.n_bytes) for t in mine.tensors]
 
 
+def error_line(r) -> str:
+    """A refused capture's stderr: its stage lines (`parity capture: ...`, piped), then the error in
+    one line, the last; no traceback."""
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and lines and "Traceback" not in r.stderr, r.stderr
+    assert all(line.startswith("parity capture: ") for line in lines[:-1]), r.stderr
+    assert lines[-1].startswith("parity: error: "), r.stderr
+    return lines[-1]
+
+
 def test_a_gguf_declaring_more_than_it_holds_is_refused(copies, tmp_path):
     """Metadata that declares a model 64x wider than its tensors: refused in one line before the
     model is allocated (the size is counted on the meta device)."""
     liar = _write_gguf(copies["hf32"], tmp_path / "liar.gguf", embedding_length=4096)
     r = run_parity("capture", liar, "--prompt", PROMPT, "-o", tmp_path / "a.safetensors")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "its metadata declares a LlamaForCausalLM of" in r.stderr and "its tensors hold" in r.stderr
+    error = error_line(r)
+    assert "its metadata declares a LlamaForCausalLM of" in error and "its tensors hold" in error
     assert not (tmp_path / "a.safetensors").exists()
 
 
@@ -905,7 +921,7 @@ def test_hostile_ggufs_are_one_line_and_write_nothing(copies, tmp_path):
                         (nan, "is NaN or inf; nothing captured")):
         out = tmp_path / f"{path.stem}.safetensors"
         r = run_parity("capture", path, "--prompt", PROMPT, "-o", out)
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, (path.name, r.stderr)
+        assert words in error_line(r), (path.name, r.stderr)
         assert "Traceback" not in r.stderr and not out.exists()
 
 
