@@ -268,6 +268,9 @@ def effective(opts: CheckOptions) -> CheckOptions:
     return dataclasses.replace(opts, candidate="onnxruntime" if onnx_copy else "openvino" if ir_copy else "torch")
 
 
+MAX_REPORT_LAYERS = 10_000  # the schema's maxItems for a report's layers
+
+
 def _forward_of(ckpt, layers, copy_layers) -> dict | None:
     """The model's forward order of its norms, asked only of a copy paired by value (its graph's
     order is then what says which layer a gain belongs to)."""
@@ -437,6 +440,9 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     _say(progress, f"{len(found.layers)} norm layers read; preparing the candidate")
     if not found.layers:
         raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
+    if len(found.layers) > MAX_REPORT_LAYERS:  # what a saved report may hold, so that reading one is bounded
+        raise InputError(f"{ckpt.path}: {len(found.layers):,} norm layers, over the {MAX_REPORT_LAYERS:,} one report "
+                         "holds (a 405B model has 253); check them in parts with --layers")
     # the fingerprint covers the whole model, whatever --layers picked
     opts, captured_meta = with_captured(opts, found.layers, lambda: discover_layers(ckpt, fam, eps).layers
                                         if opts.layers else found.layers, fam)

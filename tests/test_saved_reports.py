@@ -188,6 +188,40 @@ def test_a_10_mb_layer_name_is_refused_in_bounded_memory(saved):
     one_line(r.stderr, "layers[0].name: a string of 10000006 characters, over the 4096 allowed")
 
 
+def test_a_report_of_more_layers_than_a_check_writes_is_refused_first(saved):
+    """Issue 35: 20,000 layers of 4 KB names (187 MB, under the size cap) took minutes in every
+    format. A report holds at most the 10,000 layers a check writes; more is one line, said before
+    any layer is read."""
+    def grow(d):
+        d["layers"] = [dict(d["layers"][0], name=f"model.layers.{k}.norm") for k in range(10_001)]
+
+    name = edited(saved, "many.json", grow)
+    code, out, err = parity("report", name, cwd=saved)
+    assert code == 2 and out == ""
+    one_line(err, f"{name}: layers: 10001 items, over the 10000 allowed")
+
+
+def test_junit_names_a_groups_pattern_once_not_once_a_layer(saved, monkeypatch):
+    """JUnit's failure text names every layer of a group as one pattern: built for each of a
+    group's n layers, it cost n^2 on a report of thousands of long names."""
+    from parity_cli.report import formats, grouping
+
+    calls = []
+    real = grouping.name_pattern
+    monkeypatch.setattr(grouping, "name_pattern", lambda *a, **k: calls.append(1) or real(*a, **k))
+    counts = []
+    for n in (50, 100):
+        def grow(d, n=n):
+            d["layers"] = [dict(d["layers"][0], name=f"model.layers.{k}.norm") for k in range(n)]
+            d["summary"].update(layers=n, failed=n)
+
+        report = json.loads((saved / edited(saved, f"grown{n}.json", grow)).read_text())
+        calls.clear()
+        assert formats.to_junit(report).count("<failure") == n
+        counts.append(len(calls))
+    assert counts[0] == counts[1] <= 3, counts  # a few for the group and the summary, none a layer
+
+
 def _paths(node, prefix=()):
     if prefix:
         yield prefix

@@ -115,6 +115,7 @@ def to_junit(report: dict) -> str:
         ET.SubElement(props, "property", name=key, value=str(value))
     universe = grouping.universe(report)
     group_of = {name: g for g in found for name in g.names}
+    patterns: dict = {}
     for layer in report["layers"]:
         case = ET.SubElement(suite, "testcase", classname=classname, name=layer["name"])
         if layer["status"] == "pass":
@@ -128,8 +129,9 @@ def to_junit(report: dict) -> str:
         node = ET.SubElement(case, tag, message=f"{g.text}; {failure_message(layer)}", type=tag)
         lines = [f"{d['code']}: {d['message']}" for d in layer["diagnoses"]] or [failure_message(layer)]
         if len(g.layers) > 1:
-            lines.append(f"the same finding in {layer_count(len(g.layers))}: "
-                         f"{grouping.name_pattern(g.names, universe)}")
+            if id(g) not in patterns:  # once a group: a pattern of n names for each of n layers was n^2
+                patterns[id(g)] = grouping.name_pattern(g.names, universe)
+            lines.append(f"the same finding in {layer_count(len(g.layers))}: {patterns[id(g)]}")
         node.text = "\n".join(lines)
     for g, layer in extra:
         case = ET.SubElement(suite, "testcase", classname=classname, name=layer["name"])
