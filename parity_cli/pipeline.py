@@ -271,6 +271,20 @@ def effective(opts: CheckOptions) -> CheckOptions:
 MAX_REPORT_LAYERS = 10_000  # the schema's maxItems for a report's layers
 
 
+def _runtime_info(opts, layers, device: str) -> dict | None:
+    """A runtime built-in's own kernel: every layer's kind, width and dtype checked against what it
+    takes before anything runs (one line, exit 2), and what the report states of it."""
+    if opts.candidate != "vllm":
+        return None
+    from parity_cli.backends import implementations as impls
+    from parity_cli.backends import vllm_kernels
+
+    impls.precheck(opts.candidate, candidate_args(opts))
+    for layer in layers:
+        vllm_kernels.check_layer(layer, dtype_name(opts.dtype) if opts.dtype else None)
+    return vllm_kernels.describe(device)
+
+
 def _forward_of(ckpt, layers, copy_layers) -> dict | None:
     """The model's forward order of its norms, asked only of a copy paired by value (its graph's
     order is then what says which layer a gain belongs to)."""
@@ -512,6 +526,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         if precision_note(openvino_info):
             warnings.append(precision_note(openvino_info))
 
+    runtime_info = _runtime_info(opts, found.layers, device)
     workers = max(1, min(resolve_jobs(opts.jobs), len(found.layers)))
     if not (isinstance(opts.threads, int) and opts.threads >= 1):
         raise InputError(f"--threads must be a whole number >= 1, got {opts.threads}")
@@ -590,7 +605,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                       "checkpoint": conversion,
                       "timeout": timeout, "isolation": opts.isolation, "isolated": isolated,
                       "memory_cap": memory if isolated else None, "workers": workers,
-                      "threads": opts.threads, **({"openvino": openvino_info} if openvino_info else {})},
+                      "threads": opts.threads, **({"openvino": openvino_info} if openvino_info else {}),
+                      **({"runtime": runtime_info} if runtime_info else {})},
         "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "source": tol.source,
                       "mean_rounding": tol.mean_rounding,
                       "max_violation_fraction": opts.max_violation_fraction,

