@@ -434,6 +434,41 @@ def report(report_path, fmt, verbose, quiet):
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
+@click.option("--runtimes", "names", default=None,
+              help="Comma-separated runtimes (default: torch, transformers, onnxruntime, openvino, vllm).")
+@click.option("--dtypes", default=None, help="Comma-separated dtypes (default: float32, bfloat16, float16).")
+@click.option("--layers", default=None, help="Only the layers whose name matches this glob.")
+@click.option("--candidate-eps", type=float, default=None,
+              help="Run every runtime with this eps instead of the checkpoint's (a deployment's config).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the table as JSON.")
+@click.option("--markdown", "markdown_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the table as Markdown (a deployment review's page).")
+def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdown_path):
+    """One table across every installed runtime: runtime x dtype -> verdict, cause, worst/allowed.
+    Each cell is `parity check --candidate RUNTIME --dtype DTYPE`; exit 1 where any cell fails."""
+    json_path = _check_output_target(json_path, [checkpoint])
+    markdown_path = _check_output_target(markdown_path, [checkpoint])
+    from parity_cli.outputs import json_text, write_files
+    from parity_cli.report.formats import runtimes_markdown
+    from parity_cli.report.terminal import render_runtimes
+    from parity_cli.runtimes import table
+
+    split = (lambda v: [p.strip() for p in v.split(",") if p.strip()] if v else None)
+    result = table(checkpoint, split(names), split(dtypes), layers=layers, candidate_eps=candidate_eps)
+    data = result.as_dict()
+    outputs = {}
+    if json_path:
+        outputs[json_path] = json_text(data)
+    if markdown_path:
+        outputs[markdown_path] = runtimes_markdown(data)
+    if outputs:
+        write_files(outputs)
+    render_runtimes(data, _console())
+    return EXIT_PASS if result.passed else EXIT_FAIL
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
 @click.option("--family", default=None,
               help="Force a model family instead of the checkpoint's model_type: a family's name (layer_norm) or a "
                    "model type, read as the family that lists it (bert: layer_norm) or its derived family.")

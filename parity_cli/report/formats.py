@@ -257,3 +257,22 @@ def to_markdown(report: dict) -> str:
     for warning in report.get("warnings", []):
         lines.append(f"> warning: {_cell(warning)}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.3g}x"
+
+
+def runtimes_markdown(data: dict) -> str:
+    """`parity runtimes`' table as Markdown: a row a runtime and dtype, the verdict, the cause and the
+    worst element's distance past its allowance."""
+    data = printable_tree(data)
+    lines = [f"# Runtimes for {_code(data['checkpoint'])}", "",
+             f"Verdict: **{data['verdict'].upper()}** (a failing cell fails it; refused and not installed do not)", "",
+             "| runtime | version | dtype | verdict | layers failing | worst/allowed | cause |",
+             "|---|---|---|---|---:|---:|---|"]
+    for c in data["cells"]:
+        failing = f"{c['failed']} of {c['layers']}" if c["layers"] else ""
+        lines.append(f"| {_cell(c['runtime'])} | {_cell(c.get('runtime_version') or '')} | {c['dtype']} | "
+                     f"{c['verdict']} | {failing} | {_ratio(c.get('worst_over_allowed'))} | {_cell(c['cause'])} |")
+    return "\n".join(lines) + "\n"

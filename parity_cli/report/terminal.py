@@ -621,3 +621,33 @@ def render_inspect(info: dict, console, verbose: bool = False) -> None:
         _print(console, wrap(f"note: {_e(note)}", width))
     for warning in info["warnings"]:
         _print(console, wrap(f"[yellow]warning:[/] {_e(warning)}", width))
+
+
+RUNTIME_COLOURS = {"pass": "green", "fail": "red", "error": "magenta", "refused": "yellow", "not installed": "dim"}
+
+
+def render_runtimes(data: dict, console) -> None:
+    """`parity runtimes`: a row a runtime and dtype, the cause where it fails or is refused, and
+    the verdict last (what a CI log shows)."""
+    from rich.table import Table
+
+    data = printable_tree(data)
+    table = Table(show_edge=False, header_style="bold", pad_edge=False)
+    for col, justify in (("runtime", "left"), ("dtype", "left"), ("verdict", "left"), ("failing", "right"),
+                         ("worst/allowed", "right"), ("cause", "left")):
+        table.add_column(col, justify=justify, overflow="fold", no_wrap=col in ("dtype", "verdict"))
+    for c in data["cells"]:
+        colour = RUNTIME_COLOURS.get(c["verdict"], "")
+        failing = f"{c['failed']} of {c['layers']}" if c["layers"] else ""
+        worst = "" if c.get("worst_over_allowed") is None else fmt(c["worst_over_allowed"]) + "x"
+        who = c["runtime"] + (f" ({c['runtime_version']})" if c.get("runtime_version") else "")
+        table.add_row(_e(who), c["dtype"], f"[{colour}]{_e(c['verdict'])}[/]", failing, worst, _e(c["cause"]))
+    console.print(f"[bold]{_e(data['checkpoint'])}[/]: one check a runtime and dtype", soft_wrap=True)
+    console.print(table)
+    bad = [c for c in data["cells"] if c["verdict"] in ("fail", "error")]
+    ran = [c for c in data["cells"] if c["verdict"] in ("pass", "fail", "error")]
+    if bad:
+        line = f"FAIL: {len(bad)} of {len(ran)} runtime checks: " + ", ".join(f"{c['runtime']} {c['dtype']}" for c in bad)
+    else:
+        line = f"PASS: all {len(ran)} runtime checks"
+    console.print(line, soft_wrap=True, markup=False, highlight=False)
