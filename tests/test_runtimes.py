@@ -81,14 +81,14 @@ def test_without_vllm_installed_it_is_one_line_naming_the_install(ckpt, monkeypa
 
 
 def test_torch_compile_runs_inductors_kernel_and_takes_the_eps_it_is_given(ckpt):
-    """torch.compile of the family's module class (LlamaRMSNorm) with inductor: the correct model
-    passes, and a deployment eps is caught as eps_mismatch at that value. One width, one dtype:
-    a cold compile costs seconds (30 s on 2 cores here), which this test pays once or twice."""
+    """torch.compile of the family's module class (LlamaRMSNorm) with inductor, given a deployment
+    eps: eps_mismatch at that value, every other stratum's rows within tolerance (the kernel runs,
+    and runs the eps it is given). One check: a cold inductor costs 15 s before its first kernel
+    here (parity runtimes on the demo shows the correct model passing at every dtype)."""
     src = ckpt("llama", layers=1, eps=1e-6)
-    report = api.check(src, candidate="torch.compile", dtype="float32", layers="model.norm")
-    assert report.passed and len(report.layers) == 1
+    report = api.check(src, candidate="torch.compile", dtype="float32", layers="model.norm", candidate_eps=1e-5)
     runtime = report.header["candidate"]["runtime"]
     assert runtime["backend"] == "inductor" and runtime["kernel"] == "C++/OpenMP (generated)"
-    report = api.check(src, candidate="torch.compile", dtype="float32", layers="model.norm", candidate_eps=1e-5)
     assert _codes(report) == [{"eps_mismatch"}]
     assert report.layers[0].diagnoses[0].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.05)
+    assert {s.name for s in report.layers[0].strata if s.status == "pass"} >= {"large", "zero"}
