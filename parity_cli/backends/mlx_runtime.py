@@ -1,0 +1,97 @@
+"""The `mlx` built-in: the family's norm with MLX's own kernels, as mlx-lm builds a Hugging Face
+model for Apple silicon (and MLX's CPU build runs it on Linux: `pip install "mlx[cpu]"`).
+
+- RMSNorm: `mx.fast.rms_norm(x, w, eps)`, what mlx.nn.RMSNorm calls; Gemma's `1 + w` as mlx-lm's
+  gemma models write it, `mx.fast.rms_norm(x, 1.0 + weight, eps)`: the sum in the weight's dtype;
+- LayerNorm: `mx.fast.layer_norm(x, w, b, eps)` (mlx.nn.LayerNorm);
+- GroupNorm: mlx.nn.GroupNorm(groups, C, eps, pytorch_compatible=True) on channels-last maps, the
+  probe rows (N, C*S) channel-major given as (N, S, C);
+- BatchNorm: mlx.nn.BatchNorm(C, eps) in eval mode with the checkpoint's running statistics.
+Gated norms have no MLX layer: refused. Tensors cross as numpy arrays (bfloat16 through float32,
+exactly: the values are bfloat16 already), in the candidate's dtype; MLX computes there, with
+float32 accumulation inside its fast kernels."""
+
+from __future__ import annotations
+
+from parity_cli.errors import InputError
+
+NAME = "mlx"
+INSTALL = 'pip install "mlx[cpu]" (Linux; on Apple silicon: pip install mlx)'
+KINDS = ("rms_norm", "layer_norm", "group_norm", "batch_norm")
+
+
+def describe(device: str = "cpu") -> dict:
+    from importlib.metadata import version
+
+    if device.startswith("cuda"):
+        raise InputError(f"--candidate mlx runs on MLX's CPU (or Apple GPU) device, not {device}")
+    return {"runtime": f"mlx {version('mlx')}", "device": "cpu",
+            "kernel": "mx.fast.rms_norm / mx.fast.layer_norm; mlx.nn.GroupNorm, mlx.nn.BatchNorm",
+            "computes_in": "the input dtype, with float32 accumulation inside the fast kernels"}
+
+
+def check_layer(layer) -> None:
+    if layer.kind not in KINDS:
+        raise InputError(f"--candidate mlx: MLX has no {layer.kind} layer ({layer.name}); it runs "
+                         f"{', '.join(KINDS)}")
+    if layer.weight is not None and layer.weight.dim() > 1:
+        raise InputError(f"--candidate mlx: {layer.name} has a per-head gain, which mlx-lm applies after the "
+                         "norm; not built here")
+
+
+def _mx(t, mx, dtype):
+    import torch
+
+    return mx.array(t.detach().to(device="cpu", dtype=torch.float32).numpy()).astype(dtype)
+
+
+def prepare(layer, weight, bias, eps: float):
+    """x -> y through MLX, at x's dtype."""
+    import mlx.core as mx
+    import numpy as np
+    import torch
+
+    check_layer(layer)
+    types = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
+    if weight.dtype not in types:
+        raise InputError(f"--candidate mlx: MLX computes float32, bfloat16, float16, not "
+                         f"{str(weight.dtype).removeprefix('torch.')}")
+    dtype = types[weight.dtype]
+    w = _mx(weight, mx, dtype)
+    if layer.gain_offset:  # mlx-lm's Gemma: 1.0 + weight, in the weight's dtype
+        w = layer.gain_offset + w
+    b = None if bias is None else _mx(bias, mx, dtype)
+    run = _kernel(layer, mx, w, b, eps, dtype)
+
+    def call(x):
+        y = run(_mx(x, mx, dtype))
+        mx.eval(y)
+        out = torch.from_numpy(np.array(y.astype(mx.float32), copy=True))
+        return out.to(dtype=x.dtype, device=x.device).reshape(x.shape)
+
+    return call
+
+
+def _kernel(layer, mx, w, b, eps: float, dtype):
+    import mlx.nn as nn
+
+    if layer.kind == "rms_norm":
+        return lambda x: mx.fast.rms_norm(x, w, eps)
+    if layer.kind == "layer_norm":
+        return lambda x: mx.fast.layer_norm(x, w, b, eps)
+    if layer.kind == "group_norm":
+        module = nn.GroupNorm(layer.groups, layer.dim, eps=eps, affine=True, pytorch_compatible=True)
+        module.weight, module.bias = w, b if b is not None else mx.zeros_like(w)
+        module.set_dtype(dtype)
+
+        def group(x):  # (N, C*S) channel-major -> (N, S, C) channels-last, and back
+            maps = x.reshape(x.shape[0], layer.dim, -1).transpose(0, 2, 1)
+            return module(maps).transpose(0, 2, 1).reshape(x.shape[0], -1)
+
+        return group
+    module = nn.BatchNorm(layer.dim, eps=eps, affine=True, track_running_stats=True)
+    module.weight, module.bias = w, b if b is not None else mx.zeros_like(w)
+    module.running_mean = _mx(layer.running_mean, mx, dtype)
+    module.running_var = _mx(layer.running_var, mx, dtype)
+    module.eval()
+    return module
