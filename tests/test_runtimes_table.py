@@ -63,3 +63,15 @@ def test_bad_input_is_one_line(ckpt, tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown runtime nope" in r.stderr
     r = run_parity("runtimes", tmp_path / "missing")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such file" in r.stderr
+
+
+def test_a_gemma3_gguf_gets_a_row_per_runtime_and_dtype(ckpt, tmp_path):
+    """The table of a GGUF (its eps and stored 1 + w read from the file): every installed runtime
+    that builds RMSNorm passes it; llama.cpp's row runs ggml on the file's own eps."""
+    from parity_cli.sources.synthetic import hf_to_gguf
+
+    gguf = hf_to_gguf(ckpt("gemma3", layers=1, eps=1e-6, dtype="float32"), tmp_path / "g3.gguf")
+    asked = ["torch"] + [r for r in ("llama.cpp", "vllm") if runtimes.installed(r)]
+    table = runtimes.table(gguf, asked, ["float32"])
+    assert [(c.runtime, c.verdict) for c in table.cells] == [(r, "pass") for r in asked]
+    assert all(c.layers == 7 for c in table.cells)  # 6 norms a Gemma 3 block and the final one
