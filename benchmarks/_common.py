@@ -289,6 +289,26 @@ def run_child(cmd, env: dict | None = None, check_rc=(0,)) -> dict:
 _libc = None
 
 
+def interleaved_checks(model: Path, configs: dict, repeat: int, quiet_wait: float) -> tuple[dict, dict]:
+    """`parity check MODEL -q --json R *extra` for each {label: extra}, interleaved over `repeat`
+    rounds (a slow spell on the machine hits every label), each started on idle CPUs:
+    ({label: [run_child results]}, {label: the last run's report as a dict})."""
+    import json
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="parity-bench-checks-"))
+    runs: dict = {}
+    reports: dict = {}
+    for _ in range(repeat):
+        for label, extra in configs.items():
+            wait_quiet(quiet_wait)
+            report = out / "r.json"
+            runs.setdefault(label, []).append(
+                run_child(parity_cmd() + ["check", str(model), "-q", "--json", str(report), *extra], check_rc=(0, 1)))
+            reports[label] = json.loads(report.read_text())
+    return runs, reports
+
+
 def _lib():
     global _libc
     if _libc is None:

@@ -13,22 +13,11 @@ RMS pattern around it), onnxruntime shares one session per shape and eps.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    DEFAULT_ROOT,
-    busy_note,
-    ensure_model,
-    median,
-    parity_cmd,
-    print_machine,
-    run_child,
-    wait_quiet,
-)
+from _common import DEFAULT_ROOT, busy_note, ensure_model, interleaved_checks, median, print_machine  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -43,22 +32,14 @@ def main(argv=None) -> int:
     model = ensure_model(DEFAULT_ROOT / "llama405b", 126, 16384)
     print_machine(model)
     print(f"openvino {openvino.get_version()}, onnxruntime {onnxruntime.__version__}")
-    out = Path(tempfile.mkdtemp(prefix="parity-bench-ov-"))
     configs = {"openvino (CPU plugin)": ["--candidate", "openvino"],
                "onnxruntime (CPU EP)": ["--candidate", "onnxruntime"]}
     if not args.no_torch:
         configs["torch (in the parent: the floor)"] = ["--candidate", "torch"]
-    res: dict = {}
-    verdicts: dict = {}
-    for _ in range(args.repeat):
-        for label, extra in configs.items():
-            wait_quiet(args.quiet_wait)
-            report = out / "r.json"
-            run = run_child(parity_cmd() + ["check", str(model), "-q", "--json", str(report), *extra], check_rc=(0, 1))
-            res.setdefault(label, []).append(run)
-            data = json.loads(report.read_text())
-            verdicts[label] = (data["summary"]["verdict"], data["summary"]["layers"],
-                               data["candidate"].get("openvino", {}).get("inference_precision"))
+    res, reports = interleaved_checks(model, configs, args.repeat, args.quiet_wait)
+    verdicts = {label: (data["summary"]["verdict"], data["summary"]["layers"],
+                        data["candidate"].get("openvino", {}).get("inference_precision"))
+                for label, data in reports.items()}
     print(f"\n== time to verdict, the 405B shape (253 norm layers, dim 16384, bfloat16), median of {args.repeat} ==")
     ov_wall = median([r["wall"] for r in res["openvino (CPU plugin)"]])
     ort_wall = median([r["wall"] for r in res["onnxruntime (CPU EP)"]])

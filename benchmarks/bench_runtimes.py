@@ -12,22 +12,11 @@ in each run (its on-disk cache is kept between runs, as a user's machine keeps i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    DEFAULT_ROOT,
-    busy_note,
-    ensure_model,
-    median,
-    parity_cmd,
-    print_machine,
-    run_child,
-    wait_quiet,
-)
+from _common import DEFAULT_ROOT, busy_note, ensure_model, interleaved_checks, median, print_machine  # noqa: E402
 
 RUNTIMES = ["torch", "onnxruntime", "openvino", "vllm", "llama.cpp", "mlx", "torch.compile"]
 
@@ -46,18 +35,8 @@ def main(argv=None) -> int:
     model = ensure_model(DEFAULT_ROOT / "llama405b", 126, 16384)
     print_machine(model)
     print("runtimes: " + ", ".join(f"{r} ({version(r)})" for r in chosen))
-    out = Path(tempfile.mkdtemp(prefix="parity-bench-rt-"))
-    res: dict = {}
-    verdicts: dict = {}
-    for _ in range(args.repeat):
-        for runtime in chosen:
-            wait_quiet(args.quiet_wait)
-            report = out / "r.json"
-            run = run_child(parity_cmd() + ["check", str(model), "-q", "--json", str(report), "--candidate", runtime],
-                            check_rc=(0, 1))
-            res.setdefault(runtime, []).append(run)
-            data = json.loads(report.read_text())
-            verdicts[runtime] = (data["summary"]["verdict"], data["summary"]["layers"])
+    res, reports = interleaved_checks(model, {r: ["--candidate", r] for r in chosen}, args.repeat, args.quiet_wait)
+    verdicts = {r: (data["summary"]["verdict"], data["summary"]["layers"]) for r, data in reports.items()}
     floor = median([r["wall"] for r in res["torch"]])
     print(f"\n== time to verdict, the 405B shape (253 norm layers, dim 16384, bfloat16), median of {args.repeat} ==")
     for runtime, runs in res.items():
@@ -65,8 +44,7 @@ def main(argv=None) -> int:
         walls = " ".join(f"{r['wall']:.1f}" for r in runs)
         verdict, layers = verdicts[runtime]
         print(f"  {runtime:<14} wall {wall:6.2f}s {wall / floor:5.2f}x torch (runs {walls}); {verdict} on {layers} layers")
-    note = busy_note()
-    if note:
+    for note in filter(None, [busy_note()]):  # a run that started on busy CPUs says so
         print(note)
     return 0
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from parity_cli.errors import InputError
 from parity_cli.model.layers import NormLayer
-from parity_cli.model.pairing import BY_VALUE
+from parity_cli.model.pairing import BY_VALUE, graph_layer
 from parity_cli.sources.onnx_graph import (
     FUSED,
     _match_by_gain,
@@ -64,10 +64,7 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
                                    "message": f"the graph's GroupNormalization normalises {norm.groups} groups of "
                                               f"{norm.dim // norm.groups} channels; the checkpoint's GroupNorm has "
                                               f"{ref.groups} of {ref.dim // max(ref.groups, 1)}"})
-        if graph_findings:
-            layer.graph_findings = graph_findings
-        layer.graph_depth = norm.depth
-        layers.append(layer)
+        layers.append(graph_layer(layer, norm, graph_findings))
     eps_common = Counter(n.eps for n in norms).most_common(1)
     dtypes = Counter(n.dtype for n in norms).most_common(1)
     info = {"format": "onnx", "norms": len(norms),

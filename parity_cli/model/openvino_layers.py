@@ -8,7 +8,7 @@ from pathlib import Path
 
 from parity_cli.errors import InputError
 from parity_cli.model.layers import NormLayer
-from parity_cli.model.pairing import BY_VALUE
+from parity_cli.model.pairing import BY_VALUE, graph_layer
 from parity_cli.sources.onnx_graph import _match_by_gain, _match_by_name, distinct_norms, reduced_words
 from parity_cli.sources.openvino_ir import find_norms, folded_batch_norms, read_model
 from parity_cli.sources.tensors import Eps
@@ -82,11 +82,7 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             layer = NormLayer(name=norm.name, kind=norm.kind, dim=norm.dim, order="native", gain_offset=norm.offset,
                               eps=eps, weight=norm.weight, bias=norm.bias, family="openvino", tensor=norm.name,
                               program=norm.program, **({"groups": norm.groups} if norm.groups else {}))
-        found = graph_findings(norm, ref)
-        if found:
-            layer.graph_findings = found
-        layer.graph_depth = norm.depth
-        layers.append(layer)
+        layers.append(graph_layer(layer, norm, graph_findings(norm, ref)))
     eps_common = Counter(n.eps for n in norms).most_common(1)
     dtypes = Counter(n.dtype for n in norms).most_common(1)
     stored = Counter(n.eps_stored for n in norms if n.form == "decomposed")

@@ -141,6 +141,15 @@ BY_VALUE = ("paired with the copy's norm by its gain's values: the graph's names
             "checkpoint layer, so a gain moved to another layer is caught only by the graph's order")
 
 
+def graph_layer(layer, norm, findings: list):
+    """A copy's layer read from a graph (ONNX, an IR) with what the graph says of it: its own
+    findings (pair reports them) and the norm's depth in the data flow (the order check's)."""
+    if findings:
+        layer.graph_findings = findings
+    layer.graph_depth = norm.depth
+    return layer
+
+
 def _effective(layer):
     return layer.gain_offset + layer.weight.double()
 
