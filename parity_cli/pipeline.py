@@ -271,38 +271,27 @@ def effective(opts: CheckOptions) -> CheckOptions:
 MAX_REPORT_LAYERS = 10_000  # the schema's maxItems for a report's layers
 
 
+# runtime built-ins: the module that checks what its kernel takes and describes it (one protocol:
+# check_layer(layer, dtype), describe(device)); under parity_cli.backends, one file each
+RUNTIME_MODULES = {"vllm": "vllm_kernels", "llama.cpp": "ggml_kernels", "mlx": "mlx_runtime",
+                   "torch.compile": "torch_compile"}
+
+
 def _runtime_info(opts, layers, device: str) -> dict | None:
     """A runtime built-in's own kernel: every layer's kind, width and dtype checked against what it
     takes before anything runs (one line, exit 2), and what the report states of it."""
-    if opts.candidate == "torch.compile":
-        from parity_cli.backends import torch_compile
-
-        return torch_compile.describe(device)
-    if opts.candidate == "llama.cpp":
-        from parity_cli.backends import ggml_kernels
-        from parity_cli.backends import implementations as impls
-
-        impls.precheck(opts.candidate, candidate_args(opts))
-        for layer in layers:
-            ggml_kernels.check_layer(layer)
-        return ggml_kernels.describe(device)
-    if opts.candidate == "mlx":
-        from parity_cli.backends import implementations as impls
-        from parity_cli.backends import mlx_runtime
-
-        impls.precheck(opts.candidate, candidate_args(opts))
-        for layer in layers:
-            mlx_runtime.check_layer(layer)
-        return mlx_runtime.describe(device)
-    if opts.candidate != "vllm":
+    if opts.candidate not in RUNTIME_MODULES:
         return None
-    from parity_cli.backends import implementations as impls
-    from parity_cli.backends import vllm_kernels
+    import importlib
 
+    from parity_cli.backends import implementations as impls
+
+    runtime = importlib.import_module(f"parity_cli.backends.{RUNTIME_MODULES[opts.candidate]}")
     impls.precheck(opts.candidate, candidate_args(opts))
+    dtype = dtype_name(opts.dtype) if opts.dtype else None
     for layer in layers:
-        vllm_kernels.check_layer(layer, dtype_name(opts.dtype) if opts.dtype else None)
-    return vllm_kernels.describe(device)
+        runtime.check_layer(layer, dtype)
+    return runtime.describe(device)
 
 
 def _forward_of(ckpt, layers, copy_layers) -> dict | None:

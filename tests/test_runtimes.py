@@ -183,3 +183,11 @@ def test_a_gguf_copy_runs_ggml_with_the_eps_in_the_file(ckpt, tmp_path):
 def test_llama_cpp_refuses_what_it_does_not_build(tiny):
     r = run_parity("check", tiny("mamba2"), "--candidate", "llama.cpp")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is a gated_rms_norm" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("runtime", ["mlx", "llama.cpp"])
+def test_a_dtype_the_runtime_does_not_compute_is_one_line_before_any_layer(ckpt, runtime):
+    if not {"mlx": importlib.util.find_spec("mlx") is not None, "llama.cpp": _ggml_loads()}[runtime]:
+        pytest.skip(f"{runtime} is not installed")
+    r = run_parity("check", ckpt("llama", layers=1, eps=1e-6), "--candidate", runtime, "--dtype", "float64")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "not float64" in r.stderr, r.stderr

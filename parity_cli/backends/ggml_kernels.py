@@ -65,7 +65,10 @@ def describe(device: str = "cpu") -> dict:
                            "the mean square summed in double, eps as a C float"}
 
 
-def check_layer(layer) -> None:
+def check_layer(layer, dtype: str | None = None) -> None:
+    if dtype == "float64":  # ggml's norm kernels take F32 activations; float64 would be rounded, not run
+        raise InputError("--candidate llama.cpp: ggml computes float32 activations (bfloat16 and float16 probes "
+                         "are upcast exactly), not float64")
     if layer.kind not in KINDS:
         raise InputError(f"--candidate llama.cpp: llama.cpp builds RMSNorm and LayerNorm with ggml_rms_norm and "
                          f"ggml_norm; {layer.name} is a {layer.kind}")

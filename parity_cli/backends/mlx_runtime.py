@@ -30,7 +30,12 @@ def describe(device: str = "cpu") -> dict:
             "computes_in": "the input dtype, with float32 accumulation inside the fast kernels"}
 
 
-def check_layer(layer) -> None:
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_layer(layer, dtype: str | None = None) -> None:
+    if dtype is not None and dtype not in DTYPES:  # said once, before any layer runs
+        raise InputError(f"--candidate mlx: MLX computes {', '.join(DTYPES)}, not {dtype}")
     if layer.kind not in KINDS:
         raise InputError(f"--candidate mlx: MLX has no {layer.kind} layer ({layer.name}); it runs "
                          f"{', '.join(KINDS)}")
