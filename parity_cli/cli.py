@@ -12,7 +12,7 @@ import click
 
 from parity_cli import __version__
 from parity_cli.errors import InputError
-from parity_cli.text import printable
+from parity_cli.text import printable, quiet_third_party
 
 EXIT_PASS, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -183,7 +183,8 @@ def cli():
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--candidate", default=None,
-              help="Implementation under test: a built-in (oracle, torch, hf, transformers, onnxruntime, openvino), an installed "
+              help="Implementation under test: a built-in (oracle, torch, hf, transformers, onnxruntime, openvino; the "
+                   "runtimes' own kernels: vllm, llama.cpp, mlx, torch.compile, executorch), an installed "
                    "plugin name ('parity implementations'), MODULE:ATTR or FILE.py:ATTR [default: torch; onnxruntime "
                    "with an .onnx --candidate-checkpoint, openvino with an .xml one].")
 @click.option("--candidate-arg", "candidate_args", multiple=True, metavar="KEY=VALUE",
@@ -758,6 +759,8 @@ def schema():
 
 def main(argv: list[str] | None = None) -> None:
     import signal
+
+    quiet_third_party()
 
     try:
         signal.signal(signal.SIGTERM, _on_sigterm)

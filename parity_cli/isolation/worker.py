@@ -17,6 +17,8 @@ import signal
 import struct
 import sys
 
+from parity_cli.text import quiet_third_party
+
 _PID = os.getpid()
 _CWD = os.getcwd()
 
@@ -176,6 +178,7 @@ def serve(rconn, wconn, out_path: str, parent: int | None = None, lifeline=None)
     if hasattr(signal, "pthread_sigmask"):  # the fork server started with SIGINT blocked (supervisor)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    quiet_third_party()
     try:
         import resource
 
