@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_ROOT, busy_note, ensure_model, interleaved_checks, median, print_machine  # noqa: E402
 
-RUNTIMES = ["torch", "onnxruntime", "openvino", "vllm", "llama.cpp", "mlx", "torch.compile"]
+RUNTIMES = ["torch", "onnxruntime", "openvino", "vllm", "llama.cpp", "mlx", "torch.compile", "executorch"]
 
 
 def main(argv=None) -> int:
