@@ -435,9 +435,45 @@ def report(report_path, fmt, verbose, quiet):
 
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
+@click.option("--candidate", default="torch", show_default=True,
+              help="A fused residual add + norm: torch (transformers' unfused composition, the baseline), vllm "
+                   "(its fused_add_rms_norm kernel), or a plugin FILE.py:ATTR / MODULE:ATTR fn(x, residual, weight, "
+                   "eps) returning (normed, new_residual) or writing both in place.")
+@click.option("--candidate-arg", "candidate_args", multiple=True, metavar="KEY=VALUE",
+              help="Keyword for the plugin function (repeatable).")
+@click.option("--dtype", default="bfloat16", show_default=True, help="float32, bfloat16 or float16.")
+@click.option("--layers", default=None, help="Only the layers whose name matches this glob.")
+@click.option("--candidate-eps", type=float, default=None, help="Run the candidate with this eps.")
+@click.option("--isolation", type=click.Choice(["auto", "process", "none"]), default="auto", show_default=True,
+              help="Where the candidate runs (as for check).")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the report as JSON.")
+def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, isolation, json_path):
+    """The residual add + norm as serving runtimes fuse it: each RMSNorm/LayerNorm of the hidden width
+    run as fused(x, residual), both outputs (normed, new residual) against the float64 oracle of the
+    sum, on strata of the sum (cancellation, residual >> x, a float16 overflow, a grown stream)."""
+    json_path = _check_output_target(json_path, [checkpoint])
+    from parity_cli.options import parse_args
+    from parity_cli.outputs import json_text, write_files
+    from parity_cli.pipeline import check_fused
+    from parity_cli.report.terminal import render_fused
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise InputError(f"--dtype {dtype}: a fused add + norm is checked at float32, bfloat16 or float16")
+    report = check_fused(checkpoint, candidate=candidate, dtype=dtype, layers=layers,
+                         candidate_args=parse_args(list(candidate_args)), isolation=isolation,
+                         candidate_eps=candidate_eps)
+    data = report.to_dict()
+    if json_path:
+        write_files({json_path: json_text(data)})
+    render_fused(data, _console())
+    return EXIT_PASS if report.passed else EXIT_FAIL
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path())
 @click.option("--runtimes", "names", default=None,
               help="Comma-separated runtimes (default: torch, transformers, onnxruntime, openvino, vllm, llama.cpp, "
-                   "mlx, torch.compile).")
+                   "mlx, torch.compile, executorch).")
 @click.option("--dtypes", default=None, help="Comma-separated dtypes (default: float32, bfloat16, float16).")
 @click.option("--layers", default=None, help="Only the layers whose name matches this glob.")
 @click.option("--candidate-eps", type=float, default=None,

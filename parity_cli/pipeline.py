@@ -647,3 +647,91 @@ def _say(progress, text: str) -> None:
     status = getattr(progress, "status", None)
     if status is not None:
         status(text)
+
+
+@dataclasses.dataclass
+class FusedReport:
+    """`parity check --fused add`: each RMSNorm/LayerNorm layer as a fused residual add + norm, both
+    outputs (normed, new residual) against the oracle of the sum (check.fused)."""
+
+    checkpoint: str
+    candidate: dict
+    layers: list
+
+    @property
+    def passed(self) -> bool:
+        return all(layer.passed for layer in self.layers)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def to_dict(self) -> dict:
+        failed = [layer.name for layer in self.layers if not layer.passed]
+        return {"tool": "parity-cli", "version": __version__, "fused": "add", "checkpoint": self.checkpoint,
+                "candidate": self.candidate, "verdict": "pass" if self.passed else "fail",
+                "summary": {"layers": len(self.layers), "failed": len(failed)},
+                "layers": [layer.as_dict() for layer in self.layers]}
+
+
+def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat16", layers: str | None = None,
+                candidate_args: dict | None = None, isolation: str = "auto", device: str = "cpu", seed: int = 0,
+                timeout: float | None = None, eps: float | None = None, candidate_eps: float | None = None,
+                family: str | None = None) -> FusedReport:
+    """The fused form of every RMSNorm and LayerNorm layer, run supervised like every candidate: a
+    probe row is [x | residual] and the candidate's rows [normed | new residual]."""
+    import torch
+
+    from parity_cli.backends import fused as fused_backends
+    from parity_cli.backends.implementations import BUILTINS
+    from parity_cli.check.fused import check_add_norm
+    from parity_cli.comparison import tolerance_for
+    from parity_cli.isolation.runners import CandidateJob
+    from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT, close_runners, open_runners
+    from parity_cli.model.layers import discover_layers
+
+    if candidate in BUILTINS and candidate not in (*fused_backends.BUILTINS, "hf", "oracle"):
+        raise InputError(f"--candidate {candidate}: no fused add + norm here; built-ins: "
+                         f"{', '.join(fused_backends.BUILTINS)}, or a plugin fn(x, residual, weight, eps)")
+    name = dtype_name(dtype)
+    torch_dtype = getattr(torch, name)
+    device = check_device(device)
+    ckpt, fam, resolved = load(path, family, eps)
+    found = [layer for layer in discover_layers(ckpt, fam, resolved, layers).layers
+             if layer.kind in ("rms_norm", "layer_norm") and layer.weight.dim() == 1]
+    hidden = max((layer.dim for layer in found), default=0)
+    found = [layer for layer in found if layer.dim == hidden]  # a q/k norm of a head's width never meets the residual
+    if not found:
+        raise InputError(f"{ckpt.path}: no RMSNorm or LayerNorm layer to check as a fused add + norm"
+                         + (f" (--layers {layers})" if layers else ""))
+    tol = tolerance_for(name)
+    impl, runners = open_runners(candidate, dict(candidate_args or {}), device, isolation,
+                                 DEFAULT_TIMEOUT if timeout is None else timeout)
+    out = []
+    try:
+        for layer in found:
+            fused = dataclasses.replace(layer, fused="add")
+            k_eps = layer.eps.value if candidate_eps is None else candidate_eps
+            weight = layer.weight.to(torch_dtype, copy=True)
+            bias = None if layer.bias is None else layer.bias.to(torch_dtype, copy=True)
+
+            def run_all(inputs, fused=fused, weight=weight, bias=bias, k_eps=k_eps):
+                runners[0].submit(CandidateJob(layer=fused, weight=weight, bias=bias, eps=k_eps, device=device,
+                                               inputs=[torch.cat([x, r], -1) for x, r in inputs]))
+                run = runners[0].collect()
+                if run.setup and run.error:  # the implementation says it cannot take this layer
+                    raise InputError(run.error)
+                outs = []
+                for k in range(len(inputs)):
+                    o = run.output(k)
+                    outs.append(o.error if o.error else (o.value[..., :fused.dim], o.value[..., fused.dim:]))
+                return outs
+
+            gain = layer.gain_offset + layer.weight.to(torch_dtype).to(torch.float64)
+            ref_bias = None if layer.bias is None else layer.bias.to(torch_dtype).to(torch.float64)
+            out.append(check_add_norm(layer, run_all, torch_dtype, tol, layer.eps.value, gain, ref_bias, seed))
+    finally:
+        close_runners(runners)
+    cand = {"impl": impl.name, "source": impl.source, "dtype": name, "device": device,
+            "eps": None if candidate_eps is None else candidate_eps, "args": dict(candidate_args or {})}
+    return FusedReport(str(path), cand, out)

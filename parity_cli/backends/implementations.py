@@ -651,6 +651,9 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
         _check_accepts(spec, obj.__init__, args, skip=2)  # self, dim
 
         def prepare_module(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+            if layer.fused:
+                raise InputError(f"{spec}: a fused add + norm is a function fn(x, residual, weight, eps), "
+                                 "not a module class")
             if layer.kind == "batch_norm":  # its running statistics filled too, in eval mode
                 return _batch_norm_module(obj, layer, weight, bias, eps, loaded=False, **args)
             if layer.kind == "group_norm":  # built as nn.GroupNorm(groups, channels, eps=eps)
@@ -678,6 +681,11 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
     _check_accepts(spec, obj, args, skip=3)  # x, weight, eps
 
     def prepare_function(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+        if layer.fused:  # fn(x, residual, weight, eps): the pair back, or both written in place
+            from parity_cli.backends.fused import adapt, on_rows
+
+            extra = {"bias": bias} if layer.kind == "layer_norm" else {}
+            return on_rows(adapt(obj, weight, eps, **extra, **args), layer)
         if layer.kind == "batch_norm":
             mean, var = running_statistics(layer, weight)
             return lambda x: obj(x, weight, eps, bias=bias, running_mean=mean, running_var=var, **args)
@@ -748,11 +756,29 @@ def precheck(spec: str, args: dict | None = None) -> None:
         raise InputError(f"implementation '{spec}': no such file {Path(target)}")
 
 
+def _fused_builtin(impl: Implementation) -> Implementation:
+    """A built-in that also takes a fused add + norm layer (parity_cli.backends.fused): `torch` as
+    transformers composes it (the sum at the activation dtype, then the norm), `vllm` with its
+    fused_add_rms_norm kernel; the others say in one line that they have no fused form here."""
+    import dataclasses
+
+    plain = impl.prepare
+
+    def prepare(layer: NormLayer, weight, bias, eps: float, **kwargs) -> Prepared:
+        if not layer.fused:
+            return plain(layer, weight, bias, eps, **kwargs)
+        from parity_cli.backends import fused
+
+        return fused.builtin(impl.name, layer, weight, bias, eps)
+
+    return dataclasses.replace(impl, prepare=prepare)
+
+
 def resolve(spec: str, args: dict | None = None) -> Implementation:
     if spec in BUILTINS:
         bound = _builtin_args(spec, args)
         require(spec)
-        impl = BUILTINS[spec]
+        impl = _fused_builtin(BUILTINS[spec])
         if not bound:
             return impl
         import functools

@@ -541,6 +541,7 @@ def fit_gain(panel: Panel, f: Factors):
     return g, s
 
 
+EPS_STRATA = ("tiny", "constant", "cancellation")  # where q/eps is small: the fused add's x = -residual + tiny too
 EPS_COLS = 2048  # channels per row the eps estimate reads (strided): its quartiles are the same to a
 # percent or so, and a failing layer costs a fraction of what it did (BENCHMARKS.md, issue 18)
 
@@ -556,7 +557,7 @@ def estimate_eps(panel: Panel, f: Factors, gain):
 
     samples = []
     for s in panel.originals:
-        if s.name not in ("tiny", "constant"):
+        if s.name not in EPS_STRATA:
             continue
         d = s.x.shape[-1]
         cols = slice(None) if d <= EPS_COLS else slice(0, d, -(-d // EPS_COLS))

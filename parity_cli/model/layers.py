@@ -51,17 +51,20 @@ class NormLayer:
     gate: str | None = None
     activation: str | None = None
     layout: str | None = None  # "channels_first": its class is fed each row as an (N, C, 1, 1) map
+    # "add": checked as a fused residual add + norm (check.fused): a row is [x | residual], an output
+    # row [normed | new residual]
+    fused: str | None = None
 
     @property
     def width(self) -> int:
         """A probe row's length: the channels, times the positions each has (group_norm); x and
         its gate z side by side (gated_rms_norm)."""
-        return self.dim * self.spatial * (2 if self.kind == "gated_rms_norm" else 1)
+        return self.dim * self.spatial * (2 if self.kind == "gated_rms_norm" or self.fused else 1)
 
     @property
     def out_width(self) -> int:
-        """An output row's length."""
-        return self.dim * self.spatial
+        """An output row's length: [normed | new residual] for a fused add."""
+        return self.dim * self.spatial * (2 if self.fused else 1)
 
     @property
     def stored_dtype(self) -> str:

@@ -651,3 +651,39 @@ def render_runtimes(data: dict, console) -> None:
     else:
         line = f"PASS: all {len(ran)} runtime checks"
     console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def render_fused(data: dict, console) -> None:
+    """`parity fused`: a row a layer, the worst of each output (normed, new residual) against its
+    allowance, the failing strata and the cause; the verdict last."""
+    from rich.table import Table
+
+    data = printable_tree(data)
+    table = Table(show_edge=False, header_style="bold", pad_edge=False)
+    for col, justify in (("layer", "left"), ("dim", "right"), ("status", "left"), ("normed", "right"),
+                         ("residual", "right"), ("failing strata", "left"), ("cause", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for layer in data["layers"]:
+        worst = {part: max((float(s[part]["max_abs_err"]) for s in layer["strata"]), default=0.0)
+                 for part in ("normed", "residual")}
+        failing = [s["name"] + ("" if s["normed"]["status"] == "pass" else " (normed)")
+                   + ("" if s["residual"]["status"] == "pass" else " (residual)")
+                   for s in layer["strata"] if "fail" in (s["normed"]["status"], s["residual"]["status"])]
+        cause = layer["error"] or ", ".join(d["code"] for d in layer["diagnoses"])
+        status = "error" if layer["error"] else layer["verdict"]
+        table.add_row(_e(layer["name"]), str(layer["dim"]), f"[{RUNTIME_COLOURS.get(status, '')}]{status}[/]",
+                      fmt(worst["normed"]), fmt(worst["residual"]), _e("; ".join(failing) or "-"), _e(cause or "-"))
+    cand = data["candidate"]
+    console.print(f"[bold]{_e(data['checkpoint'])}[/]: fused residual add + norm, candidate {_e(cand['impl'])} "
+                  f"{cand['dtype']} on {cand['device']}; max |cand - ref| of each output", soft_wrap=True)
+    console.print(table)
+    causes = {}
+    for layer in data["layers"]:
+        for d in layer["diagnoses"]:
+            causes.setdefault(d["code"], d["message"])
+    for code, message in causes.items():
+        console.print(f"{code}: {message}", soft_wrap=True, markup=False, highlight=False)
+    bad = [layer["name"] for layer in data["layers"] if layer["verdict"] != "pass"]
+    line = (f"FAIL: {len(bad)} of {len(data['layers'])} layers: {', '.join(causes) or 'error'}" if bad
+            else f"PASS: all {len(data['layers'])} layers, both outputs within tolerance")
+    console.print(line, soft_wrap=True, markup=False, highlight=False)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     DType = str | torch.dtype
     Weight = str | torch.Tensor | None
 
-__all__ = ["NormCase", "NormParityResult", "assert_norm_parity", "check_norm", "norm_cases",
+__all__ = ["FusedParityResult", "NormCase", "NormParityResult", "assert_norm_parity", "check_norm", "norm_cases",
            "DEFAULT_FAMILIES", "DEFAULT_DTYPES", "PER_HEAD_FAMILIES"]
 
 DTYPE_NAMES = {"float16": "float16", "fp16": "float16", "half": "float16",
@@ -116,7 +116,8 @@ def assert_norm_parity(candidate: Candidate, *, family: str | Family | None = No
                        weight: Weight = None, bias: Any = "auto", heads: int | None = None,
                        strata: Sequence[str] | str | None = None, atol: float | None = None,
                        rtol: float | None = None, grad: bool = False, seed: int = 0,
-                       checkpoint: str | Path | None = None, layer: str | None = None) -> NormParityResult:
+                       checkpoint: str | Path | None = None, layer: str | None = None,
+                       fused: str | None = None) -> NormParityResult:
     """Checks `candidate` against the float64 oracle of the family's norm on stratified probes;
     raises AssertionError with the finding (stratum, worst element, q/eps, diagnosis) when parity
     fails, and returns the NormParityResult when it holds.
@@ -144,14 +145,22 @@ def assert_norm_parity(candidate: Candidate, *, family: str | Family | None = No
     grad: also compare dx and dweight by autograd against the float64 reference's.
     checkpoint, layer: read the layer from a checkpoint instead (its eps, weight and stored dtype;
         `family`, `eps` and `dtype` given explicitly override them).
+    fused: "add": `candidate` is a fused residual add + norm, ``fn(x, residual, weight, eps)``
+        returning (normed, new_residual) or writing both in place (vLLM's: x <- normed, residual
+        <- x + residual); both outputs are checked against the float64 oracle of the sum, on
+        strata of the sum (parity_cli.check.fused). Returns a FusedParityResult.
 
     Bad input (an unknown family or stratum, a candidate that is not callable, that returns a
     wrong shape or no tensor, a device or dtype that is not there) raises one TypeError or
     ValueError naming the argument. An exception the candidate raises propagates as itself."""
     __tracebackhide__ = True
-    result = _check(candidate, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype, device=device,
-                    weight=weight, bias=bias, heads=heads, strata=strata, atol=atol, rtol=rtol, grad=grad,
-                    seed=seed, checkpoint=checkpoint, layer=layer)
+    if fused is not None:
+        result = _check_fused(candidate, fused, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype,
+                              device=device, weight=weight, bias=bias, atol=atol, rtol=rtol, seed=seed)
+    else:
+        result = _check(candidate, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype, device=device,
+                        weight=weight, bias=bias, heads=heads, strata=strata, atol=atol, rtol=rtol, grad=grad,
+                        seed=seed, checkpoint=checkpoint, layer=layer)
     if not result.passed:
         raise AssertionError(result.message)
     return result
@@ -161,10 +170,14 @@ def check_norm(candidate: Candidate, *, family: str | Family | None = None, hidd
                eps: float | None = None, dtype: DType | None = None, device: str = "cpu", weight: Weight = None,
                bias: Any = "auto", heads: int | None = None, strata: Sequence[str] | str | None = None,
                atol: float | None = None, rtol: float | None = None, grad: bool = False, seed: int = 0,
-               checkpoint: str | Path | None = None, layer: str | None = None) -> NormParityResult:
+               checkpoint: str | Path | None = None, layer: str | None = None,
+               fused: str | None = None) -> NormParityResult:
     """assert_norm_parity without the assertion: the NormParityResult, pass or fail (for notebooks:
     `bool(result)`, `result.to_dict()`, `print(result)`). Bad input raises as there."""
     __tracebackhide__ = True
+    if fused is not None:
+        return _check_fused(candidate, fused, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype,
+                            device=device, weight=weight, bias=bias, atol=atol, rtol=rtol, seed=seed)
     return _check(candidate, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype, device=device,
                   weight=weight, bias=bias, heads=heads, strata=strata, atol=atol, rtol=rtol, grad=grad,
                   seed=seed, checkpoint=checkpoint, layer=layer)
@@ -631,6 +644,82 @@ def _check(candidate, *, family, hidden_size, eps, dtype, device, weight, bias, 
         _raise_candidate_fault(impl, spec, setup, dt, dev, seed, result)
     report = _report(result, setup, spec, impl, tol, grad_tol, dev, ref_device, seed, grad)
     return NormParityResult(layer=result, message=_message(report), _report=report)
+
+
+@dataclass
+class FusedParityResult:
+    """A fused residual add + norm's parity (fused="add"): truthy when both outputs hold on every
+    stratum of the sum. `result` is parity_cli.check.fused.FusedResult."""
+
+    result: Any
+
+    @property
+    def passed(self) -> bool:
+        return self.result.passed
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def diagnoses(self) -> list[dict]:
+        return self.to_dict()["diagnoses"]
+
+    @property
+    def failing_strata(self) -> list[str]:
+        return [s.name for s in self.result.strata if not s.passed]
+
+    def to_dict(self) -> dict:
+        return self.result.as_dict()
+
+    @property
+    def message(self) -> str:
+        r = self.result
+        if r.passed:
+            return f"PASS: fused add + {r.kind} {r.dtype}, both outputs within tolerance on {len(r.strata)} strata"
+        if r.error:
+            return f"ERROR: fused add + {r.kind} {r.dtype}: {r.error}"
+        parts = [f"{s.name} ({', '.join(p for p, ok in (('normed', s.normed.passed), ('residual', s.residual.passed)) if not ok)})"
+                 for s in r.strata if not s.passed]
+        lines = [f"FAIL: fused add + {r.kind} {r.dtype}: {'; '.join(parts)}"]
+        lines += [f"  {d.code}: {d.message}" for d in r.diagnoses]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _check_fused(candidate, fused, *, family, hidden_size, eps, dtype, device, weight, bias, atol, rtol, seed):
+    """fused="add": the kernel adapted to (x, residual) -> (normed, new_residual), run here on the
+    device, both outputs against the oracle of the sum (parity_cli.check.fused)."""
+    __tracebackhide__ = True
+    import inspect
+
+    from parity_cli.backends.fused import adapt
+    from parity_cli.check.fused import check_add_norm, in_process
+    from parity_cli.comparison import tolerance_for
+
+    if fused != "add":
+        raise ValueError(f"fused: {fused!r}; the fused form checked is 'add' (a residual add + norm)")
+    if not callable(candidate) or inspect.isclass(candidate):
+        raise TypeError(f"candidate: a fused add + norm is a function fn(x, residual, weight, eps), got {candidate!r}")
+    given = "llama" if family is None else family
+    setup = _layer_from_family(candidate, _family(given), hidden_size, eps, dtype, weight, bias, None, seed)
+    layer = setup.layer
+    if layer.kind not in ("rms_norm", "layer_norm"):
+        raise ValueError(f"family={given!r}: a fused residual add + norm is an RMSNorm or a LayerNorm, not a {layer.kind}")
+    dev, dt = _device(device, setup.dtype)
+    w = layer.weight.to(device=dev, dtype=dt)
+    b = None if layer.bias is None else layer.bias.to(device=dev, dtype=dt)
+    pair = adapt(candidate, w, layer.eps.value, **({"bias": b} if layer.kind == "layer_norm" else {}))
+
+    def on_device(x, r):
+        return pair(_on_device(x, dev), _on_device(r, dev))
+
+    gain = layer.gain_offset + layer.weight.to(dt).double()
+    ref_bias = None if layer.bias is None else layer.bias.to(dt).double()
+    result = check_add_norm(layer, in_process(on_device), dt, tolerance_for(setup.dtype, atol, rtol),
+                            layer.eps.value, gain, ref_bias, seed)
+    return FusedParityResult(result)
 
 
 # --- a candidate that raises or returns garbage --------------------------------------------------------

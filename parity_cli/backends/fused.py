@@ -1,0 +1,90 @@
+"""Fused residual add + norm kernels as candidates (issue 37): the kernel's own calling convention
+adapted to rows [x | residual] -> [normed | new residual], which the supervised runners move like
+any other rows (check.fused compares both halves with the oracle of the sum).
+
+Built-ins: `torch` is the unfused composition as transformers writes it (`hidden = residual +
+hidden` at the activation dtype, then the family's norm: the baseline), `vllm` is vLLM's own
+`torch.ops._C.fused_add_rms_norm(x, residual, w, eps)`, in place. A plugin is a function
+fn(x, residual, weight, eps) that returns (normed, new_residual) or writes both in place (x <- normed,
+residual <- x + residual) and returns None."""
+
+from __future__ import annotations
+
+from parity_cli.errors import InputError
+
+BUILTINS = ("torch", "vllm")
+
+
+def adapt(kernel, weight, eps: float, **kwargs):
+    """(x, residual) -> (normed, new_residual) for a kernel that returns the pair or works in place,
+    called on copies: an in-place kernel writes into its own arguments, never the caller's."""
+
+    def run(x, r):
+        x, r = x.clone(), r.clone()
+        out = kernel(x, r, weight, eps, **kwargs)
+        if out is None:
+            return x, r
+        if isinstance(out, (tuple, list)) and len(out) == 2:
+            return out[0], out[1]
+        raise TypeError("a fused add + norm returns (normed, new_residual), or works in place and returns None; "
+                        f"it returned {type(out).__name__}")
+
+    return run
+
+
+def on_rows(pair, layer):
+    """pair(x, residual) as a function of rows [x | residual], returning [normed | new residual]."""
+    import torch
+
+    def run(x2):
+        x, r = x2[..., :layer.dim], x2[..., layer.dim:]
+        y, s = pair(x.contiguous(), r.contiguous())
+        return torch.cat([y.reshape(x.shape), s.reshape(r.shape)], -1)
+
+    return run
+
+
+def _composed(layer, weight, bias, eps: float):
+    """transformers' unfused block: the sum at the activation dtype, then the family's norm."""
+    import torch.nn.functional as F
+
+    gain = weight + layer.gain_offset if layer.gain_offset else weight
+
+    def pair(x, r):
+        s = x + r
+        h = s.float()
+        if layer.kind == "layer_norm":
+            y = F.layer_norm(h, (layer.dim,), gain.float(), None if bias is None else bias.float(), eps)
+        else:
+            y = F.rms_norm(h, (layer.dim,), gain.float(), eps)
+        return y.to(x.dtype), s
+
+    return pair
+
+
+def _vllm(layer, weight, eps: float):
+    import torch
+
+    from parity_cli.backends import vllm_kernels
+
+    vllm_kernels.check_layer(layer)
+    vllm_kernels._load(str(weight.device))
+    kernel = torch.ops._C.fused_add_rms_norm
+    gain = weight.double() + layer.gain_offset if layer.gain_offset else weight
+
+    def in_place(x, r, w, e):
+        kernel(x, r, w.to(x.dtype).contiguous(), float(e))
+
+    return adapt(in_place, gain, eps)
+
+
+def builtin(name: str, layer, weight, bias, eps: float):
+    if layer.kind not in ("rms_norm", "layer_norm") or weight.dim() > 1:
+        raise InputError(f"--fused add: {layer.name} is a {layer.kind}{' with per-head gains' if weight.dim() > 1 else ''}; "
+                         "a fused residual add + norm is checked on RMSNorm and LayerNorm layers")
+    if name in ("torch", "hf", "oracle"):
+        return on_rows(_composed(layer, weight, bias, eps), layer)
+    if name == "vllm":
+        return on_rows(_vllm(layer, weight, eps), layer)
+    raise InputError(f"--fused add: the built-in '{name}' has no fused add + norm here; built-ins: "
+                     f"{', '.join(BUILTINS)}, or a plugin fn(x, residual, weight, eps)")
