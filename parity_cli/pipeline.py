@@ -720,7 +720,7 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat
                                                inputs=[torch.cat([x, r], -1) for x, r in inputs]))
                 run = runners[0].collect()
                 if run.setup and run.error:  # the implementation says it cannot take this layer
-                    raise InputError(run.error)
+                    raise InputError(run.error.partition("InputError: ")[2] or run.error)
                 outs = []
                 for k in range(len(inputs)):
                     o = run.output(k)

@@ -159,3 +159,20 @@ def test_the_whole_fused_panel_is_named_exactly_and_correct_kernels_raise_nothin
     module = kernels()
     wrong = [(case, got) for case in PANEL if (got := run_case(case, module)) != expected(case[0], case[1])]
     assert not wrong
+
+
+@pytest.mark.parametrize("model_type", ["llama", "bert"])
+def test_onnx_runtimes_skip_layer_normalization_passes_at_float32_and_float16(ckpt, model_type):
+    """ORT's contrib ops, as its transformer optimiser fuses the residual add into the norm
+    (SkipSimplifiedLayerNormalization for RMSNorm, SkipLayerNormalization for LayerNorm). At float16
+    it forms the sum in float32 and normalises that: the overflow stratum passes where transformers'
+    own composition (the `torch` baseline, a float16 sum) gives inf."""
+    pytest.importorskip("onnxruntime")
+    src = ckpt(model_type, layers=1, hidden=64, heads=4, eps=1e-12 if model_type == "bert" else 1e-5)
+    for dtype in ("float32", "float16"):
+        report = pipeline.check_fused(src, candidate="onnxruntime", dtype=dtype)
+        assert report.passed, [(layer.name, [d.code for d in layer.diagnoses]) for layer in report.layers]
+    baseline = pipeline.check_fused(src, candidate="torch", dtype="float16")
+    assert {d.code for layer in baseline.layers for d in layer.diagnoses} == {"sum_overflow"}
+    r = run_parity("fused", src, "--candidate", "onnxruntime", "--dtype", "bfloat16")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "float32 and float16" in r.stderr, r.stderr

@@ -4,7 +4,9 @@ any other rows (check.fused compares both halves with the oracle of the sum).
 
 Built-ins: `torch` is the unfused composition as transformers writes it (`hidden = residual +
 hidden` at the activation dtype, then the family's norm: the baseline), `vllm` is vLLM's own
-`torch.ops._C.fused_add_rms_norm(x, residual, w, eps)`, in place. A plugin is a function
+`torch.ops._C.fused_add_rms_norm(x, residual, w, eps)`, in place, and `onnxruntime` is the contrib
+op ORT's transformer optimiser fuses the pair into: `SkipSimplifiedLayerNormalization` (RMSNorm) or
+`SkipLayerNormalization` (LayerNorm), its fourth output the sum, on the CPU provider. A plugin is a function
 fn(x, residual, weight, eps) that returns (normed, new_residual) or writes both in place (x <- normed,
 residual <- x + residual) and returns None."""
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from parity_cli.errors import InputError
 
-BUILTINS = ("torch", "vllm")
+BUILTINS = ("torch", "vllm", "onnxruntime")
 
 
 def adapt(kernel, weight, eps: float, **kwargs):
@@ -78,6 +80,43 @@ def _vllm(layer, weight, eps: float):
     return adapt(in_place, gain, eps)
 
 
+def _onnxruntime(layer, weight, bias, eps: float):
+    """ORT's Skip*LayerNormalization (com.microsoft) on one (x, skip) pair: outputs 0 (normed) and 3
+    (input + skip), float32 or float16 as the CPU provider implements them."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    types = {torch.float32: (TensorProto.FLOAT, np.float32), torch.float16: (TensorProto.FLOAT16, np.float16)}
+    if weight.dtype not in types:
+        raise InputError(f"--candidate onnxruntime: ORT's CPU Skip*LayerNormalization kernels take float32 and "
+                         f"float16, not {str(weight.dtype).removeprefix('torch.')}")
+    elem, npt = types[weight.dtype]
+    simplified = layer.kind == "rms_norm"
+    op = "SkipSimplifiedLayerNormalization" if simplified else "SkipLayerNormalization"
+    gain = (weight.double() + layer.gain_offset).to(weight.dtype) if layer.gain_offset else weight
+    names = ["x", "skip", "gamma"] + ([] if simplified or bias is None else ["beta"])
+    inputs = [helper.make_tensor_value_info(n, elem, ["N", layer.dim]) for n in names[:2]]
+    inputs += [helper.make_tensor_value_info(n, elem, [layer.dim]) for n in names[2:]]
+    node = helper.make_node(op, names, ["y", "", "", "sum"], domain="com.microsoft", epsilon=float(eps))
+    graph = helper.make_graph([node], "fused_add_norm", inputs,
+                              [helper.make_tensor_value_info(n, elem, ["N", layer.dim]) for n in ("y", "sum")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    consts = {"gamma": gain.detach().cpu().numpy().astype(npt)}
+    if "beta" in names:
+        consts["beta"] = bias.detach().cpu().numpy().astype(npt)
+
+    def pair(x, r):
+        y, s = session.run(None, {"x": x.cpu().numpy().astype(npt), "skip": r.cpu().numpy().astype(npt), **consts})
+        return torch.from_numpy(y), torch.from_numpy(s)
+
+    return pair
+
+
 def builtin(name: str, layer, weight, bias, eps: float):
     if layer.kind not in ("rms_norm", "layer_norm") or weight.dim() > 1:
         raise InputError(f"--fused add: {layer.name} is a {layer.kind}{' with per-head gains' if weight.dim() > 1 else ''}; "
@@ -86,5 +125,7 @@ def builtin(name: str, layer, weight, bias, eps: float):
         return on_rows(_composed(layer, weight, bias, eps), layer)
     if name == "vllm":
         return on_rows(_vllm(layer, weight, eps), layer)
+    if name == "onnxruntime":
+        return on_rows(_onnxruntime(layer, weight, bias, eps), layer)
     raise InputError(f"--fused add: the built-in '{name}' has no fused add + norm here; built-ins: "
                      f"{', '.join(BUILTINS)}, or a plugin fn(x, residual, weight, eps)")
