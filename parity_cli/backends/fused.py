@@ -34,6 +34,63 @@ def adapt(kernel, weight, eps: float, **kwargs):
     return run
 
 
+def adapt_quant(kernel, weight, eps: float, scale, **kwargs):
+    """x -> (q, scale) for a norm + quantize kernel fn(x, weight, eps, scale=None): `scale` the static
+    scale it is given (None: it computes its own per token and returns it)."""
+    import torch
+
+    def run(x):
+        out = kernel(x.clone(), weight, eps, scale=scale, **kwargs)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("a norm + quantize kernel returns (q, scale)")
+        q, s = out
+        s = torch.as_tensor(s, dtype=torch.float64).reshape(-1, 1).expand(x.shape[0], 1) if torch.as_tensor(
+            s).numel() in (1, x.shape[0]) else None
+        if s is None:
+            raise TypeError("a norm + quantize kernel's scale is one number or one per row")
+        return q, s
+
+    return run
+
+
+def on_rows_quant(quant, layer):
+    """quant(x) -> (q, scale) as rows [q | scale] (q's integers as floats, exactly)."""
+    import torch
+
+    def run(x):
+        q, s = quant(x.contiguous())
+        return torch.cat([q.to(torch.float64).reshape(x.shape), s.to(torch.float64).reshape(-1, 1)], -1)
+
+    return run
+
+
+def _vllm_quant(layer, weight, eps: float, mode: str, scale):
+    """vLLM's CPU path for RMSNorm + int8: its rms_norm kernel, then static_scaled_int8_quant or
+    dynamic_scaled_int8_quant (the CPU wheel has no fused norm + quant kernel; its fp8 ops are empty)."""
+    import torch
+
+    from parity_cli.backends import vllm_kernels
+
+    vllm_kernels.check_layer(layer)
+    rms = vllm_kernels._load(str(weight.device))
+    gain = weight.double() + layer.gain_offset if layer.gain_offset else weight
+
+    def run(x):
+        h = x.contiguous()
+        y = torch.empty_like(h)
+        rms(y, h, gain.to(h.dtype).contiguous(), float(eps))
+        q = torch.empty(h.shape, dtype=torch.int8)
+        if mode == "static":
+            s = torch.tensor([scale], dtype=torch.float32)
+            torch.ops._C.static_scaled_int8_quant(q, y, s, None)
+        else:
+            s = torch.empty(h.shape[0], 1, dtype=torch.float32)
+            torch.ops._C.dynamic_scaled_int8_quant(q, y, s, None)
+        return q, s.to(torch.float64).reshape(-1, 1).expand(h.shape[0], 1)
+
+    return run
+
+
 def on_rows(pair, layer):
     """pair(x, residual) as a function of rows [x | residual], returning [normed | new residual]."""
     import torch
@@ -118,6 +175,12 @@ def _onnxruntime(layer, weight, bias, eps: float):
 
 
 def builtin(name: str, layer, weight, bias, eps: float):
+    if layer.fused == "quant":
+        mode, scale = layer.quant
+        if name == "vllm" and layer.kind == "rms_norm":
+            return on_rows_quant(_vllm_quant(layer, weight, eps, mode, scale), layer)
+        raise InputError(f"--quant: the built-in '{name}' has no norm + int8 quantize here; built-in: vllm "
+                         "(RMSNorm), or a plugin fn(x, weight, eps, scale=None) -> (q, scale)")
     if layer.kind not in ("rms_norm", "layer_norm") or weight.dim() > 1:
         raise InputError(f"--fused add: {layer.name} is a {layer.kind}{' with per-head gains' if weight.dim() > 1 else ''}; "
                          "a fused residual add + norm is checked on RMSNorm and LayerNorm layers")

@@ -681,6 +681,10 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
     _check_accepts(spec, obj, args, skip=3)  # x, weight, eps
 
     def prepare_function(layer: NormLayer, weight, bias, eps: float) -> Prepared:
+        if layer.fused == "quant":  # fn(x, weight, eps, scale=None) -> (q, scale)
+            from parity_cli.backends.fused import adapt_quant, on_rows_quant
+
+            return on_rows_quant(adapt_quant(obj, weight, eps, layer.quant[1], **args), layer)
         if layer.fused:  # fn(x, residual, weight, eps): the pair back, or both written in place
             from parity_cli.backends.fused import adapt, on_rows
 

@@ -169,13 +169,14 @@ def _close(a, b, dtype) -> bool:
 
 
 def in_process(pair):
-    """run_all for a kernel adapted as pair(x, residual) -> (normed, new_residual), called here."""
+    """run_all for a kernel adapted as pair(x, residual) -> (normed, new_residual) (or quant(x) ->
+    (q, scale), its inputs single tensors), called here."""
 
     def run_all(inputs):
         out = []
-        for x, r in inputs:
+        for args in inputs:
             try:
-                out.append(pair(x, r))
+                out.append(pair(*args) if isinstance(args, tuple) else pair(args))
             except Exception as exc:  # noqa: BLE001 - the candidate's fault, kept as words
                 out.append(f"the candidate raised {type(exc).__name__}: {exc}")
         return out
@@ -232,3 +233,132 @@ def diagnose_add_norm(layer, result: FusedResult, gain, bias, eps: float, tol, d
         normed = [s.normed for s in result.strata if s.name != "sum_overflow"]
         out = diagnose(layer, normed, gain, tol, dtype, bias=bias)
     return out
+
+
+# --- norm + quantize -----------------------------------------------------------------------------
+
+QMIN, QMAX = -128, 127  # int8, as vLLM's static and dynamic int8 quant clamp
+
+
+@dataclass
+class QuantResult:
+    name: str
+    kind: str
+    dim: int
+    dtype: str
+    mode: str  # static | dynamic
+    scale: float | None  # the static scale given
+    strata: list = field(default_factory=list)  # comparison.StratumResult of the dequantized output
+    saturated: dict = field(default_factory=dict)  # stratum -> elements past the int8 range at that scale
+    diagnoses: list = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(s.passed for s in self.strata)
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "dim": self.dim, "dtype": self.dtype, "fused": "quant",
+                "mode": self.mode, "scale": self.scale, "verdict": "pass" if self.passed else "fail",
+                "error": self.error, "saturated": dict(self.saturated),
+                "strata": [{"name": s.name, "status": s.status, "violations": s.violations, "elements": s.elements,
+                            "max_abs_err": s.max_abs_err if math.isfinite(s.max_abs_err) else str(s.max_abs_err)}
+                           for s in self.strata],
+                "diagnoses": [{"code": d.code, "message": d.message, "evidence": d.evidence} for d in self.diagnoses]}
+
+
+def static_scale(layer, eps: float, dtype, gain, bias, seed: int) -> float:
+    """A static scale as calibration picks one: the normal stratum's largest |y| over 127, so that
+    ordinary rows use the int8 range and large or outlier rows saturate (counted apart)."""
+    from parity_cli.backends.implementations import oracle_normalize
+    from parity_cli.probes.strata import build_probe_set, select_strata
+
+    ps = build_probe_set(select_strata(None), layer.dim, eps, dtype, seed)
+    normal = next(p.x for p in ps.probes if p.stratum == "normal")
+    y = oracle_normalize(normal, eps, layer.kind) * gain + (0 if bias is None else bias)
+    return float(y.abs().max()) / QMAX
+
+
+def check_norm_quant(layer, run_all, dtype, tol, eps: float, gain, bias=None, seed: int = 0, mode: str = "static",
+                     scale: float | None = None) -> QuantResult:
+    """`run_all([x, ...]) -> [(q, scale) or words, ...]`; each stratum dequantized (q * scale) against
+    the oracle's normed value clamped to the int8 range at that scale, allowed half a quantization
+    step more than the dtype's tolerance. Elements past the range are counted apart (saturated)."""
+    import torch
+
+    from parity_cli.backends.implementations import oracle_normalize
+    from parity_cli.comparison import compare_batch
+    from parity_cli.probes.strata import build_probe_set, select_strata
+
+    result = QuantResult(layer.name, layer.kind, layer.dim, str(dtype).removeprefix("torch."), mode, scale)
+    ps = build_probe_set(select_strata(None), layer.dim, eps, dtype, seed)
+    outputs = run_all([p.x.to(dtype) for p in ps.probes])
+    for probe, out in zip(ps.probes, outputs):
+        if isinstance(out, str):
+            result.error = f"{probe.stratum}: {out}"
+            return result
+        q, s_out = (t.detach().to("cpu", torch.float64) for t in out)
+        q, s_out = q.reshape(probe.x.shape), s_out.reshape(-1, 1)
+        y = oracle_normalize(probe.x, eps, layer.kind) * gain + (0 if bias is None else bias)
+        if mode == "dynamic":  # the kernel's own per-token scale: max|y| / 127 of its own (rounded) row
+            ref_scale = (y.abs().amax(-1, keepdim=True) / QMAX).clamp_min(1e-30)
+            step = torch.maximum(ref_scale, s_out)
+        else:
+            ref_scale = step = torch.full_like(s_out, scale)
+        lo, hi = QMIN * ref_scale, QMAX * ref_scale
+        result.saturated[probe.stratum] = int(((y < lo) | (y > hi)).sum())
+        ref = torch.maximum(torch.minimum(y, hi), lo)
+        seg = [(probe.stratum, 0, probe.x.shape[0])]
+        extra = (0.5 * step * (1 + 2 ** -10)).expand_as(ref)  # round to nearest: half a step, and the scale's rounding
+        if mode == "dynamic":  # the row's scale itself is the dtype's rounding of max|y| / 127
+            extra = extra + (ref.abs() * (s_out - ref_scale).abs() / ref_scale)
+        (cmp,) = compare_batch(seg, probe.x, ref, q * s_out, eps, layer.kind, tol, extra=extra, dtype=dtype)
+        cmp.x, cmp.ref, cmp.cand, cmp.shared = probe.x, ref, q * s_out, {}
+        cmp.q_int, cmp.y, cmp.step = q, y, s_out  # the integers, the oracle, the scale the kernel divided by
+        result.strata.append(cmp)
+    if not result.passed:
+        result.diagnoses = diagnose_norm_quant(layer, result, gain, dtype)
+    return result
+
+
+def diagnose_norm_quant(layer, result: QuantResult, gain, dtype) -> list:
+    """Which quantization reproduces the integers: the rounding mode (truncation where nearest is
+    expected), wrap-around instead of saturation, the scale applied before the gain."""
+    import torch
+
+    from parity_cli.diagnose.causes import Diagnosis
+
+    failing = [s for s in result.strata if not s.passed]
+
+    def share(form) -> float:
+        hit = total = 0
+        for s in failing:
+            expect = form(s)
+            hit += int((expect == s.q_int).sum())
+            total += s.q_int.numel()
+        return hit / max(total, 1)
+
+    def seen(s):  # the normed value as the kernel holds it before quantizing: rounded to its dtype
+        return s.y.to(dtype).to(torch.float64) / s.step
+
+    nearest = share(lambda s: torch.round(seen(s)).clamp(QMIN, QMAX))
+    forms = {
+        "quant_rounding_truncates": (lambda s: torch.trunc(seen(s)).clamp(QMIN, QMAX),
+                                     "the candidate truncates x / scale toward zero where round-to-nearest is "
+                                     "expected: every element loses up to a whole step, biased toward 0"),
+        "quant_wraps": (lambda s: ((torch.round(seen(s)) - QMIN) % 256 + QMIN),
+                        "the candidate wraps past the int8 range instead of saturating: a value above 127 "
+                        "comes back negative (a cast without a clamp)"),
+        "quant_scale_before_gain": (lambda s: torch.round(
+            (s.y / gain).to(dtype).to(torch.float64) / s.step).clamp(QMIN, QMAX),
+            "the candidate quantizes the normalised value before the gain multiplies it (scale placed "
+            "before the gain): the integers are those of N(x), not of N(x) * w"),
+    }
+    for code, (form, words) in forms.items():
+        got = share(form)
+        if got >= 0.99 and got > nearest + 0.01:
+            return [Diagnosis(code, words, {"share_reproduced": round(got, 4), "share_round_to_nearest": round(nearest, 4)})]
+    sat = {k: v for k, v in result.saturated.items() if v}
+    return [Diagnosis("quant_unexplained", "the dequantized output misses the oracle by more than half a "
+                      "quantization step, and no rounding, saturation or scale placement reproduces its integers",
+                      {"share_round_to_nearest": round(nearest, 4), "saturated": sat})]

@@ -54,16 +54,20 @@ class NormLayer:
     # "add": checked as a fused residual add + norm (check.fused): a row is [x | residual], an output
     # row [normed | new residual]
     fused: str | None = None
+    # fused "quant": ("static", scale) or ("dynamic", None); an output row is [q | scale]
+    quant: tuple | None = None
 
     @property
     def width(self) -> int:
         """A probe row's length: the channels, times the positions each has (group_norm); x and
         its gate z side by side (gated_rms_norm)."""
-        return self.dim * self.spatial * (2 if self.kind == "gated_rms_norm" or self.fused else 1)
+        return self.dim * self.spatial * (2 if self.kind == "gated_rms_norm" or self.fused == "add" else 1)
 
     @property
     def out_width(self) -> int:
-        """An output row's length: [normed | new residual] for a fused add."""
+        """An output row's length: [normed | new residual] for a fused add, [q | scale] for norm + quant."""
+        if self.fused == "quant":
+            return self.dim + 1
         return self.dim * self.spatial * (2 if self.fused else 1)
 
     @property

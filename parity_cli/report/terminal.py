@@ -659,6 +659,8 @@ def render_fused(data: dict, console) -> None:
     from rich.table import Table
 
     data = printable_tree(data)
+    if data.get("fused") == "quant":
+        return _render_quant(data, console)
     table = Table(show_edge=False, header_style="bold", pad_edge=False)
     for col, justify in (("layer", "left"), ("dim", "right"), ("status", "left"), ("normed", "right"),
                          ("residual", "right"), ("failing strata", "left"), ("cause", "left")):
@@ -686,4 +688,40 @@ def render_fused(data: dict, console) -> None:
     bad = [layer["name"] for layer in data["layers"] if layer["verdict"] != "pass"]
     line = (f"FAIL: {len(bad)} of {len(data['layers'])} layers: {', '.join(causes) or 'error'}" if bad
             else f"PASS: all {len(data['layers'])} layers, both outputs within tolerance")
+    console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def _render_quant(data: dict, console) -> None:
+    """`parity fused --quant`: a row a layer, the dequantized output's worst error, the elements the
+    int8 range saturates at that scale (counted apart, not failures), the cause."""
+    from rich.table import Table
+
+    table = Table(show_edge=False, header_style="bold", pad_edge=False)
+    for col, justify in (("layer", "left"), ("dim", "right"), ("status", "left"), ("scale", "right"),
+                         ("max |deq - ref|", "right"), ("saturated", "right"), ("failing strata", "left"),
+                         ("cause", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for layer in data["layers"]:
+        worst = max((float(s["max_abs_err"]) for s in layer["strata"]), default=0.0)
+        status = "error" if layer["error"] else layer["verdict"]
+        failing = [s["name"] for s in layer["strata"] if s["status"] != "pass"]
+        cause = layer["error"] or ", ".join(d["code"] for d in layer["diagnoses"])
+        table.add_row(_e(layer["name"]), str(layer["dim"]), f"[{RUNTIME_COLOURS.get(status, '')}]{status}[/]",
+                      fmt(layer["scale"]) if layer["scale"] is not None else "per token", fmt(worst),
+                      str(sum(layer["saturated"].values())), _e(", ".join(failing) or "-"), _e(cause or "-"))
+    cand = data["candidate"]
+    mode = data["layers"][0]["mode"] if data["layers"] else ""
+    console.print(f"[bold]{_e(data['checkpoint'])}[/]: norm + int8 quantize ({mode} scale), candidate "
+                  f"{_e(cand['impl'])} {cand['dtype']} on {cand['device']}; dequantized, half a step allowed",
+                  soft_wrap=True)
+    console.print(table)
+    causes = {}
+    for layer in data["layers"]:
+        for d in layer["diagnoses"]:
+            causes.setdefault(d["code"], d["message"])
+    for code, message in causes.items():
+        console.print(f"{code}: {message}", soft_wrap=True, markup=False, highlight=False)
+    bad = [layer["name"] for layer in data["layers"] if layer["verdict"] != "pass"]
+    line = (f"FAIL: {len(bad)} of {len(data['layers'])} layers: {', '.join(causes) or 'error'}" if bad
+            else f"PASS: all {len(data['layers'])} layers, the dequantized output within half a step")
     console.print(line, soft_wrap=True, markup=False, highlight=False)

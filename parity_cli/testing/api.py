@@ -117,7 +117,7 @@ def assert_norm_parity(candidate: Candidate, *, family: str | Family | None = No
                        strata: Sequence[str] | str | None = None, atol: float | None = None,
                        rtol: float | None = None, grad: bool = False, seed: int = 0,
                        checkpoint: str | Path | None = None, layer: str | None = None,
-                       fused: str | None = None) -> NormParityResult:
+                       fused: str | None = None, scale: str | float = "static") -> NormParityResult:
     """Checks `candidate` against the float64 oracle of the family's norm on stratified probes;
     raises AssertionError with the finding (stratum, worst element, q/eps, diagnosis) when parity
     fails, and returns the NormParityResult when it holds.
@@ -149,6 +149,11 @@ def assert_norm_parity(candidate: Candidate, *, family: str | Family | None = No
         returning (normed, new_residual) or writing both in place (vLLM's: x <- normed, residual
         <- x + residual); both outputs are checked against the float64 oracle of the sum, on
         strata of the sum (parity_cli.check.fused). Returns a FusedParityResult.
+        "quant": `candidate` is a norm + int8 quantize, ``fn(x, weight, eps, scale=None)`` returning
+        (q, scale); compared after dequantizing, half a quantization step allowed, saturation
+        counted apart, and the rounding mode, wrap-around and the scale's placement diagnosed.
+    scale: fused="quant" only: "static" (a scale calibrated on the normal stratum, given to the
+        kernel), "dynamic" (the kernel's own per token, scale=None) or a number (that static scale).
 
     Bad input (an unknown family or stratum, a candidate that is not callable, that returns a
     wrong shape or no tensor, a device or dtype that is not there) raises one TypeError or
@@ -156,7 +161,7 @@ def assert_norm_parity(candidate: Candidate, *, family: str | Family | None = No
     __tracebackhide__ = True
     if fused is not None:
         result = _check_fused(candidate, fused, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype,
-                              device=device, weight=weight, bias=bias, atol=atol, rtol=rtol, seed=seed)
+                              device=device, weight=weight, bias=bias, atol=atol, rtol=rtol, seed=seed, scale=scale)
     else:
         result = _check(candidate, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype, device=device,
                         weight=weight, bias=bias, heads=heads, strata=strata, atol=atol, rtol=rtol, grad=grad,
@@ -171,13 +176,13 @@ def check_norm(candidate: Candidate, *, family: str | Family | None = None, hidd
                bias: Any = "auto", heads: int | None = None, strata: Sequence[str] | str | None = None,
                atol: float | None = None, rtol: float | None = None, grad: bool = False, seed: int = 0,
                checkpoint: str | Path | None = None, layer: str | None = None,
-               fused: str | None = None) -> NormParityResult:
+               fused: str | None = None, scale: str | float = "static") -> NormParityResult:
     """assert_norm_parity without the assertion: the NormParityResult, pass or fail (for notebooks:
     `bool(result)`, `result.to_dict()`, `print(result)`). Bad input raises as there."""
     __tracebackhide__ = True
     if fused is not None:
         return _check_fused(candidate, fused, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype,
-                            device=device, weight=weight, bias=bias, atol=atol, rtol=rtol, seed=seed)
+                            device=device, weight=weight, bias=bias, atol=atol, rtol=rtol, seed=seed, scale=scale)
     return _check(candidate, family=family, hidden_size=hidden_size, eps=eps, dtype=dtype, device=device,
                   weight=weight, bias=bias, heads=heads, strata=strata, atol=atol, rtol=rtol, grad=grad,
                   seed=seed, checkpoint=checkpoint, layer=layer)
@@ -675,12 +680,17 @@ class FusedParityResult:
     def message(self) -> str:
         r = self.result
         if r.passed:
-            return f"PASS: fused add + {r.kind} {r.dtype}, both outputs within tolerance on {len(r.strata)} strata"
+            what = f"{r.kind} + int8 quantize ({r.mode} scale)" if getattr(r, "mode", None) else f"fused add + {r.kind}"
+            return f"PASS: {what} {r.dtype}, within tolerance on {len(r.strata)} strata"
         if r.error:
             return f"ERROR: fused add + {r.kind} {r.dtype}: {r.error}"
-        parts = [f"{s.name} ({', '.join(p for p, ok in (('normed', s.normed.passed), ('residual', s.residual.passed)) if not ok)})"
-                 for s in r.strata if not s.passed]
-        lines = [f"FAIL: fused add + {r.kind} {r.dtype}: {'; '.join(parts)}"]
+        if getattr(r, "mode", None):  # norm + quantize: one output, dequantized
+            parts = [s.name for s in r.strata if not s.passed]
+            lines = [f"FAIL: {r.kind} + int8 quantize ({r.mode} scale) {r.dtype}: {', '.join(parts)}"]
+        else:
+            parts = [f"{s.name} ({', '.join(p for p, ok in (('normed', s.normed.passed), ('residual', s.residual.passed)) if not ok)})"
+                     for s in r.strata if not s.passed]
+            lines = [f"FAIL: fused add + {r.kind} {r.dtype}: {'; '.join(parts)}"]
         lines += [f"  {d.code}: {d.message}" for d in r.diagnoses]
         return "\n".join(lines)
 
@@ -688,7 +698,8 @@ class FusedParityResult:
         return self.message
 
 
-def _check_fused(candidate, fused, *, family, hidden_size, eps, dtype, device, weight, bias, atol, rtol, seed):
+def _check_fused(candidate, fused, *, family, hidden_size, eps, dtype, device, weight, bias, atol, rtol, seed,
+                 scale="static"):
     """fused="add": the kernel adapted to (x, residual) -> (normed, new_residual), run here on the
     device, both outputs against the oracle of the sum (parity_cli.check.fused)."""
     __tracebackhide__ = True
@@ -698,10 +709,12 @@ def _check_fused(candidate, fused, *, family, hidden_size, eps, dtype, device, w
     from parity_cli.check.fused import check_add_norm, in_process
     from parity_cli.comparison import tolerance_for
 
-    if fused != "add":
-        raise ValueError(f"fused: {fused!r}; the fused form checked is 'add' (a residual add + norm)")
+    if fused not in ("add", "quant"):
+        raise ValueError(f"fused: {fused!r}; the fused forms checked are 'add' (a residual add + norm) and 'quant' "
+                         "(a norm + int8 quantize)")
     if not callable(candidate) or inspect.isclass(candidate):
-        raise TypeError(f"candidate: a fused add + norm is a function fn(x, residual, weight, eps), got {candidate!r}")
+        what = "fn(x, residual, weight, eps)" if fused == "add" else "fn(x, weight, eps, scale=None)"
+        raise TypeError(f"candidate: a fused {fused} is a function {what}, got {candidate!r}")
     given = "llama" if family is None else family
     setup = _layer_from_family(candidate, _family(given), hidden_size, eps, dtype, weight, bias, None, seed)
     layer = setup.layer
@@ -710,6 +723,8 @@ def _check_fused(candidate, fused, *, family, hidden_size, eps, dtype, device, w
     dev, dt = _device(device, setup.dtype)
     w = layer.weight.to(device=dev, dtype=dt)
     b = None if layer.bias is None else layer.bias.to(device=dev, dtype=dt)
+    if fused == "quant":
+        return _check_quant(candidate, layer, setup, dev, dt, w, atol, rtol, seed, scale)
     pair = adapt(candidate, w, layer.eps.value, **({"bias": b} if layer.kind == "layer_norm" else {}))
 
     def on_device(x, r):
@@ -719,6 +734,32 @@ def _check_fused(candidate, fused, *, family, hidden_size, eps, dtype, device, w
     ref_bias = None if layer.bias is None else layer.bias.to(dt).double()
     result = check_add_norm(layer, in_process(on_device), dt, tolerance_for(setup.dtype, atol, rtol),
                             layer.eps.value, gain, ref_bias, seed)
+    return FusedParityResult(result)
+
+
+def _check_quant(candidate, layer, setup, dev, dt, w, atol, rtol, seed, scale):
+    __tracebackhide__ = True
+    from parity_cli.backends.fused import adapt_quant
+    from parity_cli.check.fused import check_norm_quant, in_process, static_scale
+    from parity_cli.comparison import tolerance_for
+
+    gain = layer.gain_offset + layer.weight.to(dt).double()
+    bias = None if layer.bias is None else layer.bias.to(dt).double()
+    if scale == "dynamic":
+        mode, value = "dynamic", None
+    elif scale == "static":
+        mode, value = "static", static_scale(layer, layer.eps.value, dt, gain, bias, seed)
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0:
+        mode, value = "static", float(scale)
+    else:
+        raise ValueError(f"scale: {scale!r}; 'static', 'dynamic' or a positive number")
+    quant = adapt_quant(candidate, w, layer.eps.value, value)
+
+    def on_device(x):
+        return quant(_on_device(x, dev))
+
+    result = check_norm_quant(layer, in_process(on_device), dt, tolerance_for(setup.dtype, atol, rtol),
+                              layer.eps.value, gain, bias, seed, mode, value)
     return FusedParityResult(result)
 
 
