@@ -218,3 +218,14 @@ def test_vllms_rms_norm_then_int8_quant_passes(ckpt, quant):
         assert report.passed, [(layer.name, [d.code for d in layer.diagnoses]) for layer in report.layers]
     r = run_parity("fused", src, "--candidate", "torch", "--quant", quant)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no norm + int8 quantize" in r.stderr, r.stderr
+
+
+def test_the_fixture_takes_the_fused_form_from_its_marker():
+    """@pytest.mark.norm_parity(fused="add", ...) binds the fixture as it binds every other keyword."""
+    from parity_cli.testing.plugin import KEYWORDS, NormParity
+
+    assert {"fused", "scale"} <= set(KEYWORDS)
+    norm_parity = NormParity({"family": "llama", "hidden_size": 64, "eps": 1e-5, "dtype": "bfloat16", "fused": "add"})
+    assert norm_parity(fk.in_place)
+    with pytest.raises(AssertionError, match="residual_stale"):
+        norm_parity(fk.stale_residual)

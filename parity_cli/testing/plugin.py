@@ -20,7 +20,7 @@ import pytest
 
 DTYPES = pytest.StashKey[set]()  # --parity-dtypes, as dtype names
 KEYWORDS = ("family", "hidden_size", "eps", "dtype", "device", "weight", "bias", "heads", "strata", "atol", "rtol",
-            "grad", "seed", "checkpoint", "layer")
+            "grad", "seed", "checkpoint", "layer", "fused", "scale")
 
 
 def pytest_addoption(parser) -> None:
