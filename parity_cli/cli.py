@@ -441,7 +441,7 @@ def report(report_path, fmt, verbose, quiet):
                    "eps) returning (normed, new_residual) or writing both in place.")
 @click.option("--candidate-arg", "candidate_args", multiple=True, metavar="KEY=VALUE",
               help="Keyword for the plugin function (repeatable).")
-@click.option("--dtype", default="bfloat16", show_default=True, help="float32, bfloat16 or float16.")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16 [default: bfloat16; an .onnx copy's own].")
 @click.option("--layers", default=None, help="Only the layers whose name matches this glob.")
 @click.option("--candidate-eps", type=float, default=None, help="Run the candidate with this eps.")
 @click.option("--isolation", type=click.Choice(["auto", "process", "none"]), default="auto", show_default=True,
@@ -449,8 +449,12 @@ def report(report_path, fmt, verbose, quiet):
 @click.option("--quant", type=click.Choice(["static", "dynamic"]), default=None,
               help="Check the norm + int8 quantize instead: a static calibrated scale given to the kernel, or its "
                    "own per-token scale; compared after dequantizing, half a step allowed, saturation counted apart.")
+@click.option("--candidate-checkpoint", default=None, type=click.Path(),
+              help="An exported .onnx graph: its own SkipSimplifiedLayerNormalization / SkipLayerNormalization "
+                   "nodes (ORT's optimizer fuses the residual add into them) run as they are, both outputs checked.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the report as JSON.")
-def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, isolation, quant, json_path):
+def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, isolation, quant, candidate_checkpoint,
+          json_path):
     """The residual add + norm as serving runtimes fuse it: each RMSNorm/LayerNorm of the hidden width
     run as fused(x, residual), both outputs (normed, new residual) against the float64 oracle of the
     sum, on strata of the sum (cancellation, residual >> x, a float16 overflow, a grown stream)."""
@@ -460,11 +464,11 @@ def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, i
     from parity_cli.pipeline import check_fused
     from parity_cli.report.terminal import render_fused
 
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if dtype not in (None, "float32", "bfloat16", "float16"):
         raise InputError(f"--dtype {dtype}: a fused add + norm is checked at float32, bfloat16 or float16")
     report = check_fused(checkpoint, candidate=candidate, dtype=dtype, layers=layers,
                          candidate_args=parse_args(list(candidate_args)), isolation=isolation,
-                         candidate_eps=candidate_eps, quant=quant)
+                         candidate_eps=candidate_eps, quant=quant, candidate_checkpoint=candidate_checkpoint)
     data = report.to_dict()
     if json_path:
         write_files({json_path: json_text(data)})

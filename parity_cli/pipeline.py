@@ -675,10 +675,11 @@ class FusedReport:
                 "layers": [layer.as_dict() for layer in self.layers]}
 
 
-def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat16", layers: str | None = None,
+def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = None, layers: str | None = None,
                 candidate_args: dict | None = None, isolation: str = "auto", device: str = "cpu", seed: int = 0,
                 timeout: float | None = None, eps: float | None = None, candidate_eps: float | None = None,
-                family: str | None = None, quant: str | None = None) -> FusedReport:
+                family: str | None = None, quant: str | None = None,
+                candidate_checkpoint: str | None = None) -> FusedReport:
     """The fused form of every RMSNorm and LayerNorm layer, run supervised like every candidate: a
     probe row is [x | residual] and the candidate's rows [normed | new residual]; with `quant`
     (static | dynamic) the norm + int8 quantize instead, rows x -> [q | scale]."""
@@ -692,6 +693,11 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat
     from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT, close_runners, open_runners
     from parity_cli.model.layers import discover_layers
 
+    if candidate_checkpoint and quant:
+        raise InputError(f"--candidate-checkpoint {candidate_checkpoint}: the fused check runs an exported graph's "
+                         "Skip*LayerNormalization nodes (a residual add + norm), without --quant")
+    if candidate_checkpoint and candidate == "torch":  # as check: an .onnx copy runs in ONNX Runtime
+        candidate = "onnxruntime"
     if quant not in (None, "static", "dynamic"):
         raise InputError(f"--quant {quant}: static (a calibrated scale given to the kernel) or dynamic (per token)")
     if quant and candidate in BUILTINS and candidate != "vllm":
@@ -700,14 +706,19 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat
     if candidate in BUILTINS and candidate not in (*fused_backends.BUILTINS, "hf", "oracle"):
         raise InputError(f"--candidate {candidate}: no fused add + norm here; built-ins: "
                          f"{', '.join(fused_backends.BUILTINS)}, or a plugin fn(x, residual, weight, eps)")
-    name = dtype_name(dtype)
-    torch_dtype = getattr(torch, name)
+    name = dtype_name(dtype or "bfloat16")
     device = check_device(device)
     ckpt, fam, resolved = load(path, family, eps)
     found = [layer for layer in discover_layers(ckpt, fam, resolved, layers).layers
              if layer.kind in ("rms_norm", "layer_norm") and layer.weight.dim() == 1]
     hidden = max((layer.dim for layer in found), default=0)
     found = [layer for layer in found if layer.dim == hidden]  # a q/k norm of a head's width never meets the residual
+    copies = {}
+    if candidate_checkpoint:  # an exported graph's own Skip*LayerNormalization nodes, run as they are
+        copies, graph_dtype = _skip_nodes(candidate_checkpoint, found, candidate, quant)
+        found = [layer for layer in found if layer.name in copies]
+        name = dtype_name(dtype or graph_dtype)  # probed in the graph's own input type, as check does
+    torch_dtype = getattr(torch, name)
     if not found:
         raise InputError(f"{ckpt.path}: no RMSNorm or LayerNorm layer to check as a fused add + norm"
                          + (f" (--layers {layers})" if layers else ""))
@@ -720,7 +731,7 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat
             if quant:
                 out.append(_quant_layer(layer, runners[0], torch_dtype, tol, device, seed, quant, candidate_eps))
                 continue
-            fused = dataclasses.replace(layer, fused="add")
+            fused = dataclasses.replace(copies.get(layer.name, layer), fused="add")
             k_eps = layer.eps.value if candidate_eps is None else candidate_eps
             weight = layer.weight.to(torch_dtype, copy=True)
             bias = None if layer.bias is None else layer.bias.to(torch_dtype, copy=True)
@@ -745,6 +756,22 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str = "bfloat
     cand = {"impl": impl.name, "source": impl.source, "dtype": name, "device": device,
             "eps": None if candidate_eps is None else candidate_eps, "args": dict(candidate_args or {})}
     return FusedReport(str(path), cand, out, "quant" if quant else "add")
+
+
+def _skip_nodes(path: str, layers, candidate: str, quant) -> dict:
+    """Reference layer name -> the copy's layer holding its Skip op (fused_program), for an .onnx copy."""
+    from parity_cli.model.onnx_layers import candidate_layers
+    from parity_cli.sources.onnx_graph import is_onnx
+
+    if not is_onnx(path) or quant or candidate != "onnxruntime":
+        raise InputError(f"--candidate-checkpoint {path}: the fused check runs an exported .onnx graph's own "
+                         "Skip*LayerNormalization nodes, with --candidate onnxruntime and without --quant")
+    copy_layers, info = candidate_layers(path, layers)
+    found = {layer.name: layer for layer in copy_layers if layer.fused_program}
+    if not found:
+        raise InputError(f"{path}: no SkipSimplifiedLayerNormalization or SkipLayerNormalization node (with its gain "
+                         "stored) to check as a fused add + norm; ONNX Runtime's transformer optimizer emits them")
+    return found, info.get("dtype") or "float32"
 
 
 def _quant_layer(layer, runner, dtype, tol, device: str, seed: int, mode: str, candidate_eps):

@@ -229,3 +229,43 @@ def test_the_fixture_takes_the_fused_form_from_its_marker():
     assert norm_parity(fk.in_place)
     with pytest.raises(AssertionError, match="residual_stale"):
         norm_parity(fk.stale_residual)
+
+
+def _skip_nodes(path):
+    import onnx
+
+    return [n for n in onnx.load(str(path)).graph.node if n.op_type.startswith("Skip")]
+
+
+def test_an_optimised_exports_skip_nodes_are_checked_as_the_fused_form(ckpt, tmp_path):
+    """ORT's transformer optimizer fuses the residual add into SkipSimplifiedLayerNormalization: `parity
+    fused --candidate-checkpoint` runs each such node as it is (its gain, eps, dtype; the dense bias it
+    folded in cut), both outputs against the reference checkpoint's oracle. An eps planted in the
+    nodes is eps_mismatch on every layer they hold, at that value."""
+    pytest.importorskip("onnxruntime")
+    import contextlib
+    import io
+
+    import onnx
+    from onnx_exports import export
+
+    src = ckpt("llama", layers=2, hidden=64, heads=4, eps=1e-6)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        path = export(src, tmp_path / "m.onnx", "torchscript", optimize=True)
+    nodes = _skip_nodes(path)
+    assert nodes and {n.op_type for n in nodes} == {"SkipSimplifiedLayerNormalization"}
+    report = pipeline.check_fused(src, candidate_checkpoint=str(path))
+    assert report.passed and report.candidate["impl"] == "onnxruntime" and report.candidate["dtype"] == "float32"
+    assert len(report.layers) == len(nodes), [layer.name for layer in report.layers]
+    model = onnx.load(str(path))
+    for node in model.graph.node:
+        if node.op_type.startswith("Skip"):
+            next(a for a in node.attribute if a.name == "epsilon").f = 1e-5
+    onnx.save(model, str(tmp_path / "eps.onnx"))
+    report = pipeline.check_fused(src, candidate_checkpoint=str(tmp_path / "eps.onnx"))
+    assert not report.passed
+    for layer in report.layers:
+        assert [d.code for d in layer.diagnoses] == ["eps_mismatch"], layer.name
+        assert layer.diagnoses[0].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.05)
+    r = run_parity("fused", src, "--candidate-checkpoint", tmp_path / "m.onnx", "--quant", "static")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "without --quant" in r.stderr, r.stderr

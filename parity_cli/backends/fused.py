@@ -145,6 +145,8 @@ def _onnxruntime(layer, weight, bias, eps: float):
     import torch
     from onnx import TensorProto, helper
 
+    if layer.fused_program:  # an exported graph's own Skip node: its gain, bias, eps and dtype as it holds them
+        return _graph_pair(layer.fused_program, ort, np, torch)
     types = {torch.float32: (TensorProto.FLOAT, np.float32), torch.float16: (TensorProto.FLOAT16, np.float16)}
     if weight.dtype not in types:
         raise InputError(f"--candidate onnxruntime: ORT's CPU Skip*LayerNormalization kernels take float32 and "
@@ -170,6 +172,19 @@ def _onnxruntime(layer, weight, bias, eps: float):
     def pair(x, r):
         y, s = session.run(None, {"x": x.cpu().numpy().astype(npt), "skip": r.cpu().numpy().astype(npt), **consts})
         return torch.from_numpy(y), torch.from_numpy(s)
+
+    return pair
+
+
+def _graph_pair(program: bytes, ort, np, torch):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(program, options, providers=["CPUExecutionProvider"])
+    npt = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(session.get_inputs()[0].type, np.float32)
+
+    def pair(x, r):
+        y, s = session.run(None, {"x": x.cpu().float().numpy().astype(npt), "skip": r.cpu().float().numpy().astype(npt)})
+        return torch.from_numpy(y.astype(np.float32)).to(x.dtype), torch.from_numpy(s.astype(np.float32)).to(x.dtype)
 
     return pair
 

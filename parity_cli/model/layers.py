@@ -56,6 +56,7 @@ class NormLayer:
     fused: str | None = None
     # fused "quant": ("static", scale) or ("dynamic", None); an output row is [q | scale]
     quant: tuple | None = None
+    fused_program: bytes | None = None  # an exported graph's Skip op as (x, skip) -> (y, x + skip) (onnx_checkpoint)
 
     @property
     def width(self) -> int:

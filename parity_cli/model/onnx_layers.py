@@ -48,11 +48,13 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             layer = dataclasses.replace(ref, weight=norm.weight, bias=norm.bias, eps=eps, gain_offset=norm.offset,
                                         semantic_offset=family_offset if family_offset != norm.offset else None,
                                         tensor=norm.name, program=norm.program, **stats,
+                                        fused_program=norm.fused_program or None,
                                         warnings=[BY_VALUE] if norm.paired_by == "value" else [])
         else:
             layer = NormLayer(name=norm.name, kind=norm.kind, dim=norm.dim, order="native", gain_offset=norm.offset,
                               eps=eps, weight=norm.weight, bias=norm.bias, family="onnx", tensor=norm.name,
-                              program=norm.program, **stats, **({"groups": norm.groups} if norm.groups else {}))
+                              program=norm.program, **stats, **({"groups": norm.groups} if norm.groups else {}),
+                              fused_program=norm.fused_program or None)
         graph_findings = []  # findings of the copy's graph itself: pairing reports them for the layer
         if norm.reduced:
             graph_findings.append({"code": "reduced_precision_reduction", "message": reduced_words(norm.reduced),

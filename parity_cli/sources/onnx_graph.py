@@ -72,6 +72,7 @@ class OnnxNorm:
     offset: float = 0.0  # a constant the graph adds to the stored gain
     dtype: str = "float32"  # the norm's input type in the graph
     program: bytes = b""  # the subgraph x -> y, serialised
+    fused_program: bytes = b""  # a Skip op's own fused form (x, skip) -> (y, x + skip), serialised
     names: tuple = ()  # every name the graph gives it (gain, scope, node path), most telling first
     paired_by: str = "name"  # how it was matched to a checkpoint layer: "name", or "value" (its gain)
     reduced: str | None = None  # the narrower dtype a Cast pair inside the pattern reduces the mean square in
@@ -498,9 +499,36 @@ def _fused(graph: _Graph, node):
         if len(copy.input) > folded:
             copy.input[folded] = ""
         nodes[-1] = copy
-        return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes,
+        norm = _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes,
                      zeros={node.input[skip]}, original=node)
+        if norm is not None:
+            norm.fused_program = _skip_program(graph, copy, kind, gi, bi, _elem_type(graph, x, w))
+        return norm
     return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes)
+
+
+def _skip_program(graph: _Graph, node, kind: str, gi: int, bi, elem: int) -> bytes:
+    """The Skip*LayerNormalization node alone as a model (x, skip) -> (y, x + skip), its gain and bias
+    the stored initializers, the dense bias ORT folded in cut (it is the layer before's): what the
+    fused check (check.fused) runs. Empty where the gain is computed (w + 1 in the graph)."""
+    from onnx import helper, numpy_helper
+
+    names = {gi: node.input[gi]} | ({bi: node.input[bi]} if bi is not None and len(node.input) > bi and node.input[bi]
+                                    else {})
+    if any(name not in graph.init for name in names.values()):
+        return b""
+    inputs = ["x", "skip"] + [""] * (max(names) - 1)
+    for index, name in names.items():
+        inputs[index] = name
+    attrs = [a for a in node.attribute if a.name == "epsilon"]
+    op = helper.make_node(node.op_type, inputs, ["y", "", "", "sum"], domain=node.domain or "com.microsoft")
+    op.attribute.extend(attrs)
+    inits = [numpy_helper.from_array(graph.array(graph.init[name]), name) for name in names.values()]
+    g = helper.make_graph([op], "fused_norm", [helper.make_tensor_value_info(n, elem, ["n", "dim"]) for n in ("x", "skip")],
+                          [helper.make_tensor_value_info(n, elem, None) for n in ("y", "sum")], initializer=inits)
+    model = helper.make_model(g, opset_imports=list(graph.model.opset_import), producer_name="parity-cli")
+    model.ir_version = min(graph.model.ir_version or 10, 10)
+    return model.SerializeToString()
 
 
 def _int_attribute(graph: _Graph, node, name: str) -> int | None:
