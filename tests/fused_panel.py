@@ -1,13 +1,15 @@
-"""The fused add + norm panel (issue 37) as data: each kernel of tests/plugins/fused_kernels.py at
-each dtype and width, and the codes it must get (empty: correct, never flagged). Read by
+"""The fused kernels' panel (issue 37) as data: each add + norm kernel of tests/plugins/fused_kernels.py
+at each dtype and width, each norm + int8 quantize kernel of tests/plugins/quant_kernels.py at each
+dtype and scale, and the codes it must get (empty: correct, never flagged). Read by
 tests/test_fused.py and benchmarks/fused_matrix.py (DIAGNOSIS.md's table)."""
 
 import importlib.util
 from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parent / "plugins" / "fused_kernels.py"
+PLUGINS = Path(__file__).resolve().parent / "plugins"
 DTYPES = ("float32", "bfloat16", "float16")
 WIDTHS = (64, 2048)
+SCALES = ("static", "dynamic")
 
 
 def expected(kernel: str, dtype: str) -> set:
@@ -23,32 +25,6 @@ def expected(kernel: str, dtype: str) -> set:
     }[kernel]
 
 
-PANEL = [(k, d, w) for k in ("returns_pair", "in_place", "bf16_sum", "stale_residual", "aliased", "half_sum", "eps_1e6")
-         for d in DTYPES for w in WIDTHS]
-
-
-def kernels():
-    spec = importlib.util.spec_from_file_location("fused_kernels", KERNELS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_case(case, module=None) -> set:
-    from parity_cli.testing import check_norm
-
-    kernel, dtype, width = case
-    result = check_norm(getattr(module or kernels(), kernel), family="llama", hidden_size=width, eps=1e-5,
-                        dtype=dtype, weight="random", fused="add")
-    return {d["code"] for d in result.diagnoses} if not result else set()
-
-
-# --- norm + int8 quantize (tests/plugins/quant_kernels.py) ---
-
-QUANT_KERNELS = Path(__file__).resolve().parent / "plugins" / "quant_kernels.py"
-SCALES = ("static", "dynamic")
-
-
 def quant_expected(kernel: str, scale: str) -> set:
     return {
         "correct": set(),
@@ -59,21 +35,29 @@ def quant_expected(kernel: str, scale: str) -> set:
     }[kernel]
 
 
-QUANT_PANEL = [(k, d, s) for k in ("correct", "truncates", "wraps", "scale_before_gain")
-               for d in DTYPES for s in SCALES]
+# (form, kernel, dtype, width or scale, the codes it must get)
+PANEL = [("add", k, d, w, expected(k, d))
+         for k in ("returns_pair", "in_place", "bf16_sum", "stale_residual", "aliased", "half_sum", "eps_1e6")
+         for d in DTYPES for w in WIDTHS]
+PANEL += [("quant", k, d, s, quant_expected(k, s)) for k in ("correct", "truncates", "wraps", "scale_before_gain")
+          for d in DTYPES for s in SCALES]
+FILES = {"add": "fused_kernels.py", "quant": "quant_kernels.py"}
 
 
-def quant_kernels():
-    spec = importlib.util.spec_from_file_location("quant_kernels", QUANT_KERNELS)
+def kernels(form: str):
+    spec = importlib.util.spec_from_file_location(f"{form}_kernels", PLUGINS / FILES[form])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def run_quant_case(case, module=None) -> set:
+def run_case(case, modules=None) -> set:
+    """The codes a case gets (empty where it passes)."""
     from parity_cli.testing import check_norm
 
-    kernel, dtype, scale = case
-    result = check_norm(getattr(module or quant_kernels(), kernel), family="llama", hidden_size=256, eps=1e-6,
-                        dtype=dtype, weight="random", fused="quant", scale=scale)
+    form, kernel, dtype, size, _ = case
+    fn = getattr((modules or {}).get(form) or kernels(form), kernel)
+    shape = {"hidden_size": size} if form == "add" else {"hidden_size": 256, "scale": size}
+    result = check_norm(fn, family="llama", eps=1e-5 if form == "add" else 1e-6, dtype=dtype, weight="random",
+                        fused=form, **shape)
     return {d["code"] for d in result.diagnoses} if not result else set()

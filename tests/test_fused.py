@@ -154,12 +154,13 @@ def test_what_cannot_be_fused_is_one_line(ckpt, args, words):
 
 
 def test_the_whole_fused_panel_is_named_exactly_and_correct_kernels_raise_nothing():
-    """DIAGNOSIS.md's fused matrix (benchmarks/fused_matrix.py): 42 cases, every planted fault named,
-    no other code, no alarm on a correct kernel."""
-    from fused_panel import PANEL, expected, kernels, run_case
+    """DIAGNOSIS.md's fused matrix (benchmarks/fused_matrix.py): 66 cases (42 add + norm, 24 norm +
+    quantize), every planted fault named, no other code, no alarm on a correct kernel."""
+    from fused_panel import PANEL, kernels, run_case
 
-    module = kernels()
-    wrong = [(case, got) for case in PANEL if (got := run_case(case, module)) != expected(case[0], case[1])]
+    modules = {form: kernels(form) for form in ("add", "quant")}
+    assert len(PANEL) == 66
+    wrong = [(case[:4], got) for case in PANEL if (got := run_case(case, modules)) != case[4]]
     assert not wrong
 
 
@@ -183,21 +184,13 @@ def test_onnx_runtimes_skip_layer_normalization_passes_at_float32_and_float16(ck
 # --- norm + int8 quantize --------------------------------------------------------------------------------
 
 
-def test_the_whole_quant_panel_is_named_exactly_and_a_correct_kernel_raises_nothing():
-    from fused_panel import QUANT_PANEL, quant_expected, quant_kernels, run_quant_case
-
-    module = quant_kernels()
-    wrong = [(case, got) for case in QUANT_PANEL if (got := run_quant_case(case, module)) != quant_expected(case[0], case[2])]
-    assert not wrong
-
-
 def test_the_quantization_step_is_allowed_and_saturation_is_counted_apart():
     """A static scale of 0.01 on a gain-1 norm: |y| = 1 on a constant row is 100 steps, exact; an
     outlier row's big channel (|y| near sqrt(64) = 8) is 800 steps, clamped to 127: saturated, counted,
     and compared with the clamped oracle (127 * 0.01), not failed."""
-    from fused_panel import quant_kernels
+    from fused_panel import kernels
 
-    result = check_norm(quant_kernels().correct, family="llama", hidden_size=64, eps=1e-6, dtype="float32",
+    result = check_norm(kernels("quant").correct, family="llama", hidden_size=64, eps=1e-6, dtype="float32",
                         weight=torch.ones(64), fused="quant", scale=0.01)
     assert result
     saturated = result.to_dict()["saturated"]

@@ -38,8 +38,23 @@ class FusedStratum:
         return self.normed.passed and self.residual.passed
 
 
+class _Verdict:
+    """What a fused layer's result says of itself: passed when nothing errored and every stratum holds."""
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(s.passed for s in self.strata)
+
+    def _diagnoses(self) -> list:
+        return [{"code": d.code, "message": d.message, "evidence": d.evidence} for d in self.diagnoses]
+
+
+def _num(v):  # JSON has no inf or NaN: said as text, as the check report says them
+    return v if math.isfinite(v) else str(v)
+
+
 @dataclass
-class FusedResult:
+class FusedResult(_Verdict):
     name: str
     kind: str
     dim: int
@@ -48,23 +63,16 @@ class FusedResult:
     diagnoses: list = field(default_factory=list)
     error: str | None = None
 
-    @property
-    def passed(self) -> bool:
-        return self.error is None and all(s.passed for s in self.strata)
-
     def as_dict(self) -> dict:
-        def num(v):  # JSON has no inf or NaN: said as text, as the check report says them
-            return v if math.isfinite(v) else str(v)
-
         def one(r):
             return {"status": r.status, "violations": r.violations, "elements": r.elements,
-                    "max_abs_err": num(r.max_abs_err), "q_over_eps": [num(v) for v in r.q_over_eps],
+                    "max_abs_err": _num(r.max_abs_err), "q_over_eps": [_num(v) for v in r.q_over_eps],
                     "nonfinite_candidate": r.nonfinite_candidate}
 
         return {"name": self.name, "kind": self.kind, "dim": self.dim, "dtype": self.dtype, "fused": ADD,
                 "verdict": "pass" if self.passed else "fail", "error": self.error,
                 "strata": [{"name": s.name, "normed": one(s.normed), "residual": one(s.residual)} for s in self.strata],
-                "diagnoses": [{"code": d.code, "message": d.message, "evidence": d.evidence} for d in self.diagnoses]}
+                "diagnoses": self._diagnoses()}
 
 
 def probe_pairs(dim: int, eps: float, dtype, seed: int) -> list[tuple[str, object, object]]:
@@ -241,7 +249,7 @@ QMIN, QMAX = -128, 127  # int8, as vLLM's static and dynamic int8 quant clamp
 
 
 @dataclass
-class QuantResult:
+class QuantResult(_Verdict):
     name: str
     kind: str
     dim: int
@@ -253,18 +261,13 @@ class QuantResult:
     diagnoses: list = field(default_factory=list)
     error: str | None = None
 
-    @property
-    def passed(self) -> bool:
-        return self.error is None and all(s.passed for s in self.strata)
-
     def as_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "dim": self.dim, "dtype": self.dtype, "fused": "quant",
                 "mode": self.mode, "scale": self.scale, "verdict": "pass" if self.passed else "fail",
                 "error": self.error, "saturated": dict(self.saturated),
                 "strata": [{"name": s.name, "status": s.status, "violations": s.violations, "elements": s.elements,
-                            "max_abs_err": s.max_abs_err if math.isfinite(s.max_abs_err) else str(s.max_abs_err)}
-                           for s in self.strata],
-                "diagnoses": [{"code": d.code, "message": d.message, "evidence": d.evidence} for d in self.diagnoses]}
+                            "max_abs_err": _num(s.max_abs_err)} for s in self.strata],
+                "diagnoses": self._diagnoses()}
 
 
 def static_scale(layer, eps: float, dtype, gain, bias, seed: int) -> float:

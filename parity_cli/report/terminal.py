@@ -679,6 +679,11 @@ def render_fused(data: dict, console) -> None:
     console.print(f"[bold]{_e(data['checkpoint'])}[/]: fused residual add + norm, candidate {_e(cand['impl'])} "
                   f"{cand['dtype']} on {cand['device']}; max |cand - ref| of each output", soft_wrap=True)
     console.print(table)
+    _fused_verdict(data, console, "both outputs within tolerance")
+
+
+def _fused_verdict(data: dict, console, holds: str) -> None:
+    """Each cause once with its words, then the verdict, last (what a CI log shows)."""
     causes = {}
     for layer in data["layers"]:
         for d in layer["diagnoses"]:
@@ -687,7 +692,7 @@ def render_fused(data: dict, console) -> None:
         console.print(f"{code}: {message}", soft_wrap=True, markup=False, highlight=False)
     bad = [layer["name"] for layer in data["layers"] if layer["verdict"] != "pass"]
     line = (f"FAIL: {len(bad)} of {len(data['layers'])} layers: {', '.join(causes) or 'error'}" if bad
-            else f"PASS: all {len(data['layers'])} layers, both outputs within tolerance")
+            else f"PASS: all {len(data['layers'])} layers, {holds}")
     console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
@@ -715,13 +720,4 @@ def _render_quant(data: dict, console) -> None:
                   f"{_e(cand['impl'])} {cand['dtype']} on {cand['device']}; dequantized, half a step allowed",
                   soft_wrap=True)
     console.print(table)
-    causes = {}
-    for layer in data["layers"]:
-        for d in layer["diagnoses"]:
-            causes.setdefault(d["code"], d["message"])
-    for code, message in causes.items():
-        console.print(f"{code}: {message}", soft_wrap=True, markup=False, highlight=False)
-    bad = [layer["name"] for layer in data["layers"] if layer["verdict"] != "pass"]
-    line = (f"FAIL: {len(bad)} of {len(data['layers'])} layers: {', '.join(causes) or 'error'}" if bad
-            else f"PASS: all {len(data['layers'])} layers, the dequantized output within half a step")
-    console.print(line, soft_wrap=True, markup=False, highlight=False)
+    _fused_verdict(data, console, "the dequantized output within half a step")
