@@ -254,6 +254,23 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
           fail_on, plot_path, activations, quiet, verbose):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
     from parity_cli import preflight
+    from parity_cli.options import parse_args
+
+    args = parse_args(list(candidate_args))
+    if "fused" in args:  # --candidate-arg fused=add|quant: the fused check (`parity fused`), its own report
+        form = args.pop("fused")
+        if form not in ("add", "quant"):
+            raise InputError(f"--candidate-arg fused={form}: add (a residual add + norm) or quant (a norm + int8 "
+                             "quantize, with scale=static|dynamic)")
+        quant = args.pop("scale", "static") if form == "quant" else None
+        others = [flag for flag, given in (("--junit", junit_path), ("--markdown", markdown_path),
+                                           ("--baseline", baseline_path), ("--plot", plot_path), ("--grad", grad),
+                                           ("--exact", exact), ("--activations", activations)) if given]
+        if others:
+            raise InputError(f"--candidate-arg fused={form}: the fused check writes its table and --json, not "
+                             f"{', '.join(others)}")
+        return _run_fused(checkpoint, candidate or "torch", args, dtype, layers_glob, candidate_eps, isolation, quant,
+                          candidate_checkpoint, json_path)
 
     # everything that can be refused without torch is refused before it loads (1.5-4 s)
     preflight.check_inputs(checkpoint, candidate=candidate, reference=reference,
@@ -458,17 +475,25 @@ def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, i
     """The residual add + norm as serving runtimes fuse it: each RMSNorm/LayerNorm of the hidden width
     run as fused(x, residual), both outputs (normed, new residual) against the float64 oracle of the
     sum, on strata of the sum (cancellation, residual >> x, a float16 overflow, a grown stream)."""
-    json_path = _check_output_target(json_path, [checkpoint])
     from parity_cli.options import parse_args
+
+    return _run_fused(checkpoint, candidate, parse_args(list(candidate_args)), dtype, layers, candidate_eps, isolation,
+                      quant, candidate_checkpoint, json_path)
+
+
+def _run_fused(checkpoint, candidate, args: dict, dtype, layers, candidate_eps, isolation, quant, candidate_checkpoint,
+               json_path) -> int:
+    """`parity fused`, and `parity check --candidate-arg fused=add|quant` (the same check)."""
+    json_path = _check_output_target(json_path, [checkpoint])
     from parity_cli.outputs import json_text, write_files
     from parity_cli.pipeline import check_fused
     from parity_cli.report.terminal import render_fused
 
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise InputError(f"--dtype {dtype}: a fused add + norm is checked at float32, bfloat16 or float16")
-    report = check_fused(checkpoint, candidate=candidate, dtype=dtype, layers=layers,
-                         candidate_args=parse_args(list(candidate_args)), isolation=isolation,
-                         candidate_eps=candidate_eps, quant=quant, candidate_checkpoint=candidate_checkpoint)
+    report = check_fused(checkpoint, candidate=candidate, dtype=dtype, layers=layers, candidate_args=args,
+                         isolation=isolation, candidate_eps=candidate_eps, quant=quant,
+                         candidate_checkpoint=candidate_checkpoint)
     data = report.to_dict()
     if json_path:
         write_files({json_path: json_text(data)})

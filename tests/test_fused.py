@@ -262,3 +262,20 @@ def test_an_optimised_exports_skip_nodes_are_checked_as_the_fused_form(ckpt, tmp
         assert layer.diagnoses[0].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.05)
     r = run_parity("fused", src, "--candidate-checkpoint", tmp_path / "m.onnx", "--quant", "static")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "without --quant" in r.stderr, r.stderr
+
+
+def test_check_takes_the_fused_form_as_a_candidate_argument(ckpt, tmp_path):
+    """`parity check --candidate-arg fused=add` is `parity fused` (its table, its JSON); fused=quant
+    takes scale=static|dynamic; options the fused check cannot honour are one line."""
+    src = ckpt("llama", layers=1, hidden=64, heads=4, eps=1e-5)
+    r = run_parity("check", src, "--candidate", f"{KERNELS}:aliased", "--candidate-arg", "fused=add",
+                   "--dtype", "float32", "--json", tmp_path / "f.json")
+    assert r.returncode == 1 and r.stdout.splitlines()[-1].startswith("FAIL: 3 of 3 layers: aliasing"), r.stdout
+    assert json.loads((tmp_path / "f.json").read_text())["fused"] == "add"
+    quant = Path(__file__).resolve().parent / "plugins" / "quant_kernels.py"
+    r = run_parity("check", src, "--candidate", f"{quant}:truncates", "--candidate-arg", "fused=quant",
+                   "--candidate-arg", "scale=dynamic", "--dtype", "bfloat16")
+    assert r.returncode == 1 and "quant_rounding_truncates" in r.stdout.splitlines()[-1], r.stdout
+    r = run_parity("check", src, "--candidate-arg", "fused=add", "--junit", tmp_path / "j.xml")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not --junit" in r.stderr, r.stderr
+    assert not (tmp_path / "j.xml").exists()
