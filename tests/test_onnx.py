@@ -88,6 +88,8 @@ def _ops(path):
 def test_a_faithful_export_passes(ckpt, tmp_path, model_type, exporter, optimize):
     if exporter == "dynamo":
         pytest.importorskip("onnxscript")
+        if model_type == "bert":  # 3 s of dynamo export for what the whole-model BERT export below covers
+            pytest.skip("dynamo's BERT export is test_a_whole_model_export_passes[bert-True]")
     src = ckpt(model_type, layers=2, hidden=64, heads=4, eps=1e-12 if model_type == "bert" else 1e-6)
     path = _export(src, tmp_path / "m.onnx", exporter, optimize=optimize)
     if optimize:  # ONNX Runtime's transformer optimizer fused the pattern: the fused ops are what runs
