@@ -687,9 +687,7 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
 
     from parity_cli.backends import fused as fused_backends
     from parity_cli.backends.implementations import BUILTINS
-    from parity_cli.check.fused import check_add_norm
     from parity_cli.comparison import tolerance_for
-    from parity_cli.isolation.runners import CandidateJob
     from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT, close_runners, open_runners
     from parity_cli.model.layers import discover_layers
 
@@ -731,26 +729,8 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
             if quant:
                 out.append(_quant_layer(layer, runners[0], torch_dtype, tol, device, seed, quant, candidate_eps))
                 continue
-            fused = dataclasses.replace(copies.get(layer.name, layer), fused="add")
-            k_eps = layer.eps.value if candidate_eps is None else candidate_eps
-            weight = layer.weight.to(torch_dtype, copy=True)
-            bias = None if layer.bias is None else layer.bias.to(torch_dtype, copy=True)
-
-            def run_all(inputs, fused=fused, weight=weight, bias=bias, k_eps=k_eps):
-                runners[0].submit(CandidateJob(layer=fused, weight=weight, bias=bias, eps=k_eps, device=device,
-                                               inputs=[torch.cat([x, r], -1) for x, r in inputs]))
-                run = runners[0].collect()
-                if run.setup and run.error:  # the implementation says it cannot take this layer
-                    raise InputError(run.error.partition("InputError: ")[2] or run.error)
-                outs = []
-                for k in range(len(inputs)):
-                    o = run.output(k)
-                    outs.append(o.error if o.error else (o.value[..., :fused.dim], o.value[..., fused.dim:]))
-                return outs
-
-            gain = layer.gain_offset + layer.weight.to(torch_dtype).to(torch.float64)
-            ref_bias = None if layer.bias is None else layer.bias.to(torch_dtype).to(torch.float64)
-            out.append(check_add_norm(layer, run_all, torch_dtype, tol, layer.eps.value, gain, ref_bias, seed))
+            out.append(_add_layer(layer, copies.get(layer.name, layer), runners[0], torch_dtype, tol, device, seed,
+                                  candidate_eps))
     finally:
         close_runners(runners)
     cand = {"impl": impl.name, "source": impl.source, "dtype": name, "device": device,
@@ -774,6 +754,41 @@ def _skip_nodes(path: str, layers, candidate: str, quant) -> dict:
     return found, info.get("dtype") or "float32"
 
 
+def _outputs(runner, job, dim: int) -> list:
+    """The job's outputs split at `dim` ([normed | residual], [q | scale]), or each one's error words; a
+    candidate that says it cannot take the layer at all is one line."""
+    runner.submit(job)
+    run = runner.collect()
+    if run.setup and run.error:
+        raise InputError(run.error.partition("InputError: ")[2] or run.error)
+    outs = []
+    for k in range(len(job.inputs)):
+        o = run.output(k)
+        outs.append(o.error if o.error else (o.value[..., :dim], o.value[..., dim:]))
+    return outs
+
+
+def _add_layer(layer, copy, runner, dtype, tol, device: str, seed: int, candidate_eps):
+    """One layer's fused add + norm through the runner: rows [x | residual] -> [normed | new residual]
+    (`copy`: the exported graph's layer holding its Skip node, else the layer itself)."""
+    import torch
+
+    from parity_cli.check.fused import check_add_norm
+    from parity_cli.isolation.runners import CandidateJob
+
+    fused = dataclasses.replace(copy, fused="add")
+    job = dict(layer=fused, weight=layer.weight.to(dtype, copy=True), device=device,
+               bias=None if layer.bias is None else layer.bias.to(dtype, copy=True),
+               eps=layer.eps.value if candidate_eps is None else candidate_eps)
+
+    def run_all(inputs):
+        return _outputs(runner, CandidateJob(**job, inputs=[torch.cat([x, r], -1) for x, r in inputs]), layer.dim)
+
+    gain = layer.gain_offset + layer.weight.to(dtype).to(torch.float64)
+    bias = None if layer.bias is None else layer.bias.to(dtype).to(torch.float64)
+    return check_add_norm(layer, run_all, dtype, tol, layer.eps.value, gain, bias, seed)
+
+
 def _quant_layer(layer, runner, dtype, tol, device: str, seed: int, mode: str, candidate_eps):
     """One layer's norm + int8 quantize through the runner: rows x -> [q | scale]."""
     import torch
@@ -787,17 +802,9 @@ def _quant_layer(layer, runner, dtype, tol, device: str, seed: int, mode: str, c
     fused = dataclasses.replace(layer, fused="quant", quant=(mode, scale))
 
     def run_all(inputs):
-        runner.submit(CandidateJob(layer=fused, weight=layer.weight.to(dtype, copy=True),
-                                   bias=None if layer.bias is None else layer.bias.to(dtype, copy=True),
-                                   eps=layer.eps.value if candidate_eps is None else candidate_eps, device=device,
-                                   inputs=list(inputs)))
-        run = runner.collect()
-        if run.setup and run.error:
-            raise InputError(run.error.partition("InputError: ")[2] or run.error)
-        outs = []
-        for k in range(len(inputs)):
-            o = run.output(k)
-            outs.append(o.error if o.error else (o.value[..., :layer.dim], o.value[..., layer.dim:]))
-        return outs
+        return _outputs(runner, CandidateJob(layer=fused, weight=layer.weight.to(dtype, copy=True),
+                                             bias=None if layer.bias is None else layer.bias.to(dtype, copy=True),
+                                             eps=layer.eps.value if candidate_eps is None else candidate_eps,
+                                             device=device, inputs=list(inputs)), layer.dim)
 
     return check_norm_quant(layer, run_all, dtype, tol, layer.eps.value, gain, bias, seed, mode, scale)
