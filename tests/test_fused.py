@@ -279,3 +279,19 @@ def test_check_takes_the_fused_form_as_a_candidate_argument(ckpt, tmp_path):
     r = run_parity("check", src, "--candidate-arg", "fused=add", "--junit", tmp_path / "j.xml")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not --junit" in r.stderr, r.stderr
     assert not (tmp_path / "j.xml").exists()
+
+
+@pytest.mark.parametrize("kernel, extra", [("fused_kernels.py:aliased", []),
+                                           ("quant_kernels.py:wraps", ["--quant", "static"])])
+def test_the_fused_report_is_what_its_schema_says(ckpt, tmp_path, kernel, extra):
+    import jsonschema
+
+    schema = json.loads((Path(__file__).resolve().parent.parent / "parity_cli" / "schema"
+                         / "fused.schema.json").read_text())
+    src = ckpt("llama", layers=1, hidden=64, heads=4, eps=1e-5)
+    r = run_parity("fused", src, "--candidate", f"{KERNELS.parent}/{kernel}", "--dtype", "float32",
+                   "--json", tmp_path / "f.json", *extra)
+    assert r.returncode == 1, r.stderr
+    data = json.loads((tmp_path / "f.json").read_text())
+    jsonschema.validate(data, schema)
+    assert data["summary"] == {"layers": 3, "failed": 3}
