@@ -156,3 +156,15 @@ def test_a_fault_on_every_other_channel_of_a_wide_layer_is_named():
     (layer,) = report.layers
     assert [d.code for d in layer.diagnoses] == ["channel_gain_mismatch"]
     assert layer.diagnoses[0].evidence["affected_channels"] == 2048
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_statistics_that_are_not_the_rows_are_named(ckpt, dtype):
+    """A LayerNorm whose mean and variance come from half of each row: every failing row is still an
+    exact affine map of x, with a variance that is not its own (row_statistics_wrong, the form that
+    ExecuTorch 1.5.1's half LayerNorm leaves); the row's own and the kernel's variance are stated."""
+    src = ckpt("bert", layers=1, hidden=64, heads=4, eps=1e-12)
+    report = api.check(src, candidate=plugin("statistics_of_half_the_row"), dtype=dtype)
+    assert [[d.code for d in layer.diagnoses] for layer in report.layers] == [["row_statistics_wrong"]] * 4
+    evidence = report.layers[0].diagnoses[0].evidence
+    assert evidence["rows"] > 0 and abs(evidence["kernel_variance"] - evidence["row_variance"]) > 0.01 * evidence["row_variance"]

@@ -318,6 +318,61 @@ def affine_in_dtype_diagnosis(ctx: Context) -> Diagnosis | None:
     return None
 
 
+def row_statistics_diagnosis(ctx: Context) -> Diagnosis | None:
+    """Each failing row's output is exactly an affine function of that row, (x - m') / sqrt(v' + eps)
+    (x / sqrt(v' + eps) for RMSNorm), but with statistics that are not the row's: the normalisation's
+    form is right and its mean and variance are wrong (ExecuTorch 1.5.1's vectorised half LayerNorm
+    reads a row of variance 0.88 as 90). Said only where the per-row fit is exact to the dtype's
+    rounding on every failing row (a non-finite or constant row says nothing), and its variance off by
+    more than 1 % of the row's on nine in ten of them."""
+    import torch
+
+    if ctx.layer.kind not in ("layer_norm", "rms_norm") or ctx.gain.dim() > 1:
+        return None
+    g = ctx.gain.double()
+    if not bool((g.abs() > 1e-3).all()):
+        return None
+    unit = torch.finfo(ctx.dtype).eps if ctx.dtype.is_floating_point else 2.0 ** -52
+    centred = ctx.layer.kind == "layer_norm"
+    rows, right, worst = 0, 0, None
+    for s in ctx.strata:
+        if s.cand is None or s.status != "fail":
+            continue
+        x, c = s.x.double(), s.cand.double()
+        z = (c - (0 if ctx.bias is None else ctx.bias.double())) / g
+        bad = ((c - s.ref).abs() > ctx.tol.atol + ctx.tol.rtol * s.ref.abs()).any(-1)
+        for i in torch.nonzero(bad).flatten().tolist():
+            xi, zi = x[i], z[i]
+            if not bool(torch.isfinite(zi).all() and torch.isfinite(xi).all()) or float(xi.std()) == 0:
+                continue  # a non-finite or a constant row says nothing of a slope
+            if centred:  # least squares z = scale x + offset, in closed form
+                dx = xi - xi.mean()
+                scale = float((dx * (zi - zi.mean())).sum() / (dx * dx).sum())
+                offset = float(zi.mean()) - scale * float(xi.mean())
+            else:
+                scale, offset = float((xi * zi).sum() / (xi * xi).sum()), 0.0
+            if scale <= 0 or float((scale * xi + offset - zi).abs().max()) > 8 * unit * float(zi.abs().max()):
+                return None  # not a row-wise affine map: another fault
+            v_kernel = 1.0 / scale ** 2 - ctx.eps
+            m_kernel = -offset / scale if centred else 0.0
+            v_row = float(xi.var(unbiased=False)) if centred else float(xi.pow(2).mean())
+            if abs(v_kernel - v_row) <= 0.01 * v_row:
+                right += 1  # the statistics are the row's: this row's miss is something else
+                continue
+            rows += 1
+            if worst is None or abs(v_kernel / v_row) > abs(worst["kernel_variance"] / worst["row_variance"]):
+                worst = {"row_mean": float(xi.mean()), "row_variance": v_row, "kernel_mean": m_kernel,
+                         "kernel_variance": v_kernel}
+    if not rows or right > 0.1 * (rows + right):  # nearly every failing row, or it is not the cause
+        return None
+    what = "mean and variance" if centred else "mean square"
+    return Diagnosis("row_statistics_wrong",
+                     f"each failing row is normalised exactly, but with a {what} that is not the row's (a row of "
+                     f"{'variance' if centred else 'mean square'} {worst['row_variance']:.3g} normalised as if it "
+                     f"were {worst['kernel_variance']:.3g}): the kernel's statistics are wrong, its form is right",
+                     {"rows": rows, **worst})
+
+
 def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance, dtype, bias=None) -> list[Diagnosis]:
     """Every factor of the simplest combination that reproduces the candidate (parity_cli.diagnose.fit),
     each its own diagnosis; when none does, only what the data shows: a bit-exact cast order,
@@ -352,7 +407,7 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         if rest:  # other rows fail with finite values: what they show, as well
             out.append(_symptom(ctx, rest))
     if not out:
-        cast = cast_order_diagnosis(ctx) or affine_in_dtype_diagnosis(ctx)
+        cast = cast_order_diagnosis(ctx) or affine_in_dtype_diagnosis(ctx) or row_statistics_diagnosis(ctx)
         if cast:
             out.append(cast)
     if not out:
