@@ -784,21 +784,16 @@ def _add_layer(layer, copy, runner, dtype, tol, device: str, seed: int, candidat
     def run_all(inputs):
         return _outputs(runner, CandidateJob(**job, inputs=[torch.cat([x, r], -1) for x, r in inputs]), layer.dim)
 
-    gain = layer.gain_offset + layer.weight.to(dtype).to(torch.float64)
-    bias = None if layer.bias is None else layer.bias.to(dtype).to(torch.float64)
-    return check_add_norm(layer, run_all, dtype, tol, layer.eps.value, gain, bias, seed)
+    return check_add_norm(layer, run_all, dtype, tol, seed)
 
 
 def _quant_layer(layer, runner, dtype, tol, device: str, seed: int, mode: str, candidate_eps):
     """One layer's norm + int8 quantize through the runner: rows x -> [q | scale]."""
-    import torch
 
     from parity_cli.check.fused import check_norm_quant, static_scale
     from parity_cli.isolation.runners import CandidateJob
 
-    gain = layer.gain_offset + layer.weight.to(dtype).to(torch.float64)
-    bias = None if layer.bias is None else layer.bias.to(dtype).to(torch.float64)
-    scale = static_scale(layer, layer.eps.value, dtype, gain, bias, seed) if mode == "static" else None
+    scale = static_scale(layer, dtype, seed) if mode == "static" else None
     fused = dataclasses.replace(layer, fused="quant", quant=(mode, scale))
 
     def run_all(inputs):
@@ -807,4 +802,4 @@ def _quant_layer(layer, runner, dtype, tol, device: str, seed: int, mode: str, c
                                              eps=layer.eps.value if candidate_eps is None else candidate_eps,
                                              device=device, inputs=list(inputs)), layer.dim)
 
-    return check_norm_quant(layer, run_all, dtype, tol, layer.eps.value, gain, bias, seed, mode, scale)
+    return check_norm_quant(layer, run_all, dtype, tol, seed, mode, scale)

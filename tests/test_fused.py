@@ -107,7 +107,9 @@ def test_vllms_real_fused_kernel_passes_at_float32_and_bfloat16(ckpt, model_type
         assert report.passed, [(layer.name, [d.code for d in layer.diagnoses]) for layer in report.layers]
         assert {layer.dim for layer in report.layers} == {64}  # the residual norms; q/k norms never fuse
     report = pipeline.check_fused(src, candidate="vllm", dtype="float32", candidate_eps=1e-5)  # the eps reaches it
-    assert all([d.code for d in layer.diagnoses] == ["eps_mismatch"] for layer in report.layers)
+    assert report.layers and all([d.code for d in layer.diagnoses] == ["eps_mismatch"] for layer in report.layers)
+    for layer in report.layers:
+        assert layer.diagnoses[0].evidence["estimated_eps"] == pytest.approx(1e-5, rel=0.05)
 
 
 @needs_vllm
@@ -295,3 +297,71 @@ def test_the_fused_report_is_what_its_schema_says(ckpt, tmp_path, kernel, extra)
     data = json.loads((tmp_path / "f.json").read_text())
     jsonschema.validate(data, schema)
     assert data["summary"] == {"layers": 3, "failed": 3}
+
+
+# --- hostile candidates ---------------------------------------------------------------------------------
+
+
+def test_a_kernel_that_writes_into_its_gain_changes_no_later_call(ckpt):
+    """Every call gets its own copy of the gain: a correct kernel that zeroes it afterwards passes, in
+    this process and supervised."""
+    assert assert_norm_parity(fk.scribbles_on_its_gain, family="llama", hidden_size=64, eps=1e-5,
+                              dtype="float32", weight="random", fused="add")
+    report = pipeline.check_fused(ckpt("llama", layers=1, hidden=64, heads=4, eps=1e-5),
+                                  candidate=f"{KERNELS}:scribbles_on_its_gain", dtype="float32")
+    assert report.passed
+
+
+def test_outputs_that_are_not_tensors_or_the_shape_are_a_finding_not_a_traceback():
+    result = check_norm(fk.returns_a_string, family="llama", hidden_size=64, eps=1e-5, dtype="float32", fused="add")
+    assert not result and "is a str, not a tensor" in result.result.error
+    from fused_panel import kernels
+
+    quant = kernels("quant")
+    result = check_norm(quant.fractional_q, family="llama", hidden_size=64, eps=1e-5, dtype="float32",
+                        fused="quant", scale="dynamic")
+    assert not result and "not int8" in result.result.error
+
+
+def test_a_kernels_own_scale_does_not_widen_its_allowance():
+    """q = 0 with a claimed per-token scale of 1e6 dequantizes to 0 everywhere: it fails on every
+    stratum with a nonzero row, as the allowance is the reference scale's half step."""
+    from fused_panel import kernels
+
+    result = check_norm(kernels("quant").huge_scale, family="llama", hidden_size=64, eps=1e-5, dtype="float32",
+                        fused="quant", scale="dynamic")
+    assert not result and set(result.failing_strata) >= {"normal", "large", "outlier"}
+
+
+def test_a_layer_norm_quant_kernel_gets_its_bias():
+    from fused_panel import kernels
+
+    assert assert_norm_parity(kernels("quant").correct, family="bert", hidden_size=64, eps=1e-12, dtype="bfloat16",
+                              weight="random", fused="quant", scale="static")
+
+
+def test_a_kernel_that_kills_its_process_is_an_error_on_its_layers(ckpt):
+    r = run_parity("fused", ckpt("llama", layers=1, hidden=64, heads=4, eps=1e-5), "--candidate",
+                   f"{KERNELS}:exits", "--dtype", "float32")
+    assert r.returncode == 1 and r.stdout.splitlines()[-1] == "FAIL: 3 of 3 layers: error", r.stdout[-600:]
+    assert "died" in r.stdout or "exit" in r.stdout
+
+
+def test_non_finite_outputs_are_not_taken_for_a_residual_fault():
+    """NaN in both outputs matches no residual form (NaN equals NaN elementwise, but says nothing)."""
+    def nans(x, residual, weight, eps):
+        return x * float("nan"), residual * float("nan")
+
+    result = check_norm(nans, family="llama", hidden_size=64, eps=1e-5, dtype="float32", fused="add")
+    assert not result
+    assert not {"residual_stale", "residual_is_normed", "aliasing", "sum_in_low_precision"} & {
+        d["code"] for d in result.diagnoses}
+
+
+def test_a_static_scale_float32_cannot_hold_is_refused():
+    from fused_panel import kernels
+
+    for scale in (1e-300, 0.0, -0.01, float("nan"), 1e39):
+        with pytest.raises(ValueError, match="scale"):
+            check_norm(kernels("quant").correct, family="llama", hidden_size=64, eps=1e-5, dtype="float32",
+                       fused="quant", scale=scale)

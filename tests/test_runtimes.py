@@ -310,3 +310,16 @@ def test_the_cpu_wheel_is_not_taken_for_cuda_kernels():
         pytest.skip("the installed vllm is not the CPU wheel")
     with pytest.raises(InputError, match="CPU kernels only.*pip install vllm"):
         vllm_kernels.library("cuda")
+
+
+@needs_executorch
+def test_executorch_runs_more_rows_than_its_plan_in_pieces(ckpt, monkeypatch):
+    """The program's row count is bounded so that ExecuTorch's memory plan stays small; more rows are
+    run in pieces of that bound, which a row-wise norm allows: with a plan of 4 rows every stratum is
+    split, and the model still passes."""
+    from parity_cli.backends import executorch_runtime
+
+    monkeypatch.setattr(executorch_runtime, "_PLAN_BYTES", 4 * 64 * 4)  # 4 rows of 64 float32
+    report = api.check(ckpt("llama", layers=1, hidden=64, heads=4, eps=1e-6), candidate="executorch",
+                       dtype="float32", layers="model.norm", isolation="none")
+    assert report.passed and sum(s.vectors for s in report.layers[0].strata) > 4

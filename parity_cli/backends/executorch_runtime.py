@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from parity_cli.backends import distribution_version
 from parity_cli.errors import InputError
 
 NAME = "executorch"
@@ -36,13 +37,7 @@ _PLAN_BYTES = 1 << 26  # ExecuTorch plans memory for the largest shape a dynamic
 
 
 def version() -> str | None:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as of
-
-    try:
-        return f"executorch {of('executorch')}"
-    except PackageNotFoundError:
-        return None
+    return distribution_version("executorch")
 
 
 def describe(device: str = "cpu") -> dict:

@@ -19,11 +19,12 @@ BUILTINS = ("torch", "vllm", "onnxruntime")
 
 def adapt(kernel, weight, eps: float, **kwargs):
     """(x, residual) -> (normed, new_residual) for a kernel that returns the pair or works in place,
-    called on copies: an in-place kernel writes into its own arguments, never the caller's."""
+    called on copies: an in-place kernel writes into its own arguments (the gain included), never the
+    caller's, and never the next call's."""
 
     def run(x, r):
         x, r = x.clone(), r.clone()
-        out = kernel(x, r, weight, eps, **kwargs)
+        out = kernel(x, r, weight.clone(), eps, **kwargs)
         if out is None:
             return x, r
         if isinstance(out, (tuple, list)) and len(out) == 2:
@@ -40,15 +41,14 @@ def adapt_quant(kernel, weight, eps: float, scale, **kwargs):
     import torch
 
     def run(x):
-        out = kernel(x.clone(), weight, eps, scale=scale, **kwargs)
+        out = kernel(x.clone(), weight.clone(), eps, scale=scale, **kwargs)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError("a norm + quantize kernel returns (q, scale)")
         q, s = out
-        s = torch.as_tensor(s, dtype=torch.float64).reshape(-1, 1).expand(x.shape[0], 1) if torch.as_tensor(
-            s).numel() in (1, x.shape[0]) else None
-        if s is None:
-            raise TypeError("a norm + quantize kernel's scale is one number or one per row")
-        return q, s
+        s = torch.as_tensor(s, dtype=torch.float64)
+        if s.numel() not in (1, x.shape[0]):
+            raise TypeError(f"a norm + quantize kernel's scale is one number or one per row, not {s.numel()}")
+        return q, s.reshape(-1, 1).expand(x.shape[0], 1)
 
     return run
 
@@ -141,12 +141,13 @@ def _onnxruntime(layer, weight, bias, eps: float):
     """ORT's Skip*LayerNormalization (com.microsoft) on one (x, skip) pair: outputs 0 (normed) and 3
     (input + skip), float32 or float16 as the CPU provider implements them."""
     import numpy as np
-    import onnxruntime as ort
     import torch
     from onnx import TensorProto, helper
 
+    from parity_cli.backends.onnx_runtime import _session
+
     if layer.fused_program:  # an exported graph's own Skip node: its gain, bias, eps and dtype as it holds them
-        return _graph_pair(layer.fused_program, ort, np, torch)
+        return _graph_pair(layer.fused_program, np, torch)
     types = {torch.float32: (TensorProto.FLOAT, np.float32), torch.float16: (TensorProto.FLOAT16, np.float16)}
     if weight.dtype not in types:
         raise InputError(f"--candidate onnxruntime: ORT's CPU Skip*LayerNormalization kernels take float32 and "
@@ -162,9 +163,7 @@ def _onnxruntime(layer, weight, bias, eps: float):
     graph = helper.make_graph([node], "fused_add_norm", inputs,
                               [helper.make_tensor_value_info(n, elem, ["N", layer.dim]) for n in ("y", "sum")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = _session(model, "cpu")
     consts = {"gamma": gain.detach().cpu().numpy().astype(npt)}
     if "beta" in names:
         consts["beta"] = bias.detach().cpu().numpy().astype(npt)
@@ -176,10 +175,12 @@ def _onnxruntime(layer, weight, bias, eps: float):
     return pair
 
 
-def _graph_pair(program: bytes, ort, np, torch):
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(program, options, providers=["CPUExecutionProvider"])
+def _graph_pair(program: bytes, np, torch):
+    import onnx
+
+    from parity_cli.backends.onnx_runtime import _session
+
+    session = _session(onnx.load_from_string(program), "cpu")
     npt = {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(session.get_inputs()[0].type, np.float32)
 
     def pair(x, r):

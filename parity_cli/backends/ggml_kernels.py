@@ -20,6 +20,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from parity_cli.backends import distribution_version
 from parity_cli.errors import InputError
 
 NAME = "llama.cpp"
@@ -46,13 +47,7 @@ def library() -> Path:
 
 
 def version() -> str | None:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as of
-
-    try:
-        return f"xllamacpp {of('xllamacpp')}"
-    except PackageNotFoundError:
-        return None
+    return distribution_version("xllamacpp")
 
 
 def describe(device: str = "cpu") -> dict:

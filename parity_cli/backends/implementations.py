@@ -681,15 +681,13 @@ def _plugin(spec: str, obj, args: dict | None = None) -> Implementation:
     _check_accepts(spec, obj, args, skip=3)  # x, weight, eps
 
     def prepare_function(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-        if layer.fused == "quant":  # fn(x, weight, eps, scale=None) -> (q, scale)
-            from parity_cli.backends.fused import adapt_quant, on_rows_quant
-
-            return on_rows_quant(adapt_quant(obj, weight, eps, layer.quant[1], **args), layer)
-        if layer.fused:  # fn(x, residual, weight, eps): the pair back, or both written in place
-            from parity_cli.backends.fused import adapt, on_rows
+        if layer.fused:  # fn(x, residual, weight, eps) -> the pair, or fn(x, weight, eps, scale=None) -> (q, scale)
+            from parity_cli.backends import fused
 
             extra = {"bias": bias} if layer.kind == "layer_norm" else {}
-            return on_rows(adapt(obj, weight, eps, **extra, **args), layer)
+            if layer.fused == "quant":
+                return fused.on_rows_quant(fused.adapt_quant(obj, weight, eps, layer.quant[1], **extra, **args), layer)
+            return fused.on_rows(fused.adapt(obj, weight, eps, **extra, **args), layer)
         if layer.kind == "batch_norm":
             mean, var = running_statistics(layer, weight)
             return lambda x: obj(x, weight, eps, bias=bias, running_mean=mean, running_var=var, **args)

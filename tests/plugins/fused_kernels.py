@@ -49,3 +49,20 @@ def half_sum(x, residual, weight, eps):
 def eps_1e6(x, residual, weight, eps):
     """eps hard-coded in the serving glue (llama.cpp #2373)."""
     return returns_pair(x, residual, weight, 1e-6)
+
+
+def scribbles_on_its_gain(x, residual, weight, eps):
+    """Correct, then zeroes the gain it was handed: a later call must not see the zeros."""
+    out = returns_pair(x, residual, weight, eps)
+    weight.zero_()
+    return out
+
+
+def returns_a_string(x, residual, weight, eps):
+    return "done", "done"
+
+
+def exits(x, residual, weight, eps):
+    import os
+
+    os._exit(3)
