@@ -205,12 +205,18 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
 
 
 def hf_to_gguf(hf_dir, out_path, *, eps: float | None = None, offset: str = "baked", drop: tuple = (),
-               f16: tuple = (), norm_dtype: str = "F32") -> Path:
+               f16: tuple = (), norm_dtype: str = "F32", full: bool = False, swap: tuple = ()) -> Path:
     """A miniature llama.cpp conversion of a synthetic HF checkpoint's norm tensors, written with
     gguf's own GGUFWriter: metadata, every norm weight (F32, or `norm_dtype`), and one Q8_0
     projection that must never be decoded. Planted conversion faults: `eps` (the value written),
     `offset` ("baked" as the converter does for Gemma, "missing", "twice"), `drop` (HF layer
-    names left out), `f16` (HF layer names stored as F16)."""
+    names left out), `f16` (HF layer names stored as F16), `swap` (two HF layer names whose gains
+    trade places under their own names).
+
+    `full=True` converts a whole model llama.cpp can run (a transformers checkpoint with every
+    tensor): every tensor under llama.cpp's name (Llama's q/k rows permuted as convert_hf_to_gguf.py
+    does), the metadata llama.cpp's loader reads, and a sentencepiece vocabulary of `vocab_size`
+    pieces ("\u2581w0" .. "\u2581w39" for the words w0 .. w39)."""
     import gguf
     import numpy as np
     import torch
@@ -226,18 +232,27 @@ def hf_to_gguf(hf_dir, out_path, *, eps: float | None = None, offset: str = "bak
     tensors = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(f))
+    if swap:  # two layers' gains, each stored under the other's name
+        a, b = (f"{n}.weight" for n in swap)
+        tensors[a], tensors[b] = tensors[b], tensors[a]
     writer = gguf.GGUFWriter(str(out_path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
-    writer.add_key_length(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"] if eps is None else eps)
+    if full:
+        _whole_model(writer, config, head_dim)
     for name, t in sorted(tensors.items()):
         if not name.endswith(".weight"):
             continue
         base = name[: -len(".weight")]
         gguf_name = names.get_name(base)
+        if gguf_name is not None and full and "norm" not in gguf_name:
+            writer.add_tensor(f"{gguf_name}.weight", _converted(name, t, config, arch).numpy())
+            continue
         if gguf_name is None or "norm" not in gguf_name or base in drop:
             continue
         # llama.cpp's converter upcasts a tensor to float32 first unless it is float16 or float32, so a
@@ -254,11 +269,86 @@ def hf_to_gguf(hf_dir, out_path, *, eps: float | None = None, offset: str = "bak
             writer.add_tensor(f"{gguf_name}.weight", bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
             writer.add_tensor(f"{gguf_name}.weight", w.numpy().astype(np.float32))
-    proj = np.random.default_rng(0).standard_normal((config["hidden_size"], 64)).astype(np.float32)
-    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(proj, gguf.GGMLQuantizationType.Q8_0),
-                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    if not full:
+        proj = np.random.default_rng(0).standard_normal((config["hidden_size"], 64)).astype(np.float32)
+        writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(proj, gguf.GGMLQuantizationType.Q8_0),
+                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return Path(out_path)
+
+
+def _whole_model(writer, config: dict, head_dim: int) -> None:
+    """The metadata llama.cpp's loader needs beyond the norms', and a sentencepiece vocabulary."""
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    writer.add_file_type(0)
+    vocab = config["vocab_size"]
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", "w"] + [str(d) for d in range(10)] + ["\u2581w"]
+    pieces += [f"\u2581w{i}" for i in range(40)]
+    if vocab < len(pieces):
+        raise ValueError(f"a whole-model GGUF needs a vocabulary of at least {len(pieces)} pieces")
+    pieces += [f"<unused{k}>" for k in range(vocab - len(pieces))]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(pieces)
+    writer.add_token_scores([0.0] * 4 + [-float(i) for i in range(len(pieces) - 4)])
+    writer.add_token_types([3, 3, 3, 2] + [1] * (len(pieces) - 4))  # control, unknown, normal
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(True)
+
+
+def _converted(name: str, t, config: dict, arch: str):
+    """A non-norm tensor as llama.cpp's converter stores it: float32, and for Llama the q/k rows
+    permuted from HF's rotate-half layout to GGML's interleaved one (LlamaModel.permute)."""
+    w = t.float()
+    if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads"] if name.endswith("q_proj.weight") else config.get(
+            "num_key_value_heads", config["num_attention_heads"])
+        w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.contiguous()
+
+
+RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+            "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 32})}
+
+
+def write_runnable(directory, model_type: str = "llama", *, layers: int = 2, hidden: int = 64, eps: float = 1e-5,
+                   seed: int = 0) -> Path:
+    """A whole tiny transformers model (random weights, float32) that runs: every norm gain drawn
+    around its family's value (1 for w, 0 for Gemma's stored w), so that no two layers' gains agree.
+    Needs transformers."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = RUNNABLE[model_type]
+    torch.manual_seed(seed)
+    eps_key = "rms_norm_eps"
+    config = getattr(transformers, config_cls)(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=hidden // 4, vocab_size=100, max_position_embeddings=512,
+        **{eps_key: eps}, **extra)
+    model = getattr(transformers, model_cls)(config).eval()
+    zero_centred = model_type.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_((0.0 if zero_centred else 1.0) + 0.1 * torch.randn_like(p))
+    directory = Path(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
