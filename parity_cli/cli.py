@@ -246,12 +246,16 @@ def cli():
 @click.option("--activations", default=None, type=click.Path(dir_okay=False),
               help="A `parity capture` file: real rows as a `captured` stratum per layer, their q/eps and what "
                    "each fault does to them.")
+@click.option("--runtime-capture", default=None, type=click.Path(dir_okay=False),
+              help="A `parity capture --runtime` file: each norm node's input and output rows as the runtime computed "
+                   "them, judged against this checkpoint's oracle on the runtime's own input; the runtime's eps and "
+                   "gains compared with this checkpoint's.")
 @click.option("--quiet", "-q", is_flag=True, help="One line: the verdict, the counts and, on failure, the largest group.")
 @click.option("--verbose", "-v", is_flag=True, help="Every layer: the table, each diagnosis and every group.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
           exact, grad, timeout, candidate_memory, isolation, jobs, threads, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, baseline_any,
-          fail_on, plot_path, activations, quiet, verbose):
+          fail_on, plot_path, activations, runtime_capture, quiet, verbose):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
     from parity_cli import preflight
     from parity_cli.options import parse_args
@@ -283,7 +287,8 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
                                         jobs=jobs))
     outputs = _check_outputs({"--json": json_path, "--junit": junit_path, "--markdown": markdown_path,
                               "--plot": plot_path},
-                             [p for p in (checkpoint, candidate_checkpoint, baseline_path, activations) if p]
+                             [p for p in (checkpoint, candidate_checkpoint, baseline_path, activations,
+                                          runtime_capture) if p]
                              + [f"impl:{spec}" for spec in (candidate, reference) if spec])
     json_path, junit_path, markdown_path, plot_path = (
         None if outputs.get(f) is None else str(outputs[f]) for f in ("--json", "--junit", "--markdown", "--plot"))
@@ -304,7 +309,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,
         candidate_args=list(candidate_args), candidate_checkpoint=candidate_checkpoint, grad=grad, timeout=timeout,
         candidate_memory=candidate_memory, isolation=isolation, jobs=jobs, threads=threads,
-        activations=activations,
+        activations=activations, runtime_capture=runtime_capture,
     )
     with _progress(quiet) as progress:
         report = run_check(checkpoint, options, progress=progress)
@@ -715,9 +720,16 @@ def _plain(value):
               help="Rows kept per layer: a third the smallest q, a third the largest, a third uniform.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--runtime", default="transformers", show_default=True,
+              type=click.Choice(["transformers", "llama.cpp", "onnxruntime", "openvino"]),
+              help="Where the model runs: transformers (the rows each norm layer's module sees), or inside a "
+                   "deployed runtime (every norm node's input and output rows, and the eps and gains it used; "
+                   "`parity check REFERENCE --runtime-capture FILE` judges them).")
+@click.option("--tokens", "tokens_path", default=None, type=click.Path(dir_okay=False),
+              help="Token ids to run (whitespace-separated integers) instead of --text/--prompt (--runtime only).")
 @click.option("-o", "--output", "out_path", required=True, type=click.Path(dir_okay=False),
               help="The safetensors file to write.")
-def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, out_path):
+def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, runtime, tokens_path, out_path):
     """Run MODEL on real text and keep, per norm layer, a bounded sample of the rows it sees.
 
     MODEL is an HF model directory (full weights) or a llama.cpp .gguf file (F32, F16, BF16 or
@@ -731,9 +743,17 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
 
     preflight.inspect_inputs(model)
     preflight.device_input(device)
-    if (text_path is None) == (prompt is None):
-        raise InputError("parity capture: give --text FILE or --prompt TEXT (one of them)")
-    outputs = _check_outputs({"-o": out_path}, [model] + ([text_path] if text_path else []))
+    given = [p for p in (text_path, prompt, tokens_path) if p is not None]
+    if len(given) != 1 or (tokens_path and runtime == "transformers"):
+        raise InputError("parity capture: give --text FILE or --prompt TEXT (one of them)" + (
+            "" if runtime == "transformers" else ", or --tokens FILE"))
+    if runtime != "transformers" and device != "cpu":
+        raise InputError(f"parity capture --runtime {runtime}: runs the runtime's CPU backend; --device is for "
+                         "transformers")
+    outputs = _check_outputs({"-o": out_path}, [model] + [p for p in (text_path, tokens_path) if p])
+    if runtime != "transformers":
+        return _capture_in_runtime(model, runtime, text_path, prompt, tokens_path, max_tokens, rows_per_layer, seed,
+                                   outputs["-o"], out_path)
     if text_path:
         from parity_cli.sources.jsonfile import regular_file
 
@@ -757,6 +777,41 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
 
     console, width = _console(), terminal_width()
     for line in summary(out_path, tensors, meta):  # wrapped at spaces to the width (COLUMNS where not a terminal)
+        for piece in wrap(escape(line), width, hanging=0):
+            console.print(piece, soft_wrap=True, highlight=False)
+    return EXIT_PASS
+
+
+def _capture_in_runtime(model, runtime, text_path, prompt, tokens_path, max_tokens, rows_per_layer, seed, target,
+                        out_path):
+    from parity_cli.probes import runtime_capture
+    from parity_cli.sources.jsonfile import regular_file
+
+    tokens, text = None, prompt
+    for path in (text_path, tokens_path):
+        if path:
+            regular_file(path, "the text" if path == text_path else "the token file", 1 << 30, "over 1 GiB")
+    if text_path:
+        with open(text_path, "rb") as fh:
+            text = fh.read(64 * max_tokens).decode("utf-8", errors="replace")
+    if tokens_path:
+        with open(tokens_path, "rb") as fh:
+            words = fh.read(24 * max_tokens).decode("ascii", errors="replace").split()[:max_tokens]
+        try:
+            tokens = [int(w) for w in words]
+        except ValueError:
+            raise InputError(f"{tokens_path}: token ids are whitespace-separated integers") from None
+        if not tokens:
+            raise InputError(f"{tokens_path}: no token ids")
+    with _stages() as stage:
+        tensors, meta = runtime_capture.record(model, runtime, text=text, tokens=tokens, max_tokens=max_tokens,
+                                               rows_per_layer=rows_per_layer, seed=seed, stage=stage)
+        stage(f"writing {target}")
+        runtime_capture.write(tensors, meta, target)
+    from parity_cli.report.layout import terminal_width, wrap
+
+    console, width = _console(), terminal_width()
+    for line in runtime_capture.summary(out_path, tensors, meta):
         for piece in wrap(escape(line), width, hanging=0):
             console.print(piece, soft_wrap=True, highlight=False)
     return EXIT_PASS

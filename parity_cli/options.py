@@ -48,6 +48,7 @@ class CheckOptions:
     candidate_memory: str | int | None = None  # cap on the candidate's resident memory; None: half of RAM
     activations: str | None = None  # a `parity capture` file: a `captured` stratum of real rows per layer
     captured: dict | None = None  # its rows by layer, once loaded (check() fills it)
+    runtime_capture: str | None = None  # a `parity capture --runtime` file: the runtime's rows, eps and gains
 
 
 def dtype_name(name: str) -> str:

@@ -341,7 +341,30 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     from parity_cli.sources.onnx_graph import is_onnx
     from parity_cli.sources.openvino_ir import is_openvino_ir
 
-    if is_onnx(opts.candidate_checkpoint):
+    if opts.runtime_capture:  # what a runtime's own graph used and computed (probes.runtime_capture)
+        from parity_cli.probes import runtime_capture
+
+        layers, meta = runtime_capture.load(opts.runtime_capture, reference_layers)
+        from collections import Counter
+
+        eps_values = Counter(layer.eps.value for layer in layers).most_common()
+        described = {"path": recorded_path(opts.runtime_capture), "format": RUNTIME_CAPTURE,
+                     "family": reference_layers[0].family if reference_layers else None, "model_type": None,
+                     "eps": {"value": eps_values[0][0] if eps_values else 0.0,
+                             "source": f"{meta.get('runtime')}'s own nodes" + (
+                                 "" if len(eps_values) == 1 else f" ({len(eps_values)} values: per layer)")},
+                     "layers": len(layers), "unmatched": [],
+                     "runtime": {"name": meta.get("runtime"), "version": meta.get("version"),
+                                 "model": meta.get("model"), "tokens": meta.get("tokens"),
+                                 "computes_in": meta.get("computes_in"), "backend": meta.get("backend"),
+                                 "unmapped": meta.get("unmapped", []),
+                                 "nodes": {layer.name: {k: meta["nodes"][layer.name].get(k)
+                                                        for k in ("node", "op", "chain", "gain_tensor", "bias_tensor",
+                                                                  "rows_seen", "rows", "dtype")}
+                                           for layer in layers}}}
+        computes = meta.get("computes_in") or ["float32"]
+        dtype = computes[0] if len(computes) == 1 and computes[0] in ("float32", "float16", "bfloat16") else "float32"
+    elif is_onnx(opts.candidate_checkpoint):
         layers, info = candidate_layers(opts.candidate_checkpoint, reference_layers)
         described = {"path": recorded_path(opts.candidate_checkpoint), "format": "onnx",
                      "family": reference_layers[0].family if reference_layers else None, "model_type": None,
@@ -372,6 +395,45 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     if opts.layers:  # a --layers run compares those layers, and reports no others as extra
         layers = [l for l in layers if fnmatch.fnmatchcase(l.name, opts.layers)]
     return layers, described, dtype
+
+
+RUNTIME_CAPTURE = "runtime-capture"
+
+
+def runtime_capture_options(opts: CheckOptions) -> CheckOptions:
+    """--runtime-capture: the capture is the candidate (its rows replayed, its eps and gains the
+    copy's), so every option that would choose another candidate, other probes or another dtype is
+    refused in one line; it runs here, on one worker."""
+    if not opts.runtime_capture:
+        return opts
+    given = [flag for flag, value in (("--candidate", opts.candidate), ("--candidate-checkpoint",
+                                      opts.candidate_checkpoint), ("--candidate-eps", opts.candidate_eps),
+                                      ("--candidate-arg", opts.candidate_args), ("--activations", opts.activations),
+                                      ("--strata", opts.strata), ("--dtype", opts.dtype), ("--grad", opts.grad),
+                                      ("--exact", opts.exact)) if value]
+    if given:
+        raise InputError(f"--runtime-capture: the capture is the candidate (the runtime's own rows, eps and gains, at "
+                         f"the dtype it computed in); {', '.join(given)} cannot be used with it")
+    return dataclasses.replace(opts, candidate=RUNTIME_CAPTURE, candidate_checkpoint=opts.runtime_capture,
+                               isolation="none", jobs=1)
+
+
+def _recorded_rows(opts, pairing, conversion: dict, found):
+    """The capture's rows as each paired layer's probes; a checkpoint layer no node of the runtime
+    ran is not checked (the runtime may never run it: a tower it does not load), never missing."""
+    captured = {name: layer.recorded[0].to(dtype=__import__("torch").float64)
+                for name, layer in pairing.candidate_layers.items()}
+    gone = [name for name, items in pairing.layer_findings.items()
+            if [item["code"] for item in items] == ["checkpoint_layer_missing"]]
+    if len(gone) == len(found.layers):
+        raise InputError(f"{conversion['path']}: no node of the runtime is a norm layer of this checkpoint; nothing "
+                         "to check (a capture of another model?)")
+    for name in gone:
+        del pairing.layer_findings[name]
+    conversion["unchecked"] = [{"name": name, "why": f"no norm node of {conversion['runtime']['name']} ran with this "
+                                                     "layer's gain in the capture"} for name in gone]
+    found = dataclasses.replace(found, layers=[layer for layer in found.layers if layer.name not in set(gone)])
+    return dataclasses.replace(opts, captured=captured), found
 
 
 def _as_named(layers, reference_layers, family):
@@ -417,7 +479,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     """Runs the whole check and returns a Report; raises InputError for bad input.
 
     `progress(done, total, layer_name)` is called before each layer (the CLI's progress bar)."""
-    opts = effective(options or CheckOptions(**kwargs))
+    opts = effective(runtime_capture_options(options or CheckOptions(**kwargs)))
     from parity_cli.isolation import supervisor
 
     if supervisor.supervised(opts.candidate, opts.device, opts.isolation) or (
@@ -446,7 +508,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
             raise InputError(f"{flag} must be a finite number >= 0, got {value}")
     if opts.timeout is not None and not opts.timeout > 0:
         raise InputError(f"--timeout must be > 0 seconds (inf: no limit), got {opts.timeout}")
-    strata = select_strata(opts.strata)
+    strata = [] if opts.runtime_capture else select_strata(opts.strata)  # a capture's rows are its probes
     device = check_device(opts.device)
     ref_device = reference_device(opts.reference_device, device, is_oracle(opts))
     if opts.reference_dtype is not None:  # a wrong name is refused before the checkpoint is read
@@ -507,6 +569,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                         item["message"] += f" ({folded['message']})"
                         item["folded"] = True
         found = _unread_not_missing(pairing, conversion, found)
+        if conversion["format"] == RUNTIME_CAPTURE:
+            opts, found = _recorded_rows(opts, pairing, conversion, found)
         conversion["findings"] = sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings)
     # an exported graph computes in its own input type (float32 for most exports): probe it there
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else (copy_dtype or stored_dtype(found.layers))
@@ -545,6 +609,13 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     sharded = workers > 1 and parallel.shardable(opts, device)
     if sharded:  # whole layers in worker processes: our own code end to end (parity_cli.check.parallel)
         cand_impl, runners = impls.resolve(opts.candidate, cand_args), []
+    elif opts.runtime_capture:  # the rows the runtime's own nodes gave, replayed here
+        from parity_cli.backends import recorded
+        from parity_cli.isolation.runners import InProcessRunner
+
+        cand_impl = impls.Implementation(recorded.NAME, f"recorded inside {conversion['runtime']['name']}",
+                                         recorded.prepare)
+        runners = [InProcessRunner(cand_impl)]
     else:
         if supervisor.supervised(opts.candidate, opts.device, opts.isolation):
             _say(progress, f"starting the candidate's worker process{'es' if workers > 1 else ''}")
@@ -626,7 +697,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                                                              "source": grad_tol.source}},
         "probes": {
             "seed": opts.seed,
-            "strata": [s.name for s in strata] + (["captured"] if captured_meta else []),
+            "strata": [s.name for s in strata] + (["captured"] if captured_meta or opts.runtime_capture else []),
             "not_covered": [n for n in load_strata() if n not in {s.name for s in strata}],
             "descriptions": {s.name: s.description for s in strata},
             "rounding": f"probes are rounded to {cand_dtype_name}; the reference sees the rounded values",

@@ -125,8 +125,10 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         sets = [batch_norm_probe_set(strata, layer.running_mean, layer.running_var,
                                      layer.gain_offset + layer.weight.to(torch.float64), eps, candidate.dtype,
                                      opts.seed)]
-    else:
+    elif strata:
         sets = [build_probe_set(strata, layer.dim, eps, candidate.dtype, opts.seed)]
+    else:  # --runtime-capture: the rows the runtime saw are the only probes
+        sets = []
     real = (getattr(opts, "captured", None) or {}).get(layer.name)
     overflowed = 0
     if real is not None:  # --activations: real rows, rounded to the candidate dtype like every probe
@@ -566,6 +568,11 @@ def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata,
         result = missing_layer(layer) if other is None else check_layer(
             layer, reference, candidate, strata, tol, opts, cand_layer=other, grad_tol=grad_tol)
         result.findings = result.findings + pairing.layer_findings.get(layer.name, [])
+        if other is not None and other.recorded is not None and (not result.passed or result.findings):
+            from parity_cli.diagnose.recorded import recorded_diagnoses
+
+            runtime = candidate.impl.source.removeprefix("recorded inside ")
+            result.diagnoses = recorded_diagnoses(layer, other, result.diagnoses, result.findings, tol, runtime)
         if not result.passed or result.findings:
             from parity_cli.diagnose.causes import with_copy_eps
 

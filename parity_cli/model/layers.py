@@ -57,6 +57,9 @@ class NormLayer:
     # fused "quant": ("static", scale) or ("dynamic", None); an output row is [q | scale]
     quant: tuple | None = None
     fused_program: bytes | None = None  # an exported graph's Skip op as (x, skip) -> (y, x + skip) (onnx_checkpoint)
+    # a runtime capture's (probes.runtime_capture): the (x, y) rows the runtime's own node computed,
+    # which the `runtime-capture` candidate replays
+    recorded: tuple | None = None
 
     @property
     def width(self) -> int:

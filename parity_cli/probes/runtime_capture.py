@@ -1,0 +1,227 @@
+"""What a deployed runtime computes at each norm, recorded inside the runtime on real tokens.
+
+`parity capture MODEL --runtime llama.cpp|onnxruntime|openvino` runs the runtime itself and keeps,
+for every norm node its graph has, a bounded sample of (input row, output row) pairs and the
+parameters the runtime used: the eps it read (from the op or the node), the gain and bias it
+attached (the values it holds). `parity check REFERENCE --runtime-capture FILE` then judges each
+pair against the float64 oracle of the reference on the runtime's own input: the runtime's
+upstream (attention, quantized matmuls) does not count against the norm, its norm does.
+
+The file is safetensors: `x:LAYER` and `y:LAYER` rows (float32, exact for the float32, float16 and
+bfloat16 activations runtimes compute in), `gain:LAYER` / `bias:LAYER` as the runtime held them,
+and the metadata key `parity-runtime` (FORMAT, the runtime, its version, the node each layer came
+from, the dtype it computed in)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+from parity_cli.errors import InputError
+
+FORMAT = "parity runtime capture 1"
+META_KEY = "parity-runtime"
+RUNTIMES = ("llama.cpp", "onnxruntime", "openvino")
+MAX_FILE_BYTES = 1 << 30
+MAX_LAYERS = 10_000
+KINDS = {"RMS_NORM": "rms_norm", "NORM": "layer_norm"}
+
+
+def _sampled(x, y, q, rows_per_layer: int, rng):
+    """(x, y) cut to rows_per_layer pairs as `parity capture` keeps rows: a third the smallest q, a
+    third the largest, the rest a uniform reservoir; a pair is kept or dropped together."""
+    import torch
+
+    from parity_cli.probes.capture import _Sample
+
+    k_small = k_large = rows_per_layer // 3
+    sample = _Sample(k_small, k_large, rows_per_layer - k_small - k_large, rng)
+    sample.add(torch.cat([x, y], -1), q)
+    both = sample.rows()
+    return both[:, : x.shape[1]].contiguous(), both[:, x.shape[1]:].contiguous()
+
+
+def record(model, runtime: str, text: str | None = None, tokens: list[int] | None = None, max_tokens: int = 512,
+           rows_per_layer: int = 96, seed: int = 0, stage=None) -> tuple[dict, dict]:
+    """(tensors, metadata) of a capture inside `runtime`; `stage(text)` hears what runs next."""
+    say = stage or (lambda text: None)
+    import torch
+
+    from parity_cli.backends.implementations import mean_square
+
+    if runtime not in RUNTIMES:
+        raise InputError(f"--runtime: '{runtime}' is not one of transformers, {', '.join(RUNTIMES)}")
+    say(f"running {model} in {runtime}")
+    if runtime == "llama.cpp":
+        raw = _llama_cpp(model, text, tokens, max_tokens)
+    else:
+        from parity_cli.backends.graph_capture import record as graph_record
+
+        raw = graph_record(model, runtime, text, tokens, max_tokens)
+    if not raw["nodes"]:
+        raise InputError(f"{model}: {runtime} ran no norm node parity reads as a checkpoint layer; nothing captured")
+    rng = random.Random(seed)
+    tensors, nodes = {}, {}
+    for node in sorted(raw["nodes"], key=lambda n: n["layer"]):
+        x, y = torch.from_numpy(node.pop("x")), torch.from_numpy(node.pop("y"))
+        finite = torch.isfinite(x).all(-1)
+        seen = int(x.shape[0])
+        x, y = x[finite], y[finite]
+        if not x.shape[0]:
+            continue
+        x, y = _sampled(x, y, mean_square(x.double(), node["kind"]), rows_per_layer, rng)
+        layer = node["layer"]
+        tensors[f"x:{layer}"], tensors[f"y:{layer}"] = x, y
+        for part in ("gain", "bias"):
+            value = node.pop(part)
+            if value is not None:
+                node[f"{part}_tensor"] = value[0]
+                tensors[f"{part}:{layer}"] = torch.from_numpy(value[1]).float().contiguous()
+        nodes[layer] = {**node, "rows_seen": seen, "rows": int(x.shape[0])}
+    meta = {"format": FORMAT, "runtime": runtime, "version": raw.get("version"), "model": str(model),
+            "tokens": raw["tokens"], "rows_per_layer": rows_per_layer, "seed": seed,
+            "sampling": f"{rows_per_layer // 3} smallest q, {rows_per_layer // 3} largest q, "
+                        f"{rows_per_layer - 2 * (rows_per_layer // 3)} uniform of each norm node's rows",
+            "computes_in": sorted({n["dtype"] for n in nodes.values()}), "nodes": nodes,
+            "unmapped": raw.get("unmapped", []), **{k: raw[k] for k in ("backend", "providers") if k in raw}}
+    return tensors, meta
+
+
+def _llama_cpp(model, text, tokens, max_tokens) -> dict:
+    """llama.cpp's norm nodes under the checkpoint's layer names: the GGUF's own gain tensor names
+    (blk.0.attn_norm.weight) mapped back with gguf-py's table, as `parity check model.gguf` does."""
+    from parity_cli.backends import llama_graph
+    from parity_cli.model.layers import discover_layers
+    from parity_cli.model.load import load
+    from parity_cli.sources.gguf import is_gguf
+
+    if not (Path(model).is_file() and is_gguf(Path(model))):
+        raise InputError(f"{model}: --runtime llama.cpp runs a .gguf file")
+    ckpt, fam, eps = load(model)
+    layers = {layer.name: layer for layer in discover_layers(ckpt, fam, eps).layers}
+    by_tensor = {f"{g}.weight": hf for hf, g in ckpt.gguf_names.items() if hf in layers}
+    raw = llama_graph.record(model, tokens, text, max_tokens)
+    nodes, unmapped = [], []
+    for n in raw["nodes"]:
+        layer = by_tensor.get(n["gain"][0]) if n["gain"] is not None else None
+        node = n["chain"][-1].rpartition(" -> ")[2] if len(n["chain"]) > 1 else n["node"]
+        if layer is None:
+            unmapped.append(f"{node} ({n['chain'][-1]})")
+            continue
+        nodes.append({"layer": layer, "node": node, "op": n["op"], "kind": KINDS[n["op"]], "eps": n["eps"],
+                      "eps_source": f"llama.cpp: the {n['op']} node's op_params[0] ({n['node']})",
+                      "chain": n["chain"], "gain": n["gain"], "bias": n["bias"], "dtype": n["dtype"],
+                      "x": n["x"], "y": n["y"]})
+    return {"nodes": nodes, "unmapped": unmapped, "tokens": raw["tokens"],
+            "version": raw["version"], "backend": "ggml CPU"}
+
+
+def summary(out, tensors: dict, meta: dict) -> list[str]:
+    rows = [t.shape[0] for name, t in tensors.items() if name.startswith("x:")]
+    eps = sorted({n["eps"] for n in meta["nodes"].values() if n.get("eps") is not None})
+    lines = [f"{out}: {sum(rows):,} (input, output) row pairs from {meta['tokens']:,} tokens in {meta['runtime']} "
+             f"{meta.get('version') or ''}".rstrip() + f", {len(rows)} norm nodes ({', '.join(meta['computes_in'])}; "
+             f"eps {', '.join(f'{e:.6g}' for e in eps) or 'not recorded'})"]
+    if meta.get("unmapped"):
+        lines.append(f"{len(meta['unmapped'])} norm node(s) map to no checkpoint layer and were left out: "
+                     + ", ".join(meta["unmapped"][:5]))
+    return lines
+
+
+def write(tensors: dict, meta: dict, out) -> None:
+    from safetensors.torch import save
+
+    from parity_cli.outputs import write_bytes
+
+    write_bytes(Path(out), save(tensors, metadata={META_KEY: json.dumps(meta)}))
+
+
+def _header(path: Path) -> dict | None:
+    """The safetensors header of `path`, or None where it is not one (read with a bound)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                return None
+            n = int.from_bytes(head, "little")
+            if not 2 <= n <= (100 << 20):
+                return None
+            return json.loads(fh.read(n))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def is_runtime_capture(path) -> bool:
+    header = _header(Path(path)) if Path(path).is_file() else None
+    return bool(header and META_KEY in (header.get("__metadata__") or {}))
+
+
+def load(path, reference_layers) -> tuple[list, dict]:
+    """(the capture's norms as NormLayers: the runtime's eps, gain and bias, `recorded` = its (x, y)
+    rows; the report's description of the capture). Every malformed part is one line."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    from parity_cli.model.layers import NormLayer
+    from parity_cli.sources.jsonfile import regular_file
+    from parity_cli.sources.tensors import Eps
+
+    path = Path(path)
+    regular_file(path, "the runtime capture", MAX_FILE_BYTES, "over the 1 GiB a capture may have")
+    header = _header(path)
+    meta_text = ((header or {}).get("__metadata__") or {}).get(META_KEY)
+    if meta_text is None:
+        raise InputError(f"{path}: not a runtime capture (`parity capture MODEL --runtime ...` writes one)")
+    try:
+        meta = json.loads(meta_text)
+    except ValueError:
+        raise InputError(f"{path}: the capture's metadata is not JSON") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("nodes"), dict):
+        raise InputError(f"{path}: not a runtime capture of format '{FORMAT}'")
+    if len(meta["nodes"]) > MAX_LAYERS:
+        raise InputError(f"{path}: {len(meta['nodes']):,} nodes, over the {MAX_LAYERS:,} a capture may hold")
+    families = {layer.name: layer for layer in reference_layers}
+    layers = []
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            keys = set(fh.keys())
+            for name, node in sorted(meta["nodes"].items()):
+                layers.append(_layer(path, fh, keys, name, node, families.get(name), NormLayer, Eps, torch))
+    except SafetensorError as exc:
+        raise InputError(f"{path}: unreadable safetensors: {exc}") from None
+    return layers, meta
+
+
+def _layer(path, fh, keys, name, node, ref, NormLayer, Eps, torch):
+    def tensor(key, required=True):
+        if key not in keys:
+            if required:
+                raise InputError(f"{path}: {name}: no tensor {key}")
+            return None
+        t = fh.get_tensor(key)
+        if t.dtype != torch.float32:
+            raise InputError(f"{path}: {key} is {str(t.dtype).removeprefix('torch.')}, not float32")
+        return t
+
+    if not isinstance(node, dict) or node.get("kind") not in ("rms_norm", "layer_norm"):
+        raise InputError(f"{path}: {name}: a node of no kind parity reads")
+    eps = node.get("eps")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (math.isfinite(eps) and eps >= 0):
+        raise InputError(f"{path}: {name}: eps {eps!r} is not a finite number >= 0")
+    x, y = tensor(f"x:{name}"), tensor(f"y:{name}")
+    gain, bias = tensor(f"gain:{name}", False), tensor(f"bias:{name}", False)
+    if x.dim() != 2 or x.shape != y.shape or not x.shape[0]:
+        raise InputError(f"{path}: {name}: rows of shapes {list(x.shape)} and {list(y.shape)}; not (n, width) pairs")
+    dim = x.shape[1]
+    for part, t in (("gain", gain), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (dim,):
+            raise InputError(f"{path}: {name}: the {part} has shape {list(t.shape)} for rows of width {dim}")
+    source = str(node.get("eps_source") or f"{node.get('runtime', 'the runtime')}'s node")
+    weightless = gain is None
+    return NormLayer(name=name, kind=node["kind"], dim=dim, order="native", gain_offset=0.0,
+                     eps=Eps(float(eps), source), weight=torch.ones(dim) if weightless else gain, bias=bias,
+                     family=ref.family if ref is not None else "runtime", tensor=str(node.get("gain_tensor") or ""),
+                     weightless=weightless, tower=ref.tower if ref is not None else "main",
+                     recorded=(x, y))
