@@ -360,7 +360,8 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
                                  "unmapped": meta.get("unmapped", []),
                                  "nodes": {layer.name: {k: meta["nodes"][layer.name].get(k)
                                                         for k in ("node", "op", "chain", "gain_tensor", "bias_tensor",
-                                                                  "rows_seen", "rows", "dtype")}
+                                                                  "rows_seen", "rows", "dtype", "recorded_as",
+                                                                  "paired_by")}
                                            for layer in layers}}}
         computes = meta.get("computes_in") or ["float32"]
         dtype = computes[0] if len(computes) == 1 and computes[0] in ("float32", "float16", "bfloat16") else "float32"

@@ -349,7 +349,7 @@ def _decode(lib, ctx, batch, state, path) -> None:
 
 
 def _param(lib, t):
-    """(GGUF name, float32 values) of a model tensor the graph attached, or None."""
+    """(GGUF name, float32 values, the type it is stored in) of a model tensor the graph attached."""
     if t is None:
         return None
-    return t.name.decode("utf-8", "replace"), _rows(lib, t).reshape(-1)
+    return t.name.decode("utf-8", "replace"), _rows(lib, t).reshape(-1), _GGML_TYPES.get(t.type, "float32")

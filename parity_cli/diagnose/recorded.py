@@ -49,7 +49,14 @@ def _gain_causes(layer, copy, findings: list, runtime: str) -> list[Diagnosis]:
                               f"family's 1 + w applied {what} ({copy.tensor or 'its gain tensor'})",
                               {"offset_error": shift, "expected_offset": offset, "tensor": copy.tensor,
                                "read_from_copy": True})]
-    other = next((f for f in findings if f.get("code") == "checkpoint_gain_of_other_layer"), None)
+    stored = copy.weight.dtype
+    if stored in (torch.float16, torch.bfloat16) and torch.equal(ref.to(stored).to(torch.float64), got):
+        name = str(stored).removeprefix("torch.")
+        return [Diagnosis("channel_gain_mismatch",
+                          f"{runtime} multiplies by the layer's gain rounded to {name}, as its file stores it "
+                          f"({copy.tensor or 'its gain tensor'}); the reference's gain is not a {name} value",
+                          {"lost_to": name, "tensor": copy.tensor, "read_from_copy": True})]
+        other = next((f for f in findings if f.get("code") == "checkpoint_gain_of_other_layer"), None)
     if other is not None:
         return [Diagnosis("channel_gain_mismatch",
                           f"{runtime} multiplies by {copy.tensor or 'a gain'} holding the gain of {other['layers'][0]}: "

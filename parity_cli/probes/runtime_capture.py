@@ -76,8 +76,8 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
         tensors[f"x:{layer}"], tensors[f"y:{layer}"] = x, y
         for part in ("gain", "bias"):
             value = node.pop(part)
-            if value is not None:
-                node[f"{part}_tensor"] = value[0]
+            if value is not None:  # float32 values, and the dtype the runtime's tensor is stored in
+                node[f"{part}_tensor"], node[f"{part}_dtype"] = value[0], value[2]
                 tensors[f"{part}:{layer}"] = torch.from_numpy(value[1]).float().contiguous()
         nodes[layer] = {**node, "rows_seen": seen, "rows": int(x.shape[0])}
     meta = {"format": FORMAT, "runtime": runtime, "version": raw.get("version"), "model": str(model),
@@ -182,19 +182,58 @@ def load(path, reference_layers) -> tuple[list, dict]:
         raise InputError(f"{path}: not a runtime capture of format '{FORMAT}'")
     if len(meta["nodes"]) > MAX_LAYERS:
         raise InputError(f"{path}: {len(meta['nodes']):,} nodes, over the {MAX_LAYERS:,} a capture may hold")
-    families = {layer.name: layer for layer in reference_layers}
     layers = []
     try:
         with safe_open(str(path), framework="pt") as fh:
             keys = set(fh.keys())
             for name, node in sorted(meta["nodes"].items()):
-                layers.append(_layer(path, fh, keys, name, node, families.get(name), NormLayer, Eps, torch))
+                layers.append(_layer(path, fh, keys, name, node, NormLayer, Eps, torch))
     except SafetensorError as exc:
         raise InputError(f"{path}: unreadable safetensors: {exc}") from None
-    return layers, meta
+    return _named(layers, reference_layers, meta), meta
 
 
-def _layer(path, fh, keys, name, node, ref, NormLayer, Eps, torch):
+def _named(layers: list, reference_layers: list, meta: dict) -> list:
+    """Each recorded norm under the reference layer it is: by name (an export's wrapper prefix set
+    aside), else by the gain it holds, as an exported graph's norms are paired (sources.onnx_graph);
+    the capture's own name stays in the report's node entry."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from parity_cli.sources.onnx_graph import _match_by_gain, _match_by_name
+
+    views = [SimpleNamespace(name=layer.name, names=(layer.name,), offset=0.0, weight=layer.weight,
+                             bias=layer.bias, dim=layer.dim, paired_by="name") for layer in layers]
+    _match_by_name(views, reference_layers)
+    _match_by_gain(views, reference_layers)
+    by_name = {layer.name: layer for layer in reference_layers}
+    out = []
+    for layer, view in zip(layers, views):
+        ref = by_name.get(view.name)
+        node = meta["nodes"][layer.name]
+        node.setdefault("recorded_as", layer.name)
+        if view.name != layer.name:
+            meta["nodes"][view.name] = node
+        node["paired_by"] = view.paired_by
+        out.append(dataclasses.replace(layer, name=view.name, family=ref.family if ref else layer.family,
+                                       tower=ref.tower if ref else layer.tower))
+    return out
+
+
+def _as_stored(path, name, part, t, dtype, torch):
+    """The runtime's tensor in the dtype it stores (an IR compressed to f16, a GGUF's F16 norms), so
+    that pairing sees what the gains passed through; its values must be that dtype's."""
+    if t is None or dtype in (None, "float32"):
+        return t
+    if dtype not in ("float16", "bfloat16"):
+        raise InputError(f"{path}: {name}: the {part} is stored as '{dtype}', not a dtype parity reads")
+    narrow = t.to(getattr(torch, dtype))
+    if not torch.equal(narrow.float(), t):
+        raise InputError(f"{path}: {name}: the {part} is said to be stored as {dtype} but holds other values")
+    return narrow
+
+
+def _layer(path, fh, keys, name, node, NormLayer, Eps, torch):
     def tensor(key, required=True):
         if key not in keys:
             if required:
@@ -218,10 +257,11 @@ def _layer(path, fh, keys, name, node, ref, NormLayer, Eps, torch):
     for part, t in (("gain", gain), ("bias", bias)):
         if t is not None and tuple(t.shape) != (dim,):
             raise InputError(f"{path}: {name}: the {part} has shape {list(t.shape)} for rows of width {dim}")
+    gain, bias = (_as_stored(path, name, part, t, node.get(f"{part}_dtype"), torch)
+                  for part, t in (("gain", gain), ("bias", bias)))
     source = str(node.get("eps_source") or f"{node.get('runtime', 'the runtime')}'s node")
     weightless = gain is None
     return NormLayer(name=name, kind=node["kind"], dim=dim, order="native", gain_offset=0.0,
                      eps=Eps(float(eps), source), weight=torch.ones(dim) if weightless else gain, bias=bias,
-                     family=ref.family if ref is not None else "runtime", tensor=str(node.get("gain_tensor") or ""),
-                     weightless=weightless, tower=ref.tower if ref is not None else "main",
+                     family="runtime", tensor=str(node.get("gain_tensor") or ""), weightless=weightless,
                      recorded=(x, y))

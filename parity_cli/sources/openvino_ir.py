@@ -76,6 +76,7 @@ class IrNorm:
     training: bool = False
     groups: int | None = None
     depth: int = 0  # norms on the longest path of the data flow before this one
+    ends: tuple = ()  # (the norm's input, its output) as the model's Outputs (a runtime capture reads them)
 
 
 def is_openvino_ir(path) -> bool:
@@ -664,7 +665,7 @@ def _programs(norms: list, path: Path) -> None:
 
     with tempfile.TemporaryDirectory(prefix="parity-ov-") as tmp:
         for k, norm in enumerate(norms):
-            x, y = norm.__dict__.pop("_ends")
+            x, y = norm.ends = norm.__dict__.pop("_ends")
             norm.program = _cut(x, y, norm, path, Path(tmp) / f"n{k}.xml")
 
 

@@ -1,0 +1,188 @@
+"""Issue 38: inside ONNX Runtime and OpenVINO. A whole tiny Llama exported by torch.onnx (and that
+graph converted by OpenVINO), run by each runtime with every norm's input and output made graph
+outputs; the rows judged against the HF checkpoint's oracle. The planted fault is an eps the
+export holds (1e-6 written over every 1e-5 constant of the graph), which each runtime then uses."""
+
+import numpy as np
+import pytest
+from conftest import load_json, run_parity
+
+pytest.importorskip("transformers")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+TOKENS = [2] + [17 + (7 * i) % 40 for i in range(23)]  # BOS, then "▁wK" pieces (ids 17 + K), 24 in all
+
+
+def _export(hf, out):
+    """The model with input_ids and an all-ones attention_mask as inputs (transformers 5.25 cannot
+    export its mask creation without one), TorchScript exporter, opset 17."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, mask):
+            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    ids = torch.tensor([TOKENS[:5]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Logits(model), (ids, torch.ones_like(ids)), str(out), dynamo=False, opset_version=17,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_axes={"input_ids": {1: "n"}, "attention_mask": {1: "n"}})
+    return out
+
+
+def _planted(src, out, old=1e-5, new=1e-6):
+    """Every scalar float constant of the graph equal to float32(old) rewritten as new: the eps each
+    norm adds to its mean square. Returns how many were rewritten."""
+    from onnx import numpy_helper
+
+    m = onnx.load(str(src))
+    hits = 0
+    tensors = list(m.graph.initializer) + [a.t for n in m.graph.node if n.op_type == "Constant" for a in n.attribute
+                                           if a.name == "value"]
+    for t in tensors:
+        a = numpy_helper.to_array(t)
+        if a.size == 1 and a.dtype == np.float32 and a.reshape(-1)[0] == np.float32(old):
+            t.CopyFrom(numpy_helper.from_array(np.full(a.shape, new, np.float32), t.name))
+            hits += 1
+    onnx.save(m, str(out))
+    return hits
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    from parity_cli.sources.synthetic import write_runnable
+
+    root = tmp_path_factory.mktemp("graphs")
+    hf = write_runnable(root / "llama", "llama", eps=1e-5, seed=11)
+    made = {"hf": hf, "onnx": _export(hf, root / "llama.onnx")}
+    made["hits"] = _planted(made["onnx"], root / "eps.onnx")
+    made["eps.onnx"] = root / "eps.onnx"
+    (root / "tokens.txt").write_text(" ".join(map(str, TOKENS)))
+    made["tokens"] = root / "tokens.txt"
+    try:
+        import openvino as ov
+    except ImportError:
+        return made
+    for name in ("llama", "eps"):
+        ov.save_model(ov.convert_model(str(root / f"{name}.onnx")), str(root / f"{name}.xml"), compress_to_fp16=False)
+    ov.save_model(ov.convert_model(str(made["onnx"])), str(root / "fp16.xml"))  # OpenVINO's default: f16 weights
+    made.update({"xml": root / "llama.xml", "eps.xml": root / "eps.xml", "fp16.xml": root / "fp16.xml"})
+    return made
+
+
+def _capture(model, runtime, tokens, out):
+    r = run_parity("capture", model, "--runtime", runtime, "--tokens", tokens, "-o", out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def _norm_names(hf):
+    from safetensors import safe_open
+
+    with safe_open(f"{hf}/model.safetensors", framework="pt") as fh:
+        return sorted(k[: -len(".weight")] for k in fh.keys() if k.endswith("norm.weight"))
+
+
+def _oracle_rows(cap, layer, eps, gain):
+    """The capture's (x, y) of a layer, and y computed here in float64 from x with the given eps and gain."""
+    from safetensors.numpy import load_file
+
+    t = load_file(str(cap))
+    x, y = t[f"x:{layer}"].astype(np.float64), t[f"y:{layer}"].astype(np.float64)
+    return x, y, x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * gain
+
+
+RUNTIMES = [("onnxruntime", "onnx", "eps.onnx"), ("openvino", "xml", "eps.xml")]
+
+
+@pytest.mark.parametrize("runtime,faithful,planted", RUNTIMES)
+def test_a_faithful_export_passes_inside_its_runtime(exports, tmp_path, runtime, faithful, planted):
+    if faithful not in exports:
+        pytest.skip("openvino is not installed")
+    cap = _capture(exports[faithful], runtime, exports["tokens"], tmp_path / "cap.safetensors")
+    rep = tmp_path / "r.json"
+    r = run_parity("check", exports["hf"], "--runtime-capture", cap, "--json", rep)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = load_json(rep)
+    names = _norm_names(exports["hf"])
+    assert sorted(layer["name"] for layer in data["layers"]) == names
+    assert all(layer["status"] == "pass" for layer in data["layers"])
+    recorded = data["candidate"]["checkpoint"]["runtime"]
+    assert recorded["name"] == runtime and recorded["tokens"] == len(TOKENS)
+    # the export names every norm inside its wrapper (m.model.layers.0...): paired by name, prefix set aside
+    assert all(n["recorded_as"] == "m." + name and n["paired_by"] == "name" for name, n in recorded["nodes"].items())
+    assert all(n["rows_seen"] == len(TOKENS) for n in recorded["nodes"].values())
+    # the rows are the runtime's: y is the float64 norm of x with the checkpoint's own eps and gain
+    from safetensors.numpy import load_file
+
+    gains = load_file(f"{exports['hf']}/model.safetensors")
+    x, y, expected = _oracle_rows(cap, "m.model.norm", 1e-5, gains["model.norm.weight"].astype(np.float64))
+    assert np.abs(y - expected).max() <= 1e-6 * np.abs(expected).max()
+    assert float((x * x).mean(-1).min()) > 0
+
+
+@pytest.mark.parametrize("runtime,faithful,planted", RUNTIMES)
+def test_an_eps_planted_in_the_export_is_named_on_every_layer(exports, tmp_path, runtime, faithful, planted):
+    if planted not in exports:
+        pytest.skip("openvino is not installed")
+    assert exports["hits"] == 5  # one eps constant per norm: 2 blocks x 2 + the final norm
+    cap = _capture(exports[planted], runtime, exports["tokens"], tmp_path / "cap.safetensors")
+    rep = tmp_path / "r.json"
+    r = run_parity("check", exports["hf"], "--runtime-capture", cap, "--json", rep)
+    assert r.returncode == 1, r.stdout + r.stderr
+    data = load_json(rep)
+    used = float(np.float32(1e-6))
+    assert len(data["layers"]) == 5
+    for layer in data["layers"]:
+        assert layer["status"] == "fail"
+        eps = [d for d in layer["diagnoses"] if d["code"] == "eps_mismatch"]
+        assert eps and eps[0]["estimated_eps"] == pytest.approx(used, rel=1e-6) and eps[0]["read_from_copy"]
+        assert runtime in eps[0]["message"]
+        found = [f for f in layer["findings"] if f["code"] == "checkpoint_eps_mismatch"]
+        assert found and found[0]["candidate"]["value"] == pytest.approx(used, rel=1e-6)
+
+
+def test_openvinos_default_f16_weights_are_the_runtimes_gains(exports, tmp_path):
+    """ov.save_model compresses weights to f16 by default: the runtime multiplies by gains rounded to
+    float16, which parity reads from the IR and names; each recorded row follows those gains."""
+    if "fp16.xml" not in exports:
+        pytest.skip("openvino is not installed")
+    import torch
+    from safetensors.numpy import load_file
+
+    cap = _capture(exports["fp16.xml"], "openvino", exports["tokens"], tmp_path / "cap.safetensors")
+    rep = tmp_path / "r.json"
+    assert run_parity("check", exports["hf"], "--runtime-capture", cap, "--json", rep).returncode == 1
+    data = load_json(rep)
+    w = load_file(f"{exports['hf']}/model.safetensors")["model.norm.weight"]
+    rounded = torch.from_numpy(w).half().double().numpy()
+    assert not np.array_equal(rounded, w.astype(np.float64))  # the float32 gains are no float16 values
+    _, y, expected = _oracle_rows(cap, "m.model.norm", 1e-5, rounded)
+    assert np.abs(y - expected).max() <= 1e-6 * np.abs(expected).max()
+    norm = next(layer for layer in data["layers"] if layer["name"] == "model.norm")
+    assert [d["code"] for d in norm["diagnoses"]] == ["channel_gain_mismatch"]
+    assert norm["diagnoses"][0]["lost_to"] == "float16"
+
+
+def test_bad_graph_captures_are_one_line(exports, tmp_path):
+    out = tmp_path / "c.safetensors"
+    r = run_parity("capture", exports["hf"], "--runtime", "onnxruntime", "--tokens", exports["tokens"], "-o", out)
+    assert r.returncode == 2 and "runs an .onnx file" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+    r = run_parity("capture", exports["onnx"], "--runtime", "onnxruntime", "--prompt", "w1 w2", "-o", out)
+    assert r.returncode == 2 and "tokenizer.json" in r.stderr and not out.exists()
+    bad = tmp_path / "bad.txt"
+    bad.write_text("2 17 x")
+    r = run_parity("capture", exports["onnx"], "--runtime", "onnxruntime", "--tokens", bad, "-o", out)
+    assert r.returncode == 2 and "whitespace-separated integers" in r.stderr and not out.exists()
