@@ -276,6 +276,9 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
         return _run_fused(checkpoint, candidate or "torch", args, dtype, layers_glob, candidate_eps, isolation, quant,
                           candidate_checkpoint, json_path)
 
+    if runtime_capture and explain:
+        raise InputError("--runtime-capture: --explain reruns a candidate one factor at a time; a capture's rows are "
+                         "recorded, and its causes are read from the eps and gains the runtime used")
     # everything that can be refused without torch is refused before it loads (1.5-4 s)
     preflight.check_inputs(checkpoint, candidate=candidate, reference=reference,
                            candidate_checkpoint=candidate_checkpoint, dtype=dtype, reference_dtype=reference_dtype,

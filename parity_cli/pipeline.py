@@ -647,6 +647,9 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                                r) for r in runners]
             results = run_layers(found.layers, pairing, reference, candidates, strata, tol, opts, grad_tol, progress)
         note = printed_note(runners)
+        if opts.runtime_capture:  # which node of the runtime's graph each layer's rows came from
+            for result in results:
+                result.runtime_node = conversion["runtime"]["nodes"].get(result.name)
     finally:
         torch.set_num_threads(threads)
         close_runners(runners + ([ref_runner] if ref_runner else []))

@@ -60,6 +60,7 @@ class LayerResult:
     candidate_eps: dict | None = None  # where the candidate's eps differs in origin (--candidate-checkpoint)
     findings: list[dict] = field(default_factory=list)  # checkpoint-vs-checkpoint differences; each fails
     captured: dict | None = None  # --activations: where real rows sit on q/eps, and what the faults do to them
+    runtime_node: dict | None = None  # --runtime-capture: the runtime's node this layer's rows came from
     tower: str = "main"  # the part of a multimodal model the norm serves (model.layers.tower_of)
     statistics: dict | None = None  # batch_norm: the smallest running_var / eps (check.layer.running_summary)
 
@@ -169,5 +170,6 @@ def _layer_dict(layer: LayerResult) -> dict:
         "candidate_eps": _jsonable(layer.candidate_eps),
         "findings": _jsonable(layer.findings),
         "captured": _jsonable(layer.captured),
+        **({"runtime_node": _jsonable(layer.runtime_node)} if layer.runtime_node else {}),
         "statistics": _jsonable(layer.statistics),
     }

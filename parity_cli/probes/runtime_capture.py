@@ -53,6 +53,9 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
 
     if runtime not in RUNTIMES:
         raise InputError(f"--runtime: '{runtime}' is not one of transformers, {', '.join(RUNTIMES)}")
+    from parity_cli.backends.implementations import require
+
+    require(runtime, "--runtime")  # an absent runtime is one line naming what to install
     say(f"running {model} in {runtime}")
     if runtime == "llama.cpp":
         raw = _llama_cpp(model, text, tokens, max_tokens)

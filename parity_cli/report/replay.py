@@ -45,6 +45,10 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
 
     saved_report.check(data, where)  # every field below has its schema type from here on
     cand, ref, probes, tol = data["candidate"], data["reference"], data["probes"], data["tolerance"]
+    if cand["impl"] == "runtime-capture":  # recorded rows: nothing to rerun one factor at a time
+        raise InputError(f"{where}: a --runtime-capture report's candidate is the rows a runtime recorded; its causes "
+                         "are read from the eps and gains that runtime used (each layer's diagnoses), and there is "
+                         "no kernel here to rerun one factor at a time")
     from parity_cli.options import DTYPES
 
     for role, side in (("candidate", cand), ("reference", ref)):  # named here, not as an option never given
