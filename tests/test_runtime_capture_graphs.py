@@ -3,6 +3,8 @@ graph converted by OpenVINO), run by each runtime with every norm's input and ou
 outputs; the rows judged against the HF checkpoint's oracle. The planted fault is an eps the
 export holds (1e-6 written over every 1e-5 constant of the graph), which each runtime then uses."""
 
+import json
+
 import numpy as np
 import pytest
 from conftest import load_json, run_parity
@@ -81,10 +83,28 @@ def exports(tmp_path_factory):
     return made
 
 
-def _capture(model, runtime, tokens, out):
-    r = run_parity("capture", model, "--runtime", runtime, "--tokens", tokens, "-o", out)
-    assert r.returncode == 0, r.stdout + r.stderr
+def _capture(model, runtime, tokens, out, cli=False):
+    """A capture written by the library (the command itself once per runtime: cli=True)."""
+    if cli:
+        r = run_parity("capture", model, "--runtime", runtime, "--tokens", tokens, "-o", out)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"{len(TOKENS)} tokens in {runtime}" in " ".join(r.stdout.split())
+        return out
+    from parity_cli.probes import runtime_capture
+
+    ids = [int(t) for t in open(tokens).read().split()]
+    tensors, meta = runtime_capture.record(model, runtime, tokens=ids)
+    runtime_capture.write(tensors, meta, out)
     return out
+
+
+def _check(hf, cap):
+    """(exit code, the JSON report as written) of `parity check HF --runtime-capture CAP`, in process."""
+    from parity_cli import api
+    from parity_cli.check.results import _jsonable
+
+    report = api.check(hf, runtime_capture=str(cap))
+    return report.exit_code, json.loads(json.dumps(_jsonable(report.to_dict())))
 
 
 def _norm_names(hf):
@@ -110,7 +130,7 @@ RUNTIMES = [("onnxruntime", "onnx", "eps.onnx"), ("openvino", "xml", "eps.xml")]
 def test_a_faithful_export_passes_inside_its_runtime(exports, tmp_path, runtime, faithful, planted):
     if faithful not in exports:
         pytest.skip("openvino is not installed")
-    cap = _capture(exports[faithful], runtime, exports["tokens"], tmp_path / "cap.safetensors")
+    cap = _capture(exports[faithful], runtime, exports["tokens"], tmp_path / "cap.safetensors", cli=True)
     rep = tmp_path / "r.json"
     r = run_parity("check", exports["hf"], "--runtime-capture", cap, "--json", rep)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -138,10 +158,8 @@ def test_an_eps_planted_in_the_export_is_named_on_every_layer(exports, tmp_path,
         pytest.skip("openvino is not installed")
     assert exports["hits"] == 5  # one eps constant per norm: 2 blocks x 2 + the final norm
     cap = _capture(exports[planted], runtime, exports["tokens"], tmp_path / "cap.safetensors")
-    rep = tmp_path / "r.json"
-    r = run_parity("check", exports["hf"], "--runtime-capture", cap, "--json", rep)
-    assert r.returncode == 1, r.stdout + r.stderr
-    data = load_json(rep)
+    code, data = _check(exports["hf"], cap)
+    assert code == 1
     used = float(np.float32(1e-6))
     assert len(data["layers"]) == 5
     for layer in data["layers"]:
@@ -162,9 +180,8 @@ def test_openvinos_default_f16_weights_are_the_runtimes_gains(exports, tmp_path)
     from safetensors.numpy import load_file
 
     cap = _capture(exports["fp16.xml"], "openvino", exports["tokens"], tmp_path / "cap.safetensors")
-    rep = tmp_path / "r.json"
-    assert run_parity("check", exports["hf"], "--runtime-capture", cap, "--json", rep).returncode == 1
-    data = load_json(rep)
+    code, data = _check(exports["hf"], cap)
+    assert code == 1
     w = load_file(f"{exports['hf']}/model.safetensors")["model.norm.weight"]
     rounded = torch.from_numpy(w).half().double().numpy()
     assert not np.array_equal(rounded, w.astype(np.float64))  # the float32 gains are no float16 values
