@@ -560,7 +560,9 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         pairing = pair(found.layers, copy_layers, conversion["path"], _forward_of(ckpt, found.layers, copy_layers))
         other = next((f for f in pairing.report_findings if f["code"] == "checkpoint_model_mismatch"), None)
         if other is not None:  # a copy of another model is bad input, not a verdict on a conversion
-            raise InputError(other["message"] + "; refused (--candidate-checkpoint takes a copy of this model)")
+            raise InputError(other["message"] + ("; refused (--runtime-capture takes a capture of this model)"
+                                                  if opts.runtime_capture else
+                                                  "; refused (--candidate-checkpoint takes a copy of this model)"))
         folded = conversion.get("onnx", {}).get("batch_norm_folded")
         if folded:  # each BatchNorm the exporter folded into its Conv says so where it is missing
             kinds = {l.name: l.kind for l in found.layers}

@@ -56,7 +56,7 @@ def _gain_causes(layer, copy, findings: list, runtime: str) -> list[Diagnosis]:
                           f"{runtime} multiplies by the layer's gain rounded to {name}, as its file stores it "
                           f"({copy.tensor or 'its gain tensor'}); the reference's gain is not a {name} value",
                           {"lost_to": name, "tensor": copy.tensor, "read_from_copy": True})]
-        other = next((f for f in findings if f.get("code") == "checkpoint_gain_of_other_layer"), None)
+    other = next((f for f in findings if f.get("code") == "checkpoint_gain_of_other_layer"), None)
     if other is not None:
         return [Diagnosis("channel_gain_mismatch",
                           f"{runtime} multiplies by {copy.tensor or 'a gain'} holding the gain of {other['layers'][0]}: "

@@ -124,9 +124,11 @@ def _llama_cpp(model, text, tokens, max_tokens) -> dict:
 def summary(out, tensors: dict, meta: dict) -> list[str]:
     rows = [t.shape[0] for name, t in tensors.items() if name.startswith("x:")]
     eps = sorted({n["eps"] for n in meta["nodes"].values() if n.get("eps") is not None})
-    lines = [f"{out}: {sum(rows):,} (input, output) row pairs from {meta['tokens']:,} tokens in {meta['runtime']} "
-             f"{meta.get('version') or ''}".rstrip() + f", {len(rows)} norm nodes ({', '.join(meta['computes_in'])}; "
-             f"eps {', '.join(f'{e:.6g}' for e in eps) or 'not recorded'})"]
+    version = str(meta.get("version") or "")
+    who = meta["runtime"] if not version else version if version.startswith(meta["runtime"]) else (
+        f"{meta['runtime']} ({version})")
+    lines = [f"{out}: {sum(rows):,} (input, output) row pairs from {meta['tokens']:,} tokens in {who}, {len(rows)} "
+             f"norm nodes ({', '.join(meta['computes_in'])}; eps {', '.join(f'{e:.6g}' for e in eps) or 'not recorded'})"]
     if meta.get("unmapped"):
         lines.append(f"{len(meta['unmapped'])} norm node(s) map to no checkpoint layer and were left out: "
                      + ", ".join(meta["unmapped"][:5]))

@@ -201,7 +201,10 @@ def to_markdown(report: dict) -> str:
                      + "; ".join(f"{_code(m['name'])}: {_text(m['why'])}" for m in missed[:5])
                      + (f"; +{len(missed) - 5} more" if len(missed) > 5 else "") + ")")
     conv = cand.get("checkpoint")
-    if conv:
+    if conv and grouping.runtime_words(conv):
+        lines.append(f"- runtime capture: {_code(conv['path'])}, {_text(grouping.runtime_words(conv))}; "
+                     f"{_text(conv['findings'])} difference(s) from this checkpoint")
+    elif conv:
         lines.append(f"- candidate checkpoint: {_code(conv['path'])} ({_text(conv['format'])}), "
                      f"eps {grouping.g(conv['eps']['value'])} ({_text(conv['eps']['source'])}), "
                      f"{_text(conv['findings'])} difference(s)")

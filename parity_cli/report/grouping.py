@@ -49,7 +49,9 @@ def _offset_words(item: dict) -> str:
 # code -> the words after the code in a grouped line; numbers that differ from layer to layer
 # (worst ulp, channel lists) stay out, so that they do not split a group.
 SHORT = {
-    "eps_mismatch": lambda d: f"behaves as eps ≈ {sci(d.get('estimated_eps'))}, configured {g(d.get('configured_eps', 0))}",
+    "eps_mismatch": lambda d: (f"uses eps {sci(d.get('estimated_eps'))} (read, not estimated)" if d.get("read_from_copy")
+                               else f"behaves as eps ≈ {sci(d.get('estimated_eps'))}")
+    + f", configured {g(d.get('configured_eps', 0))}",
     "eps_missing": lambda d: "eps dropped: an all-zero row computes 0/0",
     "eps_outside_sqrt": lambda d: f"eps outside the root: {d.get('form', 'x / (sqrt(q) + eps)')}",
     "batch_statistics": lambda d: "the batch's statistics used at inference, not the running ones",
@@ -359,3 +361,18 @@ def universe(report: dict) -> list[str]:
     return [l["name"] for l in report["layers"]] + [f["layer"] for f in report.get("findings", []) if f.get("layer")]
 
 
+
+
+def runtime_words(conv: dict) -> str | None:
+    """A runtime capture's one line of context: which runtime, which build, how many tokens, the
+    dtype it computed in; None for any other copy (or a capture whose fields are not there)."""
+    rt = conv.get("runtime") if conv.get("format") == "runtime-capture" else None
+    if not isinstance(rt, dict) or not rt.get("name"):
+        return None
+    version = str(rt.get("version") or "")
+    who = str(rt["name"]) if not version else version if version.startswith(str(rt["name"])) else (
+        f"{rt['name']} ({version})")
+    where = f", {rt['backend']}" if rt.get("backend") else ""
+    dtypes = ", ".join(str(d) for d in rt.get("computes_in") or [])
+    return (f"recorded inside {who}{where} on {rt.get('tokens', '?')} tokens"
+            + (f", computing in {dtypes}" if dtypes else ""))

@@ -287,7 +287,11 @@ def render(d: dict, console, verbose: bool = False, written: list[str] | None = 
         match = f"; {_e(acts['match'])}" if acts.get("match") else ""
         out += wrap(f"activations {_e(acts['path'])}: {rows} from {_e(acts.get('tokens', '?'))} tokens{match}", width)
     conv = cand.get("checkpoint")
-    if conv:
+    if conv and grouping.runtime_words(conv):
+        out += wrap(f"runtime capture [bold]{_e(conv['path'])}[/]: {_e(grouping.runtime_words(conv))}; eps "
+                    f"{grouping.g(conv['eps']['value'])} ({_e(conv['eps']['source'])}): {_e(conv['findings'])} "
+                    "difference(s) from this checkpoint", width)
+    elif conv:
         out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({_e(conv['format'])}, family {_e(conv['family'])}), "
                     f"eps {grouping.g(conv['eps']['value'])} ({_e(conv['eps']['source'])}): {_e(conv['findings'])} "
                     "difference(s)", width)
