@@ -798,8 +798,13 @@ def _capture_in_runtime(model, runtime, text_path, prompt, tokens_path, max_toke
         with open(text_path, "rb") as fh:
             text = fh.read(64 * max_tokens).decode("utf-8", errors="replace")
     if tokens_path:
-        with open(tokens_path, "rb") as fh:
-            words = fh.read(24 * max_tokens).decode("ascii", errors="replace").split()[:max_tokens]
+        with open(tokens_path, "rb") as fh:  # enough for max_tokens ids; a number cut at the end is dropped
+            data = fh.read(24 * max_tokens + 4096)
+            whole = not fh.read(1)
+        words = data.decode("ascii", errors="replace").split()
+        if not whole and data and not data[-1:].isspace():
+            words = words[:-1]
+        words = words[:max_tokens]
         try:
             tokens = [int(w) for w in words]
         except ValueError:

@@ -357,7 +357,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
                      "runtime": {"name": meta.get("runtime"), "version": meta.get("version"),
                                  "model": meta.get("model"), "tokens": meta.get("tokens"),
                                  "computes_in": meta.get("computes_in"), "backend": meta.get("backend"),
-                                 "unmapped": meta.get("unmapped", []),
+                                 "unmapped": meta.get("unmapped", []), "nonfinite_only": meta.get("nonfinite_only", []),
                                  "nodes": {layer.name: {k: meta["nodes"][layer.name].get(k)
                                                         for k in ("node", "op", "chain", "gain_tensor", "bias_tensor",
                                                                   "rows_seen", "rows", "dtype", "recorded_as",
@@ -431,8 +431,11 @@ def _recorded_rows(opts, pairing, conversion: dict, found):
                          "to check (a capture of another model?)")
     for name in gone:
         del pairing.layer_findings[name]
-    conversion["unchecked"] = [{"name": name, "why": f"no norm node of {conversion['runtime']['name']} ran with this "
-                                                     "layer's gain in the capture"} for name in gone]
+    blind = set(conversion["runtime"].get("nonfinite_only") or [])
+    conversion["unchecked"] = [{"name": name, "why": f"every input row {conversion['runtime']['name']} gave this norm "
+                                                     "was NaN or inf" if name in blind else
+                                f"no norm node of {conversion['runtime']['name']} ran with this layer's gain in the "
+                                "capture"} for name in gone]
     found = dataclasses.replace(found, layers=[layer for layer in found.layers if layer.name not in set(gone)])
     return dataclasses.replace(opts, captured=captured), found
 

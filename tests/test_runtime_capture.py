@@ -316,3 +316,148 @@ def test_a_capture_of_another_model(models, captures, tmp_path):
     assert all("checkpoint_weight_mismatch" in _codes(layers[n]["findings"]) for n in shared)
     unchecked = {u["name"] for u in data["candidate"]["checkpoint"]["unchecked"]}
     assert unchecked == _norm_names(hf) - shared and len(unchecked) == 4
+
+
+# 7. hand-edited captures: what a runtime could have done that the recorded parameters do not say
+
+def _rewritten(cap, out, edit):
+    """The capture with `edit(tensors, meta)` applied (numpy tensors, the metadata dict), written as
+    `parity capture` writes one (safetensors, metadata key parity-runtime)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    tensors, meta = _capture_file(cap)
+    edit(tensors, meta)
+    save_file(tensors, str(out), metadata={"parity-runtime": json.dumps(meta)})
+    return out
+
+
+def _rms(x, eps, gain, bias=None, centre=False):
+    """The float64 norm of the rows, rounded to float32 as a runtime hands its outputs back."""
+    x = x.astype(np.float64)
+    if centre:
+        x = x - x.mean(-1, keepdims=True)
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * gain.astype(np.float64)
+    return (y if bias is None else y + bias).astype(np.float32)
+
+
+LAYER = "model.layers.0.input_layernorm"
+
+
+def _every_layer(fn):
+    def edit(tensors, meta):
+        for name, node in meta["nodes"].items():
+            fn(name, node, tensors)
+    return edit
+
+
+def test_a_kernel_using_another_eps_than_its_node_records_is_estimated(models, captures, tmp_path):
+    """The node records 1e-5 but computes with 1e-6: its own parameters do not reproduce its rows, the
+    rows are fitted, and eps ~ 1e-6 is named as estimated, beside the 1e-5 the node records."""
+    def kernel_eps(name, node, t):
+        t[f"y:{name}"] = _rms(t[f"x:{name}"], 1e-6, t[f"gain:{name}"])
+
+    cap = _rewritten(captures("llama"), tmp_path / "k.safetensors", _every_layer(kernel_eps))
+    r, data = _check(models("llama"), cap, tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    for layer in data["layers"]:
+        assert layer["status"] == "fail" and "checkpoint_eps_mismatch" not in _codes(layer["findings"])
+        eps = [d for d in layer["diagnoses"] if d["code"] == "eps_mismatch"]
+        assert eps and eps[0]["estimated_eps"] == pytest.approx(1e-6, rel=0.05), layer["diagnoses"]
+        assert eps[0]["recorded_eps"] == pytest.approx(float(np.float32(EPS)), rel=1e-6)
+        assert not eps[0].get("read_from_copy")
+
+
+def test_a_bias_and_a_mean_the_runtime_adds_are_named(models, captures, tmp_path):
+    rng = np.random.default_rng(7)
+
+    def with_bias(tensors, meta):
+        b = (0.05 * rng.standard_normal(HIDDEN)).astype(np.float32)
+        tensors[f"bias:{LAYER}"] = b
+        meta["nodes"][LAYER]["bias_tensor"] = "blk.0.attn_norm.bias"
+        tensors[f"y:{LAYER}"] = _rms(tensors[f"x:{LAYER}"], EPS, tensors[f"gain:{LAYER}"], b.astype(np.float64))
+
+    def layer_norm(tensors, meta):
+        meta["nodes"][LAYER].update(kind="layer_norm", op="NORM")
+        tensors[f"y:{LAYER}"] = _rms(tensors[f"x:{LAYER}"], EPS, tensors[f"gain:{LAYER}"], centre=True)
+
+    for edit, code in ((with_bias, "bias_mismatch"), (layer_norm, "mean_subtracted")):
+        cap = _rewritten(captures("llama"), tmp_path / f"{code}.safetensors", edit)
+        r, data = _check(models("llama"), cap, tmp_path)
+        assert r.returncode == 1, r.stdout + r.stderr
+        layers = _by_name(data)
+        assert _codes(layers[LAYER]["diagnoses"]) == [code]
+        assert [n for n, layer in layers.items() if layer["status"] == "fail"] == [LAYER]
+
+
+def test_a_kernel_fault_on_real_rows_is_not_said_to_be_about_small_inputs(models, captures, tmp_path):
+    """Every output 0.4 % high on every row: all the captured rows fail, so nothing says the fault is
+    confined to small q/eps (real rows sit at q/eps < 1e4, the old rule of thumb's threshold)."""
+    def scaled(name, node, t):
+        t[f"y:{name}"] = (t[f"y:{name}"].astype(np.float64) * 1.004).astype(np.float32)
+
+    cap = _rewritten(captures("llama"), tmp_path / "s.safetensors", _every_layer(scaled))
+    r, data = _check(models("llama"), cap, tmp_path)
+    assert r.returncode == 1
+    for layer in data["layers"]:
+        assert layer["status"] == "fail"
+        assert "symptom_small_inputs" not in _codes(layer["diagnoses"]), layer["diagnoses"]
+        assert "eps_mismatch" not in _codes(layer["diagnoses"])
+
+
+@pytest.mark.parametrize("case", ["nan_row", "dtype_lie", "computes_in", "rows_text", "zero_width", "duplicate"])
+def test_hostile_captures_are_one_line(case, models, captures, tmp_path):
+    def edit(tensors, meta):
+        node = meta["nodes"][LAYER]
+        if case == "nan_row":
+            tensors[f"x:{LAYER}"][0, 0] = np.nan
+        elif case == "dtype_lie":  # float32 rows said to be bfloat16
+            node["dtype"] = "bfloat16"
+        elif case == "computes_in":
+            meta["computes_in"] = "float32"
+        elif case == "rows_text":
+            node["rows"] = "many"
+        elif case == "zero_width":
+            for part in ("x", "y"):
+                tensors[f"{part}:{LAYER}"] = np.zeros((3, 0), np.float32)
+        elif case == "duplicate":  # a second node that pairs with the same layer (an export's prefix set aside)
+            meta["nodes"]["m." + LAYER] = dict(node)
+            for part in ("x", "y", "gain"):
+                tensors[f"{part}:m.{LAYER}"] = tensors[f"{part}:{LAYER}"].copy()
+
+    cap = _rewritten(captures("llama"), tmp_path / f"{case}.safetensors", edit)
+    rep = tmp_path / "r.json"
+    r = run_parity("check", models("llama"), "--runtime-capture", cap, "--json", rep)
+    _one_line(r, str(cap.name))
+    assert not rep.exists()
+
+
+def test_a_prompt_llama_cpp_cannot_tokenize_is_one_line(captures, models, tmp_path):
+    """This vocabulary has no byte pieces: llama.cpp's tokenizer throws inside C++ on "hi", which
+    aborts the process it runs in; parity runs it in a child and says so in one line."""
+    from parity_cli.sources.synthetic import hf_to_gguf
+
+    gguf_path = hf_to_gguf(models("llama"), tmp_path / "m.gguf", full=True)
+    out = tmp_path / "o.safetensors"
+    r = run_parity("capture", gguf_path, "--runtime", "llama.cpp", "--prompt", "hi", "-o", out)
+    assert r.returncode == 2 and "llama.cpp stopped" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_tokens_over_several_chunks_and_the_models_context(models, tmp_path):
+    """Chunks of 5 tokens (each decoded twice, the first decode's KV cells removed): the rows of all
+    four chunks are recorded and pass; tokens past the model's 512-token context are cut, and said."""
+    from parity_cli import api
+    from parity_cli.backends import llama_graph
+    from parity_cli.probes import runtime_capture
+    from parity_cli.sources.synthetic import hf_to_gguf
+
+    gguf_path = hf_to_gguf(models("llama"), tmp_path / "m.gguf", full=True)
+    raw = llama_graph.record(gguf_path, TOKEN_IDS, None, 64, chunk=5)
+    assert raw["tokens"] == 17 and all(n["x"].shape[0] == 17 for n in raw["nodes"])
+    tensors, meta = runtime_capture.record(gguf_path, "llama.cpp", tokens=TOKEN_IDS * 40, max_tokens=680)
+    assert meta["tokens"] == 512 and "680 tokens cut to the model's context of 512" in meta["note"]
+    runtime_capture.write(tensors, meta, tmp_path / "c.safetensors")
+    report = api.check(models("llama"), runtime_capture=str(tmp_path / "c.safetensors"))
+    assert report.exit_code == 0

@@ -203,3 +203,15 @@ def test_bad_graph_captures_are_one_line(exports, tmp_path):
     bad.write_text("2 17 x")
     r = run_parity("capture", exports["onnx"], "--runtime", "onnxruntime", "--tokens", bad, "-o", out)
     assert r.returncode == 2 and "whitespace-separated integers" in r.stderr and not out.exists()
+
+
+def test_an_export_with_external_data_runs_where_its_data_lies(exports, tmp_path):
+    """Weights in a file beside the graph (how exports past protobuf's 2 GB are stored): the copy
+    with the extra outputs reads them where they are, and passes as the inline export does."""
+    m = onnx.load(str(exports["onnx"]))
+    onnx.save(m, str(tmp_path / "ext.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.data", size_threshold=0)
+    assert (tmp_path / "ext.data").stat().st_size > (tmp_path / "ext.onnx").stat().st_size
+    cap = _capture(tmp_path / "ext.onnx", "onnxruntime", exports["tokens"], tmp_path / "cap.safetensors")
+    code, data = _check(exports["hf"], cap)
+    assert code == 0 and len(data["layers"]) == 5

@@ -90,16 +90,13 @@ def _onnxruntime(path: Path, tokens: list[int]) -> dict:
     if not is_onnx(path):
         raise InputError(f"{path}: --runtime onnxruntime runs an .onnx file")
     norms = [n for n in find_norms(load_model(path), path, {}) if n.kind in ("rms_norm", "layer_norm") and n.ends]
-    try:
-        model = onnx.load(str(path))  # with its external data: the runtime needs every weight
-    except Exception as exc:
-        raise InputError(f"{path}: ONNX Runtime's copy could not be loaded ({type(exc).__name__})") from None
+    model = load_model(path)  # the graph alone: a model's external data stays where it is
     have = {o.name for o in model.graph.output}
     for name in dict.fromkeys(t for n in norms for t in n.ends):
         if name not in have:
             model.graph.output.append(onnx.ValueInfoProto(name=name))
     try:
-        session = _session(model, "cpu")
+        session = _external_session(model, path) if _external(model) else _session(model, "cpu")
         inputs = [(i.name, _numpy_type(i.type), [d if isinstance(d, int) else None for d in i.shape])
                   for i in session.get_inputs()]
         values = session.run(None, feeds(inputs, tokens))
@@ -112,6 +109,34 @@ def _onnxruntime(path: Path, tokens: list[int]) -> dict:
              for n in norms if n.ends[0] in got and n.ends[1] in got]
     return {"nodes": [n for n in nodes if n["kind"]], "tokens": len(tokens),
             "version": distribution_version("onnxruntime"), "backend": "CPUExecutionProvider"}
+
+
+def _external(model) -> list[str]:
+    """The files the graph's external tensors live in (relative to the model), each once."""
+    import onnx
+
+    found = []
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            where = next((e.value for e in t.external_data if e.key == "location"), None)
+            if where is not None and where not in found:
+                found.append(where)
+    return found
+
+
+def _external_session(model, path: Path):
+    """A graph whose weights live in external files (an LLM's, past protobuf's 2 GB): the copy with
+    its extra outputs goes to ONNX Runtime as bytes, told the folder its data files are in, so they
+    are read where they are (ORT refuses a location that leaves that folder)."""
+    import onnxruntime as ort
+
+    for where in _external(model):
+        if not (path.parent / where).is_file():
+            raise InputError(f"{path}: external data '{where}' is not a file beside the model; refused")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _numpy_type(onnx_type: str):

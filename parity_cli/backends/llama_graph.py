@@ -89,9 +89,14 @@ def _signatures(lib) -> None:
             ("llama_vocab_n_tokens", _c.c_int32, [_void]),
             ("ggml_op_name", _c.c_char_p, [_c.c_int]), ("ggml_nbytes", _c.c_size_t, [_c.POINTER(_Tensor)]),
             ("ggml_get_name", _c.c_char_p, [_c.POINTER(_Tensor)]),
-            ("ggml_backend_tensor_get", None, [_c.POINTER(_Tensor), _void, _c.c_size_t, _c.c_size_t])):
+            ("ggml_backend_tensor_get", None, [_c.POINTER(_Tensor), _void, _c.c_size_t, _c.c_size_t]),
+            ("ggml_set_name", _void, [_void, _c.c_char_p]),
+            ("ggml_new_tensor_2d", _void, [_void, _c.c_int, _c.c_int64, _c.c_int64]), ("ggml_free", None, [_void])):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
+    from parity_cli.backends.ggml_kernels import _InitParams
+
+    lib.ggml_init.restype, lib.ggml_init.argtypes = _void, [_InitParams]
 
 
 def _laid_out_as_known(lib) -> str | None:
@@ -104,10 +109,27 @@ def _laid_out_as_known(lib) -> str | None:
     wrong = [k for k, v in expected.items() if getattr(c, k) != v]
     if m.devices or m.tensor_buft_overrides or m.n_gpu_layers != -1 or m.split_mode != 1:
         wrong.append("llama_model_params")
-    probe = _Tensor()
-    if lib.ggml_get_name(_c.byref(probe)) is None:
+    if not _tensor_laid_out_as_known(lib):
         wrong.append("ggml_tensor")
     return ", ".join(wrong) or None
+
+
+def _tensor_laid_out_as_known(lib) -> bool:
+    """A tensor ggml makes (7 x 3 float32, named by ggml_set_name) read back through _Tensor: its
+    type, shape, strides and name where the layout says."""
+    from parity_cli.backends.ggml_kernels import _InitParams
+
+    ctx = lib.ggml_init(_InitParams(1 << 16, None, True))
+    if not ctx:
+        return False
+    try:
+        t = lib.ggml_new_tensor_2d(ctx, 0, 7, 3)
+        lib.ggml_set_name(t, b"parity-layout")
+        s = _c.cast(t, _c.POINTER(_Tensor)).contents
+        return (s.type == 0 and tuple(s.ne) == (7, 3, 1, 1) and tuple(s.nb[:2]) == (4, 28) and s.op == 0
+                and s.name == b"parity-layout" and lib.ggml_get_name(_c.byref(s)) == b"parity-layout")
+    finally:
+        lib.ggml_free(ctx)
 
 
 def _lib():
@@ -220,6 +242,83 @@ class _Graph:
 
 def record(path, tokens: list[int] | None, text: str | None, max_tokens: int, chunk: int = 256,
            threads: int = 2) -> dict:
+    """record_here() in a forked child: llama.cpp is C++ reading an untrusted file, and an exception
+    it does not catch (a text its vocabulary cannot encode, a tensor its loader rejects) aborts the
+    process. Here that is one line naming what llama.cpp last said; the rows come back as .npy
+    files (no pickle), the rest as JSON."""
+    import json
+    import signal
+    import tempfile
+
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="parity-llama-") as tmp:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller's code
+            code = 1
+            try:
+                import faulthandler
+
+                faulthandler.disable()  # an abort is the parent's to say, in one line
+                err = os.open(os.path.join(tmp, "stderr"), os.O_WRONLY | os.O_CREAT, 0o600)
+                os.dup2(err, 2)
+                try:
+                    out = record_here(path, tokens, text, max_tokens, chunk, threads)
+                    for k, node in enumerate(out["nodes"]):
+                        for part in ("x", "y"):
+                            np.save(os.path.join(tmp, f"{k}.{part}.npy"), node.pop(part), allow_pickle=False)
+                        for part in ("gain", "bias"):
+                            if node[part] is not None:
+                                np.save(os.path.join(tmp, f"{k}.{part}.npy"), node[part][1], allow_pickle=False)
+                                node[part] = [node[part][0], None, node[part][2]]
+                    result = {"ok": out}
+                except InputError as exc:
+                    result = {"input_error": str(exc)}
+                except BaseException as exc:  # noqa: BLE001 - said by the parent, in one line
+                    result = {"error": f"{type(exc).__name__}: {exc}"}
+                with open(os.path.join(tmp, "result.json"), "w") as fh:
+                    json.dump(result, fh)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        result_path = os.path.join(tmp, "result.json")
+        if not os.path.exists(result_path):
+            said = _said(os.path.join(tmp, "stderr"))
+            how = (f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
+                   else f"exit code {os.WEXITSTATUS(status)}")
+            raise InputError(f"{path}: llama.cpp stopped ({how}) while running it" + (f": {said}" if said else ""))
+        with open(result_path) as fh:
+            result = json.load(fh)
+        if "input_error" in result:
+            raise InputError(result["input_error"])
+        if "error" in result:
+            raise InputError(f"{path}: recording inside llama.cpp failed: {result['error'][:300]}")
+        out = result["ok"]
+        for k, node in enumerate(out["nodes"]):
+            for part in ("x", "y"):
+                node[part] = np.load(os.path.join(tmp, f"{k}.{part}.npy"), allow_pickle=False)
+            for part in ("gain", "bias"):
+                if node[part] is not None:
+                    node[part] = (node[part][0], np.load(os.path.join(tmp, f"{k}.{part}.npy"), allow_pickle=False),
+                                  node[part][2])
+        return out
+
+
+def _said(path: str) -> str:
+    """The last telling line a dead child wrote (a C++ exception's what(), llama.cpp's error)."""
+    try:
+        with open(path, "rb") as fh:
+            lines = [line.strip() for line in fh.read()[-4000:].decode("utf-8", "replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [line for line in lines if line]
+    told = [line for line in lines if "what()" in line or "error" in line.lower() or "terminate" in line]
+    return (told or lines or [""])[-1][:240]
+
+
+def record_here(path, tokens: list[int] | None, text: str | None, max_tokens: int, chunk: int = 256,
+                threads: int = 2) -> dict:
     """{"nodes": [per norm node: name, op, eps, gain/bias (name, float32 values), chain, x, y (rows as
     float32 arrays)], "tokens": n, "dtype": activations' ggml type, "version": ...} for the GGUF at
     `path`, on `tokens` or `text` (tokenized by the GGUF's own vocabulary, llama_tokenize)."""
@@ -246,15 +345,19 @@ def record(path, tokens: list[int] | None, text: str | None, max_tokens: int, ch
         tokens = tokens[:max_tokens]
         if not tokens:
             raise InputError("the text has no tokens")
-        n_ctx = len(tokens)
+        n_ctx, cut = len(tokens), None
         train = lib.llama_model_n_ctx_train(model)
-        if train > 0:
-            n_ctx = min(n_ctx, train)
+        if 0 < train < n_ctx:  # whole sequences as the model was trained: no position past its context
+            cut = f"{n_ctx} tokens cut to the model's context of {train} (its context_length)"
+            n_ctx = train
             tokens = tokens[:n_ctx]
         # every token is an output (the last block is not cut to the last one): the logits buffer is
         # n_vocab floats a token, so a chunk is bounded to 256 MiB of them
         step = max(1, min(chunk, n_ctx, (64 << 20) // max(1, n_vocab)))
-        return _run(lib, model, tokens, n_ctx, step, threads, path)
+        out = _run(lib, model, tokens, n_ctx, step, threads, path)
+        if cut:
+            out["note"] = cut
+        return out
     finally:
         lib.llama_model_free(model)
 
@@ -321,7 +424,8 @@ def _run(lib, model, tokens, n_ctx, step, threads, path) -> dict:
                     y = state["got"].get(n["tail"])
                     if x is None or y is None or x.shape != y.shape:
                         continue
-                    key = n["gain"][0] if n["gain"] is not None else f"{n['op']} {n['name']}"
+                    # a weightless node has no tensor to name it: its place in the graph does
+                    key = n["gain"][0] if n["gain"] is not None else f"{n['op']} {n['name']} #{n['ordinal']}"
                     entry = nodes.get(key)
                     if entry is None:
                         entry = nodes[key] = {

@@ -573,7 +573,7 @@ def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata,
 
             runtime = candidate.impl.source.removeprefix("recorded inside ")
             result.diagnoses = recorded_diagnoses(layer, other, result.diagnoses, result.findings, tol, runtime)
-        if not result.passed or result.findings:
+        elif not result.passed or result.findings:
             from parity_cli.diagnose.causes import with_copy_eps
 
             result.diagnoses = with_copy_eps(result.diagnoses, result.findings, layer)

@@ -163,7 +163,10 @@ def _symptom(ctx: Context, failing: set[str]) -> Diagnosis:
                          f"{', '.join(sorted(failing))}): x - mean and the variance are rounding noise there, amplified "
                          "by 1 / sqrt(var + eps); suspect how the mean and variance are computed (precision, order, "
                          "E[x^2] - E[x]^2), not the eps value: an exactly constant row gives the bias for any eps", ev)
-    if q_eps and max(q_eps) <= 1e4:
+    # "only at small q/eps" needs rows of larger q/eps that pass: a capture of real rows, all below
+    # 1e4, fails everywhere without saying anything about q/eps
+    compared = [s.q_over_eps[1] for s in ctx.strata if s.status in ("pass", "fail") and s.q_over_eps]
+    if q_eps and max(q_eps) <= 1e4 and compared and max(compared) > max(q_eps):
         return Diagnosis("symptom_small_inputs",
                          f"errors only on rows with q/eps <= {max(q_eps):.3g} ({', '.join(sorted(failing))}): suspect "
                          "q/eps, the eps value or where it enters; no combination of known faults reproduces it", ev)

@@ -2,12 +2,15 @@
 its node, the gain and bias tensors it attached), so those are tried first: where the float64 norm
 with the runtime's own parameters reproduces every recorded output row, the runtime's kernel did
 what it was told and each parameter that differs from the reference is the cause, read, not
-estimated. Only where they do not reproduce the rows is the kernel itself at fault, and the
-probes' own diagnosis stands."""
+estimated. Where they do not, an eps is estimated from the rows themselves (the node may record one
+and compute with another); failing that the kernel itself is at fault and the probes' diagnosis
+stands, the recorded differences staying findings."""
 
 from __future__ import annotations
 
-from parity_cli.diagnose.causes import Diagnosis
+import dataclasses
+
+from parity_cli.diagnose.causes import EPS_PANEL, Diagnosis
 
 
 def _oracle(x, layer, eps: float):
@@ -29,9 +32,63 @@ def reproduced_by_own_parameters(copy, tol) -> bool:
     expected = _oracle(x, copy, copy.eps.value)
     got = y.to(torch.float64)
     allowed = tol.atol + tol.rtol * expected.abs()
-    if copy.kind == "layer_norm":  # a float32 mean rounds: the same share check grants LayerNorm
+    if copy.kind == "layer_norm":  # a float32 mean rounds: the share a check grants LayerNorm
         allowed = allowed + 4 * torch.finfo(torch.float32).eps * expected.abs().amax(-1, keepdim=True)
     return bool(((got - expected).abs() <= allowed).all())
+
+
+def estimated_eps(copy) -> float | None:
+    """The eps the rows follow with the runtime's gain and bias: per row, x (less its mean for a
+    LayerNorm) is k times the recorded h = (y - b) / g, k = sqrt(q + eps); the rows with the smallest
+    q say the most. None where the rows say nothing (no row with a gain and an output)."""
+    import torch
+
+    x, y = (t.to(torch.float64) for t in copy.recorded)
+    g = copy.gain_offset + copy.weight.to(torch.float64)
+    keep = g.abs() > 1e-6
+    if not bool(keep.any()):
+        return None
+    h = (y - (0 if copy.bias is None else copy.bias.to(torch.float64)))[:, keep] / g[keep]
+    centred = x - x.mean(-1, keepdim=True) if copy.kind == "layer_norm" else x
+    q = (centred * centred).mean(-1)
+    xs = centred[:, keep]
+    den = (h * h).sum(-1)
+    ok = (den > 0) & torch.isfinite(den) & torch.isfinite((xs * h).sum(-1))
+    if not bool(ok.any()):
+        return None
+    k = (xs * h).sum(-1)[ok] / den[ok]
+    e = k * k - q[ok]
+    small = q[ok] <= torch.quantile(q[ok], 0.25)
+    return max(0.0, float(e[small].median()))
+
+
+def _eps_from_rows(layer, copy, tol, runtime: str) -> Diagnosis | None:
+    """An eps the rows follow where the recorded one does not reproduce them: the estimate, or the
+    usual value nearest it, whichever reproduces every row."""
+    import math
+
+    from parity_cli.model.pairing import eps_equal
+
+    guess = estimated_eps(copy)
+    if guess is None:
+        return None
+    near = sorted({v for v in EPS_PANEL if v > 0} | {layer.eps.value},
+                  key=lambda v: abs(math.log10(v) - math.log10(guess)) if guess > 0 else v)
+    for value in near[:3] + [guess]:
+        trial = dataclasses.replace(copy, eps=dataclasses.replace(copy.eps, value=value))
+        if reproduced_by_own_parameters(trial, tol):
+            if eps_equal(value, layer.eps.value):  # the rows follow the layer's own eps: no eps fault in them
+                return None
+            return Diagnosis("eps_mismatch",
+                             f"{runtime}'s rows follow eps ≈ {value:.3g} (estimated from them) where the layer's eps is "
+                             f"{layer.eps.value:.6g} ({layer.eps.source}); its node records {copy.eps.value:.6g}",
+                             {"estimated_eps": value, "configured_eps": layer.eps.value,
+                              "eps_source": layer.eps.source, "recorded_eps": copy.eps.value})
+    return None
+
+
+def _offset(layer) -> float:
+    return layer.semantic_offset if layer.semantic_offset is not None else layer.gain_offset
 
 
 def _gain_causes(layer, copy, findings: list, runtime: str) -> list[Diagnosis]:
@@ -41,12 +98,12 @@ def _gain_causes(layer, copy, findings: list, runtime: str) -> list[Diagnosis]:
     got = copy.gain_offset + copy.weight.to(torch.float64).reshape(-1)
     if ref.shape != got.shape or torch.equal(ref.to(torch.float32), got.to(torch.float32)):
         return []
-    offset = (layer.semantic_offset if layer.semantic_offset is not None else layer.gain_offset) or 1.0
-    for shift, what in ((offset, "twice"), (-offset, "not at all")):
+    offset = _offset(layer)
+    for shift, what in ((offset, "twice"), (-offset, "not at all")) if offset else ():
         if bool(((got - ref - shift).abs() <= 1e-6 * (1 + ref.abs())).all()):
             return [Diagnosis("weight_offset_mismatch",
                               f"{runtime} multiplies by a gain {shift:+g} off the layer's: the +{offset:g} of the "
-                              f"family's 1 + w applied {what} ({copy.tensor or 'its gain tensor'})",
+                              f"family's {offset:g} + w applied {what} ({copy.tensor or 'its gain tensor'})",
                               {"offset_error": shift, "expected_offset": offset, "tensor": copy.tensor,
                                "read_from_copy": True})]
     stored = copy.weight.dtype
@@ -77,9 +134,10 @@ def parameter_causes(layer, copy, findings: list, runtime: str) -> list[Diagnosi
 
     causes = []
     if layer.kind != copy.kind:
-        code = "variance_not_mean_square" if layer.kind == "rms_norm" else "unexplained"
-        causes.append(Diagnosis(code, f"{runtime} runs a {copy.kind} node where the layer is a {layer.kind}",
-                                {"runtime_kind": copy.kind}))
+        code, what = (("mean_subtracted", "subtracts the mean (LayerNorm semantics)") if copy.kind == "layer_norm"
+                      else ("mean_not_subtracted", "does not subtract the mean (RMSNorm semantics)"))
+        causes.append(Diagnosis(code, f"{runtime} runs a {copy.kind} node where the layer is a {layer.kind}: it "
+                                      f"{what}", {"runtime_kind": copy.kind, "read_from_copy": True}))
     if not eps_equal(layer.eps.value, copy.eps.value):
         causes.append(Diagnosis("eps_mismatch",
                                 f"{runtime} computes with eps = {copy.eps.value:.6g} ({copy.eps.source}) where the "
@@ -87,17 +145,25 @@ def parameter_causes(layer, copy, findings: list, runtime: str) -> list[Diagnosi
                                 {"estimated_eps": copy.eps.value, "configured_eps": layer.eps.value,
                                  "eps_source": layer.eps.source, "read_from_copy": True}))
     causes += _gain_causes(layer, copy, findings, runtime)
-    if (layer.bias is None) != (copy.bias is None) or (
-            layer.bias is not None and not torch.equal(layer.bias.to(torch.float32), copy.bias.to(torch.float32))):
-        causes.append(Diagnosis("unexplained", f"{runtime} adds another bias than the layer's", {"bias": True}))
+    if (layer.bias is None) != (copy.bias is None):
+        causes.append(Diagnosis("bias_mismatch", f"{runtime} adds a bias where the layer has none" if layer.bias is None
+                                else f"{runtime} adds no bias where the layer has one",
+                                {"tensor": copy.tensor, "read_from_copy": True}))
+    elif layer.bias is not None and not torch.equal(layer.bias.to(torch.float32), copy.bias.to(torch.float32)):
+        count = int((layer.bias.to(torch.float32) != copy.bias.to(torch.float32)).sum())
+        causes.append(Diagnosis("bias_mismatch", f"{runtime} adds a bias that differs from the layer's in {count} of "
+                                                 f"{layer.dim} channels", {"channels": count, "read_from_copy": True}))
     return causes
 
 
 def recorded_diagnoses(layer, copy, diagnoses: list, findings: list, tol, runtime: str) -> list[Diagnosis]:
-    """The causes a runtime-capture layer reports: its parameters' where they reproduce the rows,
-    else the probes' diagnosis with the parameter differences beside it."""
-    causes = parameter_causes(layer, copy, findings, runtime)
-    if causes and reproduced_by_own_parameters(copy, tol):
-        return causes
-    codes = {d.code for d in causes}
-    return causes + [d for d in diagnoses if d.code not in codes]
+    """The causes a runtime-capture layer reports: its recorded parameters' where they reproduce the
+    rows; else an eps its rows follow; else the probes' diagnosis (a kernel fault)."""
+    if reproduced_by_own_parameters(copy, tol):
+        causes = parameter_causes(layer, copy, findings, runtime)
+        return causes or diagnoses
+    estimated = _eps_from_rows(layer, copy, tol, runtime)
+    if estimated is not None:
+        others = [c for c in parameter_causes(layer, copy, findings, runtime) if c.code != "eps_mismatch"]
+        return [estimated] + others
+    return diagnoses

@@ -66,13 +66,24 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
     if not raw["nodes"]:
         raise InputError(f"{model}: {runtime} ran no norm node parity reads as a checkpoint layer; nothing captured")
     rng = random.Random(seed)
-    tensors, nodes = {}, {}
-    for node in sorted(raw["nodes"], key=lambda n: n["layer"]):
+    tensors, nodes, nonfinite = {}, {}, []
+    merged: dict = {}
+    for node in raw["nodes"]:  # nodes that attach one layer's gain (a norm called twice): one layer, all rows
+        same = merged.get(node["layer"])
+        if same is not None and same["x"].shape[1] == node["x"].shape[1]:
+            import numpy as np
+
+            same["x"], same["y"] = np.concatenate([same["x"], node["x"]]), np.concatenate([same["y"], node["y"]])
+            same["node"] += f", {node['node']}"
+        else:
+            merged[node["layer"]] = node
+    for node in sorted(merged.values(), key=lambda n: n["layer"]):
         x, y = torch.from_numpy(node.pop("x")), torch.from_numpy(node.pop("y"))
         finite = torch.isfinite(x).all(-1)
         seen = int(x.shape[0])
         x, y = x[finite], y[finite]
-        if not x.shape[0]:
+        if not x.shape[0]:  # the runtime gave this norm no finite input: upstream broke, nothing to judge
+            nonfinite.append(node["layer"])
             continue
         x, y = _sampled(x, y, mean_square(x.double(), node["kind"]), rows_per_layer, rng)
         layer = node["layer"]
@@ -88,7 +99,8 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
             "sampling": f"{rows_per_layer // 3} smallest q, {rows_per_layer // 3} largest q, "
                         f"{rows_per_layer - 2 * (rows_per_layer // 3)} uniform of each norm node's rows",
             "computes_in": sorted({n["dtype"] for n in nodes.values()}), "nodes": nodes,
-            "unmapped": raw.get("unmapped", []), **{k: raw[k] for k in ("backend", "providers") if k in raw}}
+            "unmapped": raw.get("unmapped", []), "nonfinite_only": nonfinite,
+            **{k: raw[k] for k in ("backend", "note") if raw.get(k)}}
     return tensors, meta
 
 
@@ -117,7 +129,7 @@ def _llama_cpp(model, text, tokens, max_tokens) -> dict:
                       "eps_source": f"llama.cpp: the {n['op']} node's op_params[0] ({n['node']})",
                       "chain": n["chain"], "gain": n["gain"], "bias": n["bias"], "dtype": n["dtype"],
                       "x": n["x"], "y": n["y"]})
-    return {"nodes": nodes, "unmapped": unmapped, "tokens": raw["tokens"],
+    return {"nodes": nodes, "unmapped": unmapped, "tokens": raw["tokens"], "note": raw.get("note"),
             "version": raw["version"], "backend": "ggml CPU"}
 
 
@@ -129,6 +141,11 @@ def summary(out, tensors: dict, meta: dict) -> list[str]:
         f"{meta['runtime']} ({version})")
     lines = [f"{out}: {sum(rows):,} (input, output) row pairs from {meta['tokens']:,} tokens in {who}, {len(rows)} "
              f"norm nodes ({', '.join(meta['computes_in'])}; eps {', '.join(f'{e:.6g}' for e in eps) or 'not recorded'})"]
+    if meta.get("note"):
+        lines.append(meta["note"])
+    if meta.get("nonfinite_only"):
+        lines.append(f"{len(meta['nonfinite_only'])} norm node(s) saw only NaN or inf inputs and hold no rows: "
+                     + ", ".join(meta["nonfinite_only"][:5]))
     if meta.get("unmapped"):
         lines.append(f"{len(meta['unmapped'])} norm node(s) map to no checkpoint layer and were left out: "
                      + ", ".join(meta["unmapped"][:5]))
@@ -187,6 +204,7 @@ def load(path, reference_layers) -> tuple[list, dict]:
         raise InputError(f"{path}: not a runtime capture of format '{FORMAT}'")
     if len(meta["nodes"]) > MAX_LAYERS:
         raise InputError(f"{path}: {len(meta['nodes']):,} nodes, over the {MAX_LAYERS:,} a capture may hold")
+    _check_fields(path, meta)
     layers = []
     try:
         with safe_open(str(path), framework="pt") as fh:
@@ -195,7 +213,43 @@ def load(path, reference_layers) -> tuple[list, dict]:
                 layers.append(_layer(path, fh, keys, name, node, NormLayer, Eps, torch))
     except SafetensorError as exc:
         raise InputError(f"{path}: unreadable safetensors: {exc}") from None
+    meta["path"] = str(path)
     return _named(layers, reference_layers, meta), meta
+
+
+_TEXT = (str, type(None))
+# metadata field -> (the types it may have, what it is): what a report repeats is never anything else
+_FIELDS = {"runtime": (str, "the runtime's name"), "version": (_TEXT, "its version"), "model": (_TEXT, "the model"),
+           "tokens": (int, "a token count"), "backend": (_TEXT, "the backend"), "note": (_TEXT, "a note")}
+_NODE_FIELDS = {"node": _TEXT, "op": _TEXT, "gain_tensor": _TEXT, "bias_tensor": _TEXT, "eps_source": _TEXT,
+                "dtype": str, "gain_dtype": _TEXT, "bias_dtype": _TEXT, "rows_seen": int, "rows": int}
+COMPUTES = ("float32", "float16", "bfloat16")
+
+
+def _check_fields(path, meta: dict) -> None:
+    def bad(what):
+        raise InputError(f"{path}: the capture's metadata is malformed: {what}")
+
+    for key, (types, what) in _FIELDS.items():
+        if key in meta and (not isinstance(meta[key], types) or isinstance(meta[key], bool)):
+            bad(f"'{key}' is not {what}")
+    computes = meta.get("computes_in", [])
+    if not (isinstance(computes, list) and computes and all(c in COMPUTES for c in computes)):
+        bad(f"'computes_in' is not a list of {', '.join(COMPUTES)}")
+    for key in ("unmapped", "nonfinite_only"):
+        if not (isinstance(meta.get(key, []), list) and all(isinstance(v, str) for v in meta.get(key, []))):
+            bad(f"'{key}' is not a list of names")
+    for name, node in meta["nodes"].items():
+        if not isinstance(node, dict):
+            bad(f"node {name!r} is not an object")
+        for key, types in _NODE_FIELDS.items():
+            if key in node and (not isinstance(node[key], types) or isinstance(node[key], bool)):
+                bad(f"node {name!r}: '{key}' has the wrong type")
+        if node.get("dtype") not in COMPUTES:
+            bad(f"node {name!r}: dtype {node.get('dtype')!r} is not one of {', '.join(COMPUTES)}")
+        chain = node.get("chain", [])
+        if not (isinstance(chain, list) and all(isinstance(c, str) for c in chain)):
+            bad(f"node {name!r}: 'chain' is not a list of ops")
 
 
 def _named(layers: list, reference_layers: list, meta: dict) -> list:
@@ -212,6 +266,13 @@ def _named(layers: list, reference_layers: list, meta: dict) -> list:
     _match_by_name(views, reference_layers)
     _match_by_gain(views, reference_layers)
     by_name = {layer.name: layer for layer in reference_layers}
+    paired: dict = {}
+    for layer, view in zip(layers, views):
+        paired.setdefault(view.name, []).append(layer.name)
+    twice = next(((name, nodes) for name, nodes in paired.items() if len(nodes) > 1), None)
+    if twice is not None:  # one layer's rows from two nodes: which one the runtime ran is not said
+        raise InputError(f"{meta.get('path', 'the capture')}: nodes {', '.join(twice[1][:3])} of the capture all pair "
+                         f"with {twice[0]}; a capture holds one node per layer")
     out = []
     for layer, view in zip(layers, views):
         ref = by_name.get(view.name)
@@ -256,8 +317,15 @@ def _layer(path, fh, keys, name, node, NormLayer, Eps, torch):
         raise InputError(f"{path}: {name}: eps {eps!r} is not a finite number >= 0")
     x, y = tensor(f"x:{name}"), tensor(f"y:{name}")
     gain, bias = tensor(f"gain:{name}", False), tensor(f"bias:{name}", False)
-    if x.dim() != 2 or x.shape != y.shape or not x.shape[0]:
+    if x.dim() != 2 or x.shape != y.shape or not x.shape[0] or not x.shape[1]:
         raise InputError(f"{path}: {name}: rows of shapes {list(x.shape)} and {list(y.shape)}; not (n, width) pairs")
+    if not bool(torch.isfinite(x).all()):  # `parity capture` keeps only rows with a q
+        raise InputError(f"{path}: {name}: an input row holds NaN or inf; a capture keeps only finite inputs")
+    computes = getattr(torch, node["dtype"])
+    for part, t in (("x", x), ("y", y)):
+        if computes != torch.float32 and not bool((t.to(computes).float() == t)[torch.isfinite(t)].all()):
+            raise InputError(f"{path}: {name}: {part} rows are said to be computed in {node['dtype']} but hold other "
+                             "values")
     dim = x.shape[1]
     for part, t in (("gain", gain), ("bias", bias)):
         if t is not None and tuple(t.shape) != (dim,):

@@ -49,6 +49,7 @@ def _offset_words(item: dict) -> str:
 # code -> the words after the code in a grouped line; numbers that differ from layer to layer
 # (worst ulp, channel lists) stay out, so that they do not split a group.
 SHORT = {
+    "bias_mismatch": lambda d: "the bias differs",
     "eps_mismatch": lambda d: (f"uses eps {sci(d.get('estimated_eps'))} (read, not estimated)" if d.get("read_from_copy")
                                else f"behaves as eps ≈ {sci(d.get('estimated_eps'))}")
     + f", configured {g(d.get('configured_eps', 0))}",
