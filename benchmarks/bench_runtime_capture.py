@@ -75,7 +75,21 @@ def main() -> None:
         print(f"SmolLM2-135M shape, {a.tokens} tokens, median of {a.repeat}:")
         for name, values in times.items():
             med = statistics.median(values)
-            print(f"  {name:38s} {med:6.2f} s  ({med / base:.2f}x the transformers capture)")
+            runs = ", ".join(f"{v:.2f}" for v in values)
+            print(f"  {name:38s} {med:6.2f} s ({runs})  {med / base:.2f}x the transformers capture")
+        import numpy as np
+
+        from parity_cli.backends import llama_graph
+
+        inside = []
+        ids = [2] + [17 + i % 40 for i in range(a.tokens - 1)]
+        for _ in range(a.repeat):  # the runtime's own part, in process: load, two decodes, the rows read
+            start = time.perf_counter()
+            raw = llama_graph.record(gguf_path, ids, None, a.tokens)
+            inside.append(time.perf_counter() - start)
+        rows = sum(int(np.asarray(n["x"]).shape[0]) for n in raw["nodes"])
+        print(f"  llama.cpp itself (in process)          {statistics.median(inside):6.2f} s "
+              f"({', '.join(f'{v:.2f}' for v in inside)}), {len(raw['nodes'])} nodes, {rows} row pairs")
 
 
 if __name__ == "__main__":

@@ -242,51 +242,34 @@ class _Graph:
 
 def record(path, tokens: list[int] | None, text: str | None, max_tokens: int, chunk: int = 256,
            threads: int = 2) -> dict:
-    """record_here() in a forked child: llama.cpp is C++ reading an untrusted file, and an exception
-    it does not catch (a text its vocabulary cannot encode, a tensor its loader rejects) aborts the
-    process. Here that is one line naming what llama.cpp last said; the rows come back as .npy
+    """record_here() in a child interpreter (`python -m parity_cli.backends.llama_graph DIR`, which
+    imports neither torch nor numpy's users): llama.cpp is C++ reading an untrusted file, and an
+    exception it does not catch (a text its vocabulary cannot encode, a tensor its loader rejects)
+    aborts the process; here that is one line naming what llama.cpp last said. A fork would inherit
+    torch's OpenMP pool, which ggml's own OpenMP then waits on forever. The rows come back as .npy
     files (no pickle), the rest as JSON."""
     import json
     import signal
+    import subprocess
+    import sys
     import tempfile
 
     import numpy as np
 
     with tempfile.TemporaryDirectory(prefix="parity-llama-") as tmp:
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into the caller's code
-            code = 1
-            try:
-                import faulthandler
-
-                faulthandler.disable()  # an abort is the parent's to say, in one line
-                err = os.open(os.path.join(tmp, "stderr"), os.O_WRONLY | os.O_CREAT, 0o600)
-                os.dup2(err, 2)
-                try:
-                    out = record_here(path, tokens, text, max_tokens, chunk, threads)
-                    for k, node in enumerate(out["nodes"]):
-                        for part in ("x", "y"):
-                            np.save(os.path.join(tmp, f"{k}.{part}.npy"), node.pop(part), allow_pickle=False)
-                        for part in ("gain", "bias"):
-                            if node[part] is not None:
-                                np.save(os.path.join(tmp, f"{k}.{part}.npy"), node[part][1], allow_pickle=False)
-                                node[part] = [node[part][0], None, node[part][2]]
-                    result = {"ok": out}
-                except InputError as exc:
-                    result = {"input_error": str(exc)}
-                except BaseException as exc:  # noqa: BLE001 - said by the parent, in one line
-                    result = {"error": f"{type(exc).__name__}: {exc}"}
-                with open(os.path.join(tmp, "result.json"), "w") as fh:
-                    json.dump(result, fh)
-                code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
+        with open(os.path.join(tmp, "args.json"), "w") as fh:
+            json.dump({"path": str(path), "tokens": tokens, "text": text, "max_tokens": max_tokens, "chunk": chunk,
+                       "threads": threads}, fh)
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+        with open(os.path.join(tmp, "stderr"), "wb") as err:
+            done = subprocess.run([sys.executable, "-m", "parity_cli.backends.llama_graph", tmp],
+                                  stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env)
         result_path = os.path.join(tmp, "result.json")
         if not os.path.exists(result_path):
             said = _said(os.path.join(tmp, "stderr"))
-            how = (f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
-                   else f"exit code {os.WEXITSTATUS(status)}")
+            code = done.returncode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             raise InputError(f"{path}: llama.cpp stopped ({how}) while running it" + (f": {said}" if said else ""))
         with open(result_path) as fh:
             result = json.load(fh)
@@ -303,6 +286,33 @@ def record(path, tokens: list[int] | None, text: str | None, max_tokens: int, ch
                     node[part] = (node[part][0], np.load(os.path.join(tmp, f"{k}.{part}.npy"), allow_pickle=False),
                                   node[part][2])
         return out
+
+
+def _child(tmp: str) -> None:
+    """The child's side of record(): its arguments from DIR/args.json, its answer in DIR."""
+    import json
+
+    import numpy as np
+
+    with open(os.path.join(tmp, "args.json")) as fh:
+        args = json.load(fh)
+    try:
+        out = record_here(args["path"], args["tokens"], args["text"], args["max_tokens"], args["chunk"],
+                          args["threads"])
+        for k, node in enumerate(out["nodes"]):
+            for part in ("x", "y"):
+                np.save(os.path.join(tmp, f"{k}.{part}.npy"), node.pop(part), allow_pickle=False)
+            for part in ("gain", "bias"):
+                if node[part] is not None:
+                    np.save(os.path.join(tmp, f"{k}.{part}.npy"), node[part][1], allow_pickle=False)
+                    node[part] = [node[part][0], None, node[part][2]]
+        result = {"ok": out}
+    except InputError as exc:
+        result = {"input_error": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - said by the parent, in one line
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(tmp, "result.json"), "w") as fh:
+        json.dump(result, fh)
 
 
 def _said(path: str) -> str:
@@ -457,3 +467,9 @@ def _param(lib, t):
     if t is None:
         return None
     return t.name.decode("utf-8", "replace"), _rows(lib, t).reshape(-1), _GGML_TYPES.get(t.type, "float32")
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child(sys.argv[1])
