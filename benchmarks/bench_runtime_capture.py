@@ -83,12 +83,12 @@ def main() -> None:
 
         inside = []
         ids = [2] + [17 + i % 40 for i in range(a.tokens - 1)]
-        for _ in range(a.repeat):  # the runtime's own part, in process: load, two decodes, the rows read
+        for _ in range(a.repeat):  # the runtime's own part: its child interpreter, load, two decodes, rows read
             start = time.perf_counter()
             raw = llama_graph.record(gguf_path, ids, None, a.tokens)
             inside.append(time.perf_counter() - start)
         rows = sum(int(np.asarray(n["x"]).shape[0]) for n in raw["nodes"])
-        print(f"  llama.cpp itself (in process)          {statistics.median(inside):6.2f} s "
+        print(f"  llama.cpp itself (record(), its child) {statistics.median(inside):6.2f} s "
               f"({', '.join(f'{v:.2f}' for v in inside)}), {len(raw['nodes'])} nodes, {rows} row pairs")
 
 
