@@ -342,29 +342,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     from parity_cli.sources.openvino_ir import is_openvino_ir
 
     if opts.runtime_capture:  # what a runtime's own graph used and computed (probes.runtime_capture)
-        from parity_cli.probes import runtime_capture
-
-        layers, meta = runtime_capture.load(opts.runtime_capture, reference_layers)
-        from collections import Counter
-
-        eps_values = Counter(layer.eps.value for layer in layers).most_common()
-        described = {"path": recorded_path(opts.runtime_capture), "format": RUNTIME_CAPTURE,
-                     "family": reference_layers[0].family if reference_layers else None, "model_type": None,
-                     "eps": {"value": eps_values[0][0] if eps_values else 0.0,
-                             "source": f"{meta.get('runtime')}'s own nodes" + (
-                                 "" if len(eps_values) == 1 else f" ({len(eps_values)} values: per layer)")},
-                     "layers": len(layers), "unmatched": [],
-                     "runtime": {"name": meta.get("runtime"), "version": meta.get("version"),
-                                 "model": meta.get("model"), "tokens": meta.get("tokens"),
-                                 "computes_in": meta.get("computes_in"), "backend": meta.get("backend"),
-                                 "unmapped": meta.get("unmapped", []), "nonfinite_only": meta.get("nonfinite_only", []),
-                                 "nodes": {layer.name: {k: meta["nodes"][layer.name].get(k)
-                                                        for k in ("node", "op", "chain", "gain_tensor", "bias_tensor",
-                                                                  "rows_seen", "rows", "dtype", "recorded_as",
-                                                                  "paired_by")}
-                                           for layer in layers}}}
-        computes = meta.get("computes_in") or ["float32"]
-        dtype = computes[0] if len(computes) == 1 and computes[0] in ("float32", "float16", "bfloat16") else "float32"
+        layers, described, dtype = _runtime_copy(opts, reference_layers)
     elif is_onnx(opts.candidate_checkpoint):
         layers, info = candidate_layers(opts.candidate_checkpoint, reference_layers)
         described = {"path": recorded_path(opts.candidate_checkpoint), "format": "onnx",
@@ -399,6 +377,35 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
 
 
 RUNTIME_CAPTURE = "runtime-capture"
+_NODE_KEYS = ("node", "op", "chain", "gain_tensor", "bias_tensor", "rows_seen", "rows", "dtype", "recorded_as",
+              "paired_by")
+
+
+def _runtime_copy(opts: CheckOptions, reference_layers) -> tuple:
+    """--runtime-capture as converted() gives a copy: (the capture's norms under the reference's
+    names, the report's description of the capture and its runtime, the dtype the runtime computed
+    in: where its nodes computed in several, float32, and the report says so)."""
+    from collections import Counter
+
+    from parity_cli.probes import runtime_capture
+
+    layers, meta = runtime_capture.load(opts.runtime_capture, reference_layers)
+    eps_values = Counter(layer.eps.value for layer in layers).most_common()
+    computes = sorted({meta["nodes"][layer.name]["dtype"] for layer in layers}) or ["float32"]
+    runtime = {"name": meta.get("runtime"), "version": meta.get("version"), "model": meta.get("model"),
+               "tokens": meta.get("tokens"), "computes_in": meta.get("computes_in"), "backend": meta.get("backend"),
+               "unmapped": meta.get("unmapped", []), "nonfinite_only": meta.get("nonfinite_only", []),
+               "nodes": {layer.name: {k: meta["nodes"][layer.name].get(k) for k in _NODE_KEYS} for layer in layers}}
+    if len(computes) > 1:
+        runtime["mixed_dtypes"] = (f"the runtime's nodes computed in {', '.join(computes)}: all are checked at "
+                                   "float32's tolerance, so a half-precision node may fail by its own rounding")
+    described = {"path": recorded_path(opts.runtime_capture), "format": RUNTIME_CAPTURE,
+                 "family": reference_layers[0].family if reference_layers else None, "model_type": None,
+                 "eps": {"value": eps_values[0][0] if eps_values else 0.0,
+                         "source": f"{meta.get('runtime')}'s own nodes" + (
+                             "" if len(eps_values) == 1 else f" ({len(eps_values)} values: per layer)")},
+                 "layers": len(layers), "unmatched": [], "runtime": runtime}
+    return layers, described, computes[0] if len(computes) == 1 else "float32"
 
 
 def runtime_capture_options(opts: CheckOptions) -> CheckOptions:
@@ -479,6 +486,120 @@ def with_captured(opts: CheckOptions, layers, everything, family=None):
     return dataclasses.replace(opts, captured=rows), meta
 
 
+def _paired_copy(opts: CheckOptions, found, ckpt, fam) -> tuple:
+    """--candidate-checkpoint (or --runtime-capture): (opts, the reference's layers to check, the
+    pairing, the report's description of the copy, the dtype the copy computes in or None). A copy
+    of another model is bad input; layers the copy cannot be said to lack are not checked."""
+    from parity_cli.model.pairing import pair
+
+    copy_layers, conversion, copy_dtype = converted(opts, found.layers, (fam, ckpt.model_type))
+    if conversion.get("mmproj"):  # compared with the towers it holds, not the language model
+        held = {layer.name for layer in copy_layers}
+        found = dataclasses.replace(found, layers=[layer for layer in found.layers
+                                                   if layer.tower not in ("language", "main") or layer.name in held])
+    if conversion["format"] == "onnx" and opts.candidate == "onnxruntime":
+        # the graph's own subgraphs run: its eps, its form, its dtype; nothing here would change them
+        for flag, given in (("--candidate-eps", opts.candidate_eps is not None),
+                            ("--candidate-arg", bool(candidate_args(opts)))):
+            if given:
+                raise InputError(f"{flag}: an exported .onnx copy runs its own subgraphs, with the eps and form "
+                                 "it has; edit the graph, or check another candidate against its weights")
+    if conversion["format"] == "openvino" and opts.candidate == "openvino":
+        # the IR's own subgraphs run with their eps and form; only the plugin's precision is the run's
+        ignored = sorted(set(candidate_args(opts)) - {"precision"})
+        for flag, given in (("--candidate-eps", opts.candidate_eps is not None),
+                            (f"--candidate-arg {', '.join(ignored)}", bool(ignored))):
+            if given:
+                raise InputError(f"{flag}: an OpenVINO IR runs its own subgraphs, with the eps and form it has "
+                                 "(--candidate-arg precision= still sets the plugin's precision); edit the IR, "
+                                 "or check another candidate against its weights")
+    pairing = pair(found.layers, copy_layers, conversion["path"], _forward_of(ckpt, found.layers, copy_layers))
+    other = next((f for f in pairing.report_findings if f["code"] == "checkpoint_model_mismatch"), None)
+    if other is not None:  # a copy of another model is bad input, not a verdict on a conversion
+        raise InputError(other["message"] + ("; refused (--runtime-capture takes a capture of this model)"
+                                              if opts.runtime_capture else
+                                              "; refused (--candidate-checkpoint takes a copy of this model)"))
+    folded = conversion.get("onnx", {}).get("batch_norm_folded")
+    if folded:  # each BatchNorm the exporter folded into its Conv says so where it is missing
+        kinds = {l.name: l.kind for l in found.layers}
+        for name, items in pairing.layer_findings.items():
+            for item in items:
+                if item["code"] == "checkpoint_layer_missing" and kinds.get(name) == "batch_norm":
+                    item["message"] += f" ({folded['message']})"
+                    item["folded"] = True
+    found = _unread_not_missing(pairing, conversion, found)
+    if conversion["format"] == RUNTIME_CAPTURE:
+        opts, found = _recorded_rows(opts, pairing, conversion, found)
+    conversion["findings"] = sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings)
+    return opts, found, pairing, conversion, copy_dtype
+
+
+def _open_candidate(opts, cand_args: dict, device: str, timeout, memory, workers: int, sharded: bool, conversion,
+                    progress) -> tuple:
+    """(the candidate's implementation, its runners): none here where whole layers go to worker
+    processes; a runtime capture's rows replayed in this process; else the runners isolation asks."""
+    from parity_cli.backends import implementations as impls
+    from parity_cli.isolation import supervisor
+
+    if sharded:  # whole layers in worker processes: our own code end to end (parity_cli.check.parallel)
+        return impls.resolve(opts.candidate, cand_args), []
+    if opts.runtime_capture:  # the rows the runtime's own nodes gave, replayed here
+        from parity_cli.backends import recorded
+        from parity_cli.isolation.runners import InProcessRunner
+
+        impl = impls.Implementation(recorded.NAME, f"recorded inside {conversion['runtime']['name']}", recorded.prepare)
+        return impl, [InProcessRunner(impl)]
+    if supervisor.supervised(opts.candidate, opts.device, opts.isolation):
+        _say(progress, f"starting the candidate's worker process{'es' if workers > 1 else ''}")
+    return supervisor.open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers,
+                                   threads=opts.threads)
+
+
+def _checkpoint_header(opts, ckpt, found, fam, conversion) -> dict:
+    return {
+        "path": recorded_path(ckpt.path),
+        "fingerprint": fingerprint(found.layers),
+        "format": ckpt.format,
+        "family": fam.name,
+        "family_source": fam.source_line,
+        "family_forced": bool(opts.family),
+        "family_from": family_choice(opts.family, fam, ckpt.model_type, ckpt.format,
+                                         getattr(ckpt, "architecture", None)),
+        "model_type": ckpt.model_type,
+        "files": [f.name for f in ckpt.files],
+        "unmatched": found.unmatched,
+        "unchecked": unchecked(ckpt, found, fam) + list((conversion or {}).get("unchecked", [])),
+    }
+
+
+def _tolerance_header(opts, tol, grad_tol) -> dict:
+    from parity_cli.comparison import ZERO_REFERENCE_RULE
+
+    return {"atol": tol.atol, "rtol": tol.rtol, "source": tol.source, "mean_rounding": tol.mean_rounding,
+            "max_violation_fraction": opts.max_violation_fraction, "zero_reference": ZERO_REFERENCE_RULE,
+            "nonfinite": "a non-finite candidate value where the reference is finite is always a violation",
+            "exact": opts.exact,
+            "grad": None if grad_tol is None else {"rtol": grad_tol.rtol, "row_atol": grad_tol.row_atol,
+                                                   "source": grad_tol.source}}
+
+
+def _probes_header(opts, strata, captured_meta, cand_dtype_name: str) -> dict:
+    from parity_cli.probes.strata import load_strata
+
+    return {
+        "seed": opts.seed,
+        "strata": [s.name for s in strata] + (["captured"] if captured_meta or opts.runtime_capture else []),
+        "not_covered": [n for n in load_strata() if n not in {s.name for s in strata}],
+        "descriptions": {s.name: s.description for s in strata},
+        "rounding": f"probes are rounded to {cand_dtype_name}; the reference sees the rounded values",
+        "grad": opts.grad,
+        "layers": opts.layers,
+        "activations": None if captured_meta is None else {
+            **{k: captured_meta[k] for k in CAPTURE_KEYS if k in captured_meta},  # only what we wrote
+            "path": recorded_path(opts.activations), "layers": sorted(opts.captured)},
+    }
+
+
 def check(path: str | Path, options: CheckOptions | None = None, progress=None, **kwargs):
     """Runs the whole check and returns a Report; raises InputError for bad input.
 
@@ -496,13 +617,12 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     from parity_cli.check.layer import Side, run_layers, setup_failure
     from parity_cli.check.results import Report
     from parity_cli.comparison import (
-        ZERO_REFERENCE_RULE,
         grad_tolerance_for,
         tolerance_for,
     )
-    from parity_cli.isolation.supervisor import close_runners, open_reference, open_runners, parse_memory, printed_note
+    from parity_cli.isolation.supervisor import close_runners, open_reference, parse_memory, printed_note
     from parity_cli.model.layers import discover_layers
-    from parity_cli.probes.strata import load_strata, select_strata
+    from parity_cli.probes.strata import select_strata
 
     if not 0.0 <= opts.max_violation_fraction <= 1.0:
         raise InputError("--max-violation-fraction must be between 0 and 1")
@@ -537,47 +657,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                                         if opts.layers else found.layers, fam)
     pairing, conversion, copy_dtype = None, None, None
     if opts.candidate_checkpoint:
-        from parity_cli.model.pairing import pair
-
-        copy_layers, conversion, copy_dtype = converted(opts, found.layers, (fam, ckpt.model_type))
-        if conversion.get("mmproj"):  # compared with the towers it holds, not the language model
-            held = {layer.name for layer in copy_layers}
-            found = dataclasses.replace(found, layers=[layer for layer in found.layers
-                                                       if layer.tower not in ("language", "main") or layer.name in held])
-        if conversion["format"] == "onnx" and opts.candidate == "onnxruntime":
-            # the graph's own subgraphs run: its eps, its form, its dtype; nothing here would change them
-            for flag, given in (("--candidate-eps", opts.candidate_eps is not None),
-                                ("--candidate-arg", bool(candidate_args(opts)))):
-                if given:
-                    raise InputError(f"{flag}: an exported .onnx copy runs its own subgraphs, with the eps and form "
-                                     "it has; edit the graph, or check another candidate against its weights")
-        if conversion["format"] == "openvino" and opts.candidate == "openvino":
-            # the IR's own subgraphs run with their eps and form; only the plugin's precision is the run's
-            ignored = sorted(set(candidate_args(opts)) - {"precision"})
-            for flag, given in (("--candidate-eps", opts.candidate_eps is not None),
-                                (f"--candidate-arg {', '.join(ignored)}", bool(ignored))):
-                if given:
-                    raise InputError(f"{flag}: an OpenVINO IR runs its own subgraphs, with the eps and form it has "
-                                     "(--candidate-arg precision= still sets the plugin's precision); edit the IR, "
-                                     "or check another candidate against its weights")
-        pairing = pair(found.layers, copy_layers, conversion["path"], _forward_of(ckpt, found.layers, copy_layers))
-        other = next((f for f in pairing.report_findings if f["code"] == "checkpoint_model_mismatch"), None)
-        if other is not None:  # a copy of another model is bad input, not a verdict on a conversion
-            raise InputError(other["message"] + ("; refused (--runtime-capture takes a capture of this model)"
-                                                  if opts.runtime_capture else
-                                                  "; refused (--candidate-checkpoint takes a copy of this model)"))
-        folded = conversion.get("onnx", {}).get("batch_norm_folded")
-        if folded:  # each BatchNorm the exporter folded into its Conv says so where it is missing
-            kinds = {l.name: l.kind for l in found.layers}
-            for name, items in pairing.layer_findings.items():
-                for item in items:
-                    if item["code"] == "checkpoint_layer_missing" and kinds.get(name) == "batch_norm":
-                        item["message"] += f" ({folded['message']})"
-                        item["folded"] = True
-        found = _unread_not_missing(pairing, conversion, found)
-        if conversion["format"] == RUNTIME_CAPTURE:
-            opts, found = _recorded_rows(opts, pairing, conversion, found)
-        conversion["findings"] = sum(len(v) for v in pairing.layer_findings.values()) + len(pairing.report_findings)
+        opts, found, pairing, conversion, copy_dtype = _paired_copy(opts, found, ckpt, fam)
     # an exported graph computes in its own input type (float32 for most exports): probe it there
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else (copy_dtype or stored_dtype(found.layers))
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)
@@ -613,20 +693,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     if opts.candidate_memory is None and memory is not None:
         memory //= workers * (2 if ref_plugin else 1)  # the default is half of RAM for all the children together
     sharded = workers > 1 and parallel.shardable(opts, device)
-    if sharded:  # whole layers in worker processes: our own code end to end (parity_cli.check.parallel)
-        cand_impl, runners = impls.resolve(opts.candidate, cand_args), []
-    elif opts.runtime_capture:  # the rows the runtime's own nodes gave, replayed here
-        from parity_cli.backends import recorded
-        from parity_cli.isolation.runners import InProcessRunner
-
-        cand_impl = impls.Implementation(recorded.NAME, f"recorded inside {conversion['runtime']['name']}",
-                                         recorded.prepare)
-        runners = [InProcessRunner(cand_impl)]
-    else:
-        if supervisor.supervised(opts.candidate, opts.device, opts.isolation):
-            _say(progress, f"starting the candidate's worker process{'es' if workers > 1 else ''}")
-        cand_impl, runners = open_runners(opts.candidate, cand_args, device, opts.isolation, timeout, memory, workers,
-                                          threads=opts.threads)
+    cand_impl, runners = _open_candidate(opts, cand_args, device, timeout, memory, workers, sharded, conversion,
+                                         progress)
     ref_runner = None
     if ref_plugin:  # supervised exactly as the candidate: its exit, hang or memory is the user's input
         try:
@@ -663,24 +731,13 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         raise InputError(setup)
     if note:
         warnings.append(note)
+    if conversion and (conversion.get("runtime") or {}).get("mixed_dtypes"):
+        warnings.append(conversion["runtime"]["mixed_dtypes"])
 
     header = {
         "tool": {"name": "parity-cli", "version": __version__},
         "environment": environment(device, threads=opts.threads, jobs=workers),
-        "checkpoint": {
-            "path": recorded_path(ckpt.path),
-            "fingerprint": fingerprint(found.layers),
-            "format": ckpt.format,
-            "family": fam.name,
-            "family_source": fam.source_line,
-            "family_forced": bool(opts.family),
-            "family_from": family_choice(opts.family, fam, ckpt.model_type, ckpt.format,
-                                             getattr(ckpt, "architecture", None)),
-            "model_type": ckpt.model_type,
-            "files": [f.name for f in ckpt.files],
-            "unmatched": found.unmatched,
-            "unchecked": unchecked(ckpt, found, fam) + list((conversion or {}).get("unchecked", [])),
-        },
+        "checkpoint": _checkpoint_header(opts, ckpt, found, fam, conversion),
         "eps": _eps_dict(eps),
         "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,
                       "dtype_source": ref_dtype_source,
@@ -696,26 +753,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                       "memory_cap": memory if isolated else None, "workers": workers,
                       "threads": opts.threads, **({"openvino": openvino_info} if openvino_info else {}),
                       **({"runtime": runtime_info} if runtime_info else {})},
-        "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "source": tol.source,
-                      "mean_rounding": tol.mean_rounding,
-                      "max_violation_fraction": opts.max_violation_fraction,
-                      "zero_reference": ZERO_REFERENCE_RULE,
-                      "nonfinite": "a non-finite candidate value where the reference is finite is always a violation",
-                      "exact": opts.exact,
-                      "grad": None if grad_tol is None else {"rtol": grad_tol.rtol, "row_atol": grad_tol.row_atol,
-                                                             "source": grad_tol.source}},
-        "probes": {
-            "seed": opts.seed,
-            "strata": [s.name for s in strata] + (["captured"] if captured_meta or opts.runtime_capture else []),
-            "not_covered": [n for n in load_strata() if n not in {s.name for s in strata}],
-            "descriptions": {s.name: s.description for s in strata},
-            "rounding": f"probes are rounded to {cand_dtype_name}; the reference sees the rounded values",
-            "grad": opts.grad,
-            "layers": opts.layers,
-            "activations": None if captured_meta is None else {
-                **{k: captured_meta[k] for k in CAPTURE_KEYS if k in captured_meta},  # only what we wrote
-                "path": recorded_path(opts.activations), "layers": sorted(opts.captured)},
-        },
+        "tolerance": _tolerance_header(opts, tol, grad_tol),
+        "probes": _probes_header(opts, strata, captured_meta, cand_dtype_name),
     }
     return Report(header=header, layers=results, warnings=warnings,
                   findings=pairing.report_findings if pairing else [])
