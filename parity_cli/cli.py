@@ -754,26 +754,24 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
         raise InputError(f"parity capture --runtime {runtime}: runs the runtime's CPU backend; --device is for "
                          "transformers")
     outputs = _check_outputs({"-o": out_path}, [model] + [p for p in (text_path, tokens_path) if p])
-    if runtime != "transformers":
-        return _capture_in_runtime(model, runtime, text_path, prompt, tokens_path, max_tokens, rows_per_layer, seed,
-                                   outputs["-o"], out_path)
-    if text_path:
-        from parity_cli.sources.jsonfile import regular_file
+    text = _read_text(text_path, max_tokens) if text_path else prompt
+    tokens = _read_tokens(tokens_path, max_tokens) if tokens_path else None
+    if runtime == "transformers":
+        from parity_cli.probes.capture import capture as run
+        from parity_cli.probes.capture import summary, write
 
-        regular_file(text_path, "the text", 1 << 30, "over the 1 GiB a text may have")
-        try:
-            with open(text_path, "rb") as fh:  # at most what --max-tokens can use
-                text = fh.read(64 * max_tokens).decode("utf-8", errors="replace")
-        except OSError as exc:
-            raise InputError(f"{text_path}: cannot read: {exc.strerror}") from None
+        def record(stage):
+            return run(model, text, max_tokens=max_tokens, rows_per_layer=rows_per_layer, device=device, seed=seed,
+                       stage=stage)
     else:
-        text = prompt
-    from parity_cli.probes.capture import capture as run_capture
-    from parity_cli.probes.capture import summary, write
+        from parity_cli.probes.runtime_capture import record as run_inside
+        from parity_cli.probes.runtime_capture import summary, write
 
+        def record(stage):
+            return run_inside(model, runtime, text=text, tokens=tokens, max_tokens=max_tokens,
+                              rows_per_layer=rows_per_layer, seed=seed, stage=stage)
     with _stages() as stage:
-        tensors, meta = run_capture(model, text, max_tokens=max_tokens, rows_per_layer=rows_per_layer, device=device,
-                                    seed=seed, stage=stage)
+        tensors, meta = record(stage)
         stage(f"writing {outputs['-o']}")
         write(tensors, meta, outputs["-o"])
     from parity_cli.report.layout import terminal_width, wrap
@@ -785,44 +783,40 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
     return EXIT_PASS
 
 
-def _capture_in_runtime(model, runtime, text_path, prompt, tokens_path, max_tokens, rows_per_layer, seed, target,
-                        out_path):
-    from parity_cli.probes import runtime_capture
+def _read_text(path, max_tokens: int) -> str:
+    """At most what --max-tokens can use of a text file (64 bytes a token)."""
     from parity_cli.sources.jsonfile import regular_file
 
-    tokens, text = None, prompt
-    for path in (text_path, tokens_path):
-        if path:
-            regular_file(path, "the text" if path == text_path else "the token file", 1 << 30, "over 1 GiB")
-    if text_path:
-        with open(text_path, "rb") as fh:
-            text = fh.read(64 * max_tokens).decode("utf-8", errors="replace")
-    if tokens_path:
-        with open(tokens_path, "rb") as fh:  # enough for max_tokens ids; a number cut at the end is dropped
+    regular_file(path, "the text", 1 << 30, "over the 1 GiB a text may have")
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(64 * max_tokens).decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def _read_tokens(path, max_tokens: int) -> list[int]:
+    """The first max_tokens whitespace-separated integers of a token file (a number the bounded read
+    cut in two is dropped, not taken as a smaller one)."""
+    from parity_cli.sources.jsonfile import regular_file
+
+    regular_file(path, "the token file", 1 << 30, "over the 1 GiB a token file may have")
+    try:
+        with open(path, "rb") as fh:
             data = fh.read(24 * max_tokens + 4096)
             whole = not fh.read(1)
-        words = data.decode("ascii", errors="replace").split()
-        if not whole and data and not data[-1:].isspace():
-            words = words[:-1]
-        words = words[:max_tokens]
-        try:
-            tokens = [int(w) for w in words]
-        except ValueError:
-            raise InputError(f"{tokens_path}: token ids are whitespace-separated integers") from None
-        if not tokens:
-            raise InputError(f"{tokens_path}: no token ids")
-    with _stages() as stage:
-        tensors, meta = runtime_capture.record(model, runtime, text=text, tokens=tokens, max_tokens=max_tokens,
-                                               rows_per_layer=rows_per_layer, seed=seed, stage=stage)
-        stage(f"writing {target}")
-        runtime_capture.write(tensors, meta, target)
-    from parity_cli.report.layout import terminal_width, wrap
-
-    console, width = _console(), terminal_width()
-    for line in runtime_capture.summary(out_path, tensors, meta):
-        for piece in wrap(escape(line), width, hanging=0):
-            console.print(piece, soft_wrap=True, highlight=False)
-    return EXIT_PASS
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+    words = data.decode("ascii", errors="replace").split()
+    if not whole and data and not data[-1:].isspace():
+        words = words[:-1]
+    try:
+        tokens = [int(w) for w in words[:max_tokens]]
+    except ValueError:
+        raise InputError(f"{path}: token ids are whitespace-separated integers") from None
+    if not tokens:
+        raise InputError(f"{path}: no token ids")
+    return tokens
 
 
 class _stages:

@@ -429,8 +429,9 @@ def runtime_capture_options(opts: CheckOptions) -> CheckOptions:
 def _recorded_rows(opts, pairing, conversion: dict, found):
     """The capture's rows as each paired layer's probes; a checkpoint layer no node of the runtime
     ran is not checked (the runtime may never run it: a tower it does not load), never missing."""
-    captured = {name: layer.recorded[0].to(dtype=__import__("torch").float64)
-                for name, layer in pairing.candidate_layers.items()}
+    import torch
+
+    captured = {name: layer.recorded[0].to(torch.float64) for name, layer in pairing.candidate_layers.items()}
     gone = [name for name, items in pairing.layer_findings.items()
             if [item["code"] for item in items] == ["checkpoint_layer_missing"]]
     if len(gone) == len(found.layers):
@@ -547,7 +548,8 @@ def _open_candidate(opts, cand_args: dict, device: str, timeout, memory, workers
         from parity_cli.backends import recorded
         from parity_cli.isolation.runners import InProcessRunner
 
-        impl = impls.Implementation(recorded.NAME, f"recorded inside {conversion['runtime']['name']}", recorded.prepare)
+        runtime = conversion["runtime"]["name"]  # the description names it in each cause
+        impl = impls.Implementation(recorded.NAME, f"recorded inside {runtime}", recorded.prepare, runtime)
         return impl, [InProcessRunner(impl)]
     if supervisor.supervised(opts.candidate, opts.device, opts.isolation):
         _say(progress, f"starting the candidate's worker process{'es' if workers > 1 else ''}")

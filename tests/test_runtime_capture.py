@@ -406,7 +406,8 @@ def test_a_kernel_fault_on_real_rows_is_not_said_to_be_about_small_inputs(models
         assert "eps_mismatch" not in _codes(layer["diagnoses"])
 
 
-@pytest.mark.parametrize("case", ["nan_row", "dtype_lie", "computes_in", "rows_text", "zero_width", "duplicate"])
+@pytest.mark.parametrize("case", ["nan_row", "dtype_lie", "computes_in", "rows_text", "zero_width", "duplicate",
+                                  "no_runtime"])
 def test_hostile_captures_are_one_line(case, models, captures, tmp_path):
     def edit(tensors, meta):
         node = meta["nodes"][LAYER]
@@ -421,6 +422,8 @@ def test_hostile_captures_are_one_line(case, models, captures, tmp_path):
         elif case == "zero_width":
             for part in ("x", "y"):
                 tensors[f"{part}:{LAYER}"] = np.zeros((3, 0), np.float32)
+        elif case == "no_runtime":
+            del meta["runtime"]
         elif case == "duplicate":  # a second node that pairs with the same layer (an export's prefix set aside)
             meta["nodes"]["m." + LAYER] = dict(node)
             for part in ("x", "y", "gain"):
@@ -461,3 +464,44 @@ def test_tokens_over_several_chunks_and_the_models_context(models, tmp_path):
     runtime_capture.write(tensors, meta, tmp_path / "c.safetensors")
     report = api.check(models("llama"), runtime_capture=str(tmp_path / "c.safetensors"))
     assert report.exit_code == 0
+
+
+def test_a_fifo_or_a_lying_header_is_one_line(models, captures, tmp_path):
+    """A FIFO given as the capture or the token file is refused before anything reads it (a read
+    would block); a file whose 8-byte header claims 2^60 bytes of header is no capture."""
+    import os
+    import struct
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r, data = _check(models("llama"), fifo, tmp_path)
+    _one_line(r, "fifo")
+    lying = tmp_path / "lying.safetensors"
+    lying.write_bytes(struct.pack("<Q", 1 << 60) + b"{}")
+    r, data = _check(models("llama"), lying, tmp_path)
+    _one_line(r, "not a runtime capture")
+    from parity_cli.sources.synthetic import hf_to_gguf
+
+    gguf_path = hf_to_gguf(models("llama"), tmp_path / "m.gguf", full=True)
+    out = tmp_path / "o.safetensors"
+    r = run_parity("capture", gguf_path, "--runtime", "llama.cpp", "--tokens", fifo, "-o", out)
+    _one_line(r, "fifo")
+    assert not out.exists()
+
+
+def test_a_capture_keeps_its_rows_per_layer_whatever_the_tokens(models, tmp_path):
+    """llama.cpp's child samples chunk by chunk: 300 tokens in chunks of 256 (the default context
+    allows 512), at most 6 rows kept a node, every token seen; the library refuses 2 rows."""
+    from parity_cli.errors import InputError
+    from parity_cli.probes import runtime_capture
+    from parity_cli.sources.synthetic import hf_to_gguf
+
+    gguf_path = hf_to_gguf(models("llama"), tmp_path / "m.gguf", full=True)
+    ids = [BOS] + [PIECES.index(f"\u2581w{i % 40}") for i in range(299)]
+    tensors, meta = runtime_capture.record(gguf_path, "llama.cpp", tokens=ids, max_tokens=300, rows_per_layer=6)
+    assert meta["tokens"] == 300 and set(meta["nodes"]) == _norm_names(models("llama"))
+    for name, node in meta["nodes"].items():
+        assert node["rows_seen"] == 300 and 1 <= node["rows"] <= 6, (name, node)
+        assert tensors[f"x:{name}"].shape == (node["rows"], HIDDEN)
+    with pytest.raises(InputError, match="--rows-per-layer"):
+        runtime_capture.record(gguf_path, "llama.cpp", tokens=ids, rows_per_layer=2)

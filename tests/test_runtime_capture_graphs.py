@@ -215,3 +215,20 @@ def test_an_export_with_external_data_runs_where_its_data_lies(exports, tmp_path
     cap = _capture(tmp_path / "ext.onnx", "onnxruntime", exports["tokens"], tmp_path / "cap.safetensors")
     code, data = _check(exports["hf"], cap)
     assert code == 0 and len(data["layers"]) == 5
+
+
+def test_a_tokenizer_that_is_a_fifo_or_too_large_is_one_line(exports, tmp_path):
+    import os
+    import shutil
+
+    model = tmp_path / "llama.onnx"
+    shutil.copy(exports["onnx"], model)
+    os.mkfifo(tmp_path / "tokenizer.json")
+    out = tmp_path / "c.safetensors"
+    r = run_parity("capture", model, "--runtime", "onnxruntime", "--prompt", "w1 w2", "-o", out)
+    assert r.returncode == 2 and "tokenizer.json" in r.stderr and "Traceback" not in r.stderr and not out.exists()
+    os.remove(tmp_path / "tokenizer.json")
+    with open(tmp_path / "tokenizer.json", "wb") as fh:  # sparse: 65 MiB declared, nothing written
+        fh.truncate((64 << 20) + (1 << 20))
+    r = run_parity("capture", model, "--runtime", "onnxruntime", "--prompt", "w1 w2", "-o", out)
+    assert r.returncode == 2 and "64 MiB" in r.stderr and not out.exists()

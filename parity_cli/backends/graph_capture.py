@@ -14,13 +14,20 @@ from pathlib import Path
 from parity_cli.backends import distribution_version
 from parity_cli.errors import InputError
 
+KINDS = ("rms_norm", "layer_norm")  # what a capture records (the norms a runtime's LM graph has)
+MAX_TOKENIZER_BYTES = 64 << 20  # a 262k-entry vocabulary's tokenizer.json is about 33 MB
+
 
 def tokenize(model, text: str) -> list[int]:
     """The text's token ids by the tokenizer.json next to the model (the `tokenizers` library: a
     file of data, no code)."""
+    from parity_cli.sources.jsonfile import regular_file
+
     found = Path(model).parent / "tokenizer.json"
-    if not found.is_file():
+    if not found.exists():
         raise InputError(f"{model}: no tokenizer.json beside it to tokenize the text; give --tokens FILE")
+    regular_file(found, "the tokenizer", MAX_TOKENIZER_BYTES, f"over the {MAX_TOKENIZER_BYTES >> 20} MiB a tokenizer "
+                 "may have")
     from tokenizers import Tokenizer
 
     try:
@@ -74,7 +81,7 @@ def _node(norm, x, y, dtype: str, source: str) -> dict:
                                              (norm.weight.double() + norm.offset).float().numpy(), stored(norm.weight))
     bias = None if norm.bias is None else (f"{norm.name}.bias", norm.bias.float().numpy(), stored(norm.bias))
     return {"layer": norm.name, "node": f"{norm.form} {norm.names[0] if norm.names else norm.name}",
-            "op": norm.form, "kind": norm.kind if norm.kind in ("rms_norm", "layer_norm") else None,
+            "op": norm.form, "kind": norm.kind,
             "eps": float(norm.eps), "eps_source": f"{source}: {norm.eps_source}", "chain": [norm.form],
             "gain": gain, "bias": bias, "dtype": dtype,
             "x": np.asarray(x, dtype=np.float32).reshape(-1, norm.dim),
@@ -89,8 +96,8 @@ def _onnxruntime(path: Path, tokens: list[int]) -> dict:
 
     if not is_onnx(path):
         raise InputError(f"{path}: --runtime onnxruntime runs an .onnx file")
-    norms = [n for n in find_norms(load_model(path), path, {}) if n.kind in ("rms_norm", "layer_norm") and n.ends]
     model = load_model(path)  # the graph alone: a model's external data stays where it is
+    norms = [n for n in find_norms(model, path, {}) if n.kind in KINDS and n.ends]
     have = {o.name for o in model.graph.output}
     for name in dict.fromkeys(t for n in norms for t in n.ends):
         if name not in have:
@@ -107,7 +114,7 @@ def _onnxruntime(path: Path, tokens: list[int]) -> dict:
     got = dict(zip([o.name for o in session.get_outputs()], values))
     nodes = [_node(n, got[n.ends[0]], got[n.ends[1]], n.dtype, "the graph")
              for n in norms if n.ends[0] in got and n.ends[1] in got]
-    return {"nodes": [n for n in nodes if n["kind"]], "tokens": len(tokens),
+    return {"nodes": nodes, "tokens": len(tokens),
             "version": distribution_version("onnxruntime"), "backend": "CPUExecutionProvider"}
 
 
@@ -155,7 +162,7 @@ def _openvino(path: Path, tokens: list[int]) -> dict:
     if not is_openvino_ir(path):
         raise InputError(f"{path}: --runtime openvino runs an OpenVINO IR (.xml beside its .bin)")
     model, ops = read_model(path)
-    norms = [n for n in find_norms(model, ops, path, {}) if n.kind in ("rms_norm", "layer_norm")]
+    norms = [n for n in find_norms(model, ops, path, {}) if n.kind in KINDS]
     try:
         added = model.add_outputs([o for n in norms for o in n.ends])
         where = {(o.get_node().get_friendly_name(), o.get_index()): k for k, o in enumerate(model.outputs)}

@@ -20,6 +20,7 @@ import os
 
 from parity_cli.backends import distribution_version
 from parity_cli.errors import InputError
+from parity_cli.sampling import RowSample
 
 NAME = "llama.cpp"
 _GGML_TYPES = {0: "float32", 1: "float16", 30: "bfloat16"}
@@ -170,13 +171,13 @@ def _rows(lib, t):
     """A tensor's elements as (rows, ne0) float32, through its strides (a view is read where it lies)."""
     import numpy as np
 
-    dtype = {0: np.float32, 1: np.float16, 30: np.uint16}.get(t.type)
-    if dtype is None:
+    if t.type not in _GGML_TYPES:
         raise RuntimeError(f"tensor {t.name.decode()} of ggml type {t.type}: not read")
-    size = lib.ggml_nbytes(_c.byref(t))
+    dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[_GGML_TYPES[t.type]]
+    size = lib.ggml_nbytes(_c.byref(t))  # the span of the elements through the strides
     raw = np.empty(size, np.uint8)
     lib.ggml_backend_tensor_get(_c.byref(t), raw.ctypes.data, 0, size)
-    flat = raw.view(dtype) if size % np.dtype(dtype).itemsize == 0 else raw[: size - size % 2].view(dtype)
+    flat = raw.view(dtype)
     shape = tuple(int(t.ne[k]) for k in (3, 2, 1, 0))
     strides = tuple(int(t.nb[k]) for k in (3, 2, 1, 0))
     a = np.lib.stride_tricks.as_strided(flat, shape=shape, strides=strides).reshape(-1, shape[-1]).copy()
@@ -241,7 +242,7 @@ class _Graph:
 
 
 def record(path, tokens: list[int] | None, text: str | None, max_tokens: int, chunk: int = 256,
-           threads: int = 2) -> dict:
+           threads: int = 2, rows_per_layer: int = 96, seed: int = 0) -> dict:
     """record_here() in a child interpreter (`python -m parity_cli.backends.llama_graph DIR`, which
     imports neither torch nor numpy's users): llama.cpp is C++ reading an untrusted file, and an
     exception it does not catch (a text its vocabulary cannot encode, a tensor its loader rejects)
@@ -259,7 +260,7 @@ def record(path, tokens: list[int] | None, text: str | None, max_tokens: int, ch
     with tempfile.TemporaryDirectory(prefix="parity-llama-") as tmp:
         with open(os.path.join(tmp, "args.json"), "w") as fh:
             json.dump({"path": str(path), "tokens": tokens, "text": text, "max_tokens": max_tokens, "chunk": chunk,
-                       "threads": threads}, fh)
+                       "threads": threads, "rows_per_layer": rows_per_layer, "seed": seed}, fh)
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
         with open(os.path.join(tmp, "stderr"), "wb") as err:
@@ -298,7 +299,7 @@ def _child(tmp: str) -> None:
         args = json.load(fh)
     try:
         out = record_here(args["path"], args["tokens"], args["text"], args["max_tokens"], args["chunk"],
-                          args["threads"])
+                          args["threads"], args["rows_per_layer"], args["seed"])
         for k, node in enumerate(out["nodes"]):
             for part in ("x", "y"):
                 np.save(os.path.join(tmp, f"{k}.{part}.npy"), node.pop(part), allow_pickle=False)
@@ -328,10 +329,12 @@ def _said(path: str) -> str:
 
 
 def record_here(path, tokens: list[int] | None, text: str | None, max_tokens: int, chunk: int = 256,
-                threads: int = 2) -> dict:
-    """{"nodes": [per norm node: name, op, eps, gain/bias (name, float32 values), chain, x, y (rows as
-    float32 arrays)], "tokens": n, "dtype": activations' ggml type, "version": ...} for the GGUF at
-    `path`, on `tokens` or `text` (tokenized by the GGUF's own vocabulary, llama_tokenize)."""
+                threads: int = 2, rows_per_layer: int = 96, seed: int = 0) -> dict:
+    """{"nodes": [per norm node: name, op, eps, gain/bias (name, float32 values, stored type), chain,
+    dtype, x, y (the kept rows as float32 arrays), seen (finite input rows the node gave)], "tokens":
+    n, "version": ...} for the GGUF at `path`, on `tokens` or `text` (tokenized by the GGUF's own
+    vocabulary, llama_tokenize). Rows are sampled chunk by chunk (sampling.RowSample): memory is
+    rows_per_layer pairs a node whatever the number of tokens."""
     lib = _lib()
     _LOG_LINES.clear()
     mp = lib.llama_model_default_params()
@@ -364,7 +367,7 @@ def record_here(path, tokens: list[int] | None, text: str | None, max_tokens: in
         # every token is an output (the last block is not cut to the last one): the logits buffer is
         # n_vocab floats a token, so a chunk is bounded to 256 MiB of them
         step = max(1, min(chunk, n_ctx, (64 << 20) // max(1, n_vocab)))
-        out = _run(lib, model, tokens, n_ctx, step, threads, path)
+        out = _run(lib, model, tokens, n_ctx, step, threads, path, rows_per_layer, seed)
         if cut:
             out["note"] = cut
         return out
@@ -372,14 +375,16 @@ def record_here(path, tokens: list[int] | None, text: str | None, max_tokens: in
         lib.llama_model_free(model)
 
 
-def _run(lib, model, tokens, n_ctx, step, threads, path) -> dict:
-    import numpy as np
+def _run(lib, model, tokens, n_ctx, step, threads, path, rows_per_layer: int, seed: int) -> dict:
+    import random
+
+    rng = random.Random(seed)
 
     cp = lib.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = max(n_ctx, 8), step, step
     cp.n_threads = cp.n_threads_batch = threads
     cp.flash_attn_type = 0  # disabled: the plain attention graph on every CPU
-    state = {"graph": None, "want": {}, "at": None, "got": {}, "error": None}
+    state = {"graph": None, "want": {}, "k": 0, "at": None, "got": {}, "error": None}
 
     def callback(t, ask, user_data):
         try:
@@ -436,21 +441,39 @@ def _run(lib, model, tokens, n_ctx, step, threads, path) -> dict:
                         continue
                     # a weightless node has no tensor to name it: its place in the graph does
                     key = n["gain"][0] if n["gain"] is not None else f"{n['op']} {n['name']} #{n['ordinal']}"
-                    entry = nodes.get(key)
-                    if entry is None:
-                        entry = nodes[key] = {
-                            "node": n["name"], "op": n["op"], "eps": n["eps"], "chain": n["chain"],
-                            "gain": n["gain"], "bias": n["bias"], "dtype": n["dtype"],
-                            "x": [], "y": []}
-                    entry["x"].append(x)
-                    entry["y"].append(y)
+                    if key not in nodes:
+                        nodes[key] = ({"node": n["name"], "op": n["op"], "eps": n["eps"], "chain": n["chain"],
+                                       "gain": n["gain"], "bias": n["bias"], "dtype": n["dtype"], "width": x.shape[1],
+                                       "nonfinite": 0},
+                                      RowSample.of(rows_per_layer, rng))
+                    _keep(*nodes[key], x, y, n["op"])
             finally:
                 lib.llama_batch_free(batch)
     finally:
         lib.llama_free(ctx)
-    for entry in nodes.values():
-        entry["x"], entry["y"] = np.concatenate(entry["x"]), np.concatenate(entry["y"])
-    return {"nodes": list(nodes.values()), "tokens": len(tokens), "version": version(), "chunk": step}
+    return {"nodes": [_kept(entry, sample) for entry, sample in nodes.values()], "tokens": len(tokens),
+            "version": version(), "chunk": step}
+
+
+def _keep(entry: dict, sample, x, y, op: str) -> None:
+    """A chunk's finite input rows, each with its output, into the node's sample (q: the mean square,
+    or the variance for a NORM node, as the check computes it)."""
+    import numpy as np
+
+    finite = np.isfinite(x).all(-1)
+    entry["nonfinite"] += int((~finite).sum())
+    x, y = x[finite].astype(np.float64), y[finite]
+    centred = x - x.mean(-1, keepdims=True) if op == "NORM" else x
+    sample.add(np.concatenate([x.astype(np.float32), y], -1), (centred * centred).mean(-1))
+
+
+def _kept(entry: dict, sample) -> dict:
+    import numpy as np
+
+    rows = sample.kept()
+    both = np.stack(rows) if rows else np.zeros((0, 2 * entry["width"]), np.float32)
+    width, nonfinite = entry.pop("width"), entry.pop("nonfinite")
+    return {**entry, "x": both[:, :width], "y": both[:, width:], "seen": sample.seen + nonfinite}
 
 
 def _decode(lib, ctx, batch, state, path) -> None:
@@ -466,7 +489,7 @@ def _param(lib, t):
     """(GGUF name, float32 values, the type it is stored in) of a model tensor the graph attached."""
     if t is None:
         return None
-    return t.name.decode("utf-8", "replace"), _rows(lib, t).reshape(-1), _GGML_TYPES.get(t.type, "float32")
+    return t.name.decode("utf-8", "replace"), _rows(lib, t).reshape(-1), _GGML_TYPES[t.type]
 
 
 if __name__ == "__main__":

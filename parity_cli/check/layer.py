@@ -571,8 +571,8 @@ def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata,
         if other is not None and other.recorded is not None and (not result.passed or result.findings):
             from parity_cli.diagnose.recorded import recorded_diagnoses
 
-            runtime = candidate.impl.source.removeprefix("recorded inside ")
-            result.diagnoses = recorded_diagnoses(layer, other, result.diagnoses, result.findings, tol, runtime)
+            result.diagnoses = recorded_diagnoses(layer, other, result.diagnoses, result.findings, tol,
+                                                  candidate.impl.description)
         elif not result.passed or result.findings:
             from parity_cli.diagnose.causes import with_copy_eps
 

@@ -13,28 +13,22 @@ import dataclasses
 from parity_cli.diagnose.causes import EPS_PANEL, Diagnosis
 
 
-def _oracle(x, layer, eps: float):
-    import torch
-
-    from parity_cli.backends.implementations import oracle_normalize
-
-    h = oracle_normalize(x.to(torch.float64), eps, layer.kind)
-    y = h * (layer.gain_offset + layer.weight.to(torch.float64))
-    return y if layer.bias is None else y + layer.bias.to(torch.float64)
-
-
 def reproduced_by_own_parameters(copy, tol) -> bool:
-    """Every recorded output within the tolerance of the float64 norm with the runtime's eps, gain,
-    bias and kind (its rows, its dtype's allowance)."""
+    """Every recorded output within the tolerance of the float64 oracle with the runtime's eps,
+    gain, bias and kind (the same allowance a check grants: the dtype's, and for LayerNorm a mean
+    summed in any order, comparison.mean_rounding_allowance)."""
     import torch
 
-    x, y = copy.recorded
-    expected = _oracle(x, copy, copy.eps.value)
-    got = y.to(torch.float64)
+    from parity_cli.backends.implementations import BUILTINS
+    from parity_cli.comparison import mean_rounding_allowance
+
+    x, y = (t.to(torch.float64) for t in copy.recorded)
+    expected = BUILTINS["oracle"].prepare(copy, copy.weight, copy.bias, copy.eps.value)(x)
     allowed = tol.atol + tol.rtol * expected.abs()
-    if copy.kind == "layer_norm":  # a float32 mean rounds: the share a check grants LayerNorm
-        allowed = allowed + 4 * torch.finfo(torch.float32).eps * expected.abs().amax(-1, keepdim=True)
-    return bool(((got - expected).abs() <= allowed).all())
+    if copy.kind == "layer_norm" and tol.mean_rounding:
+        allowed = allowed + mean_rounding_allowance(x, copy.gain_offset + copy.weight.to(torch.float64),
+                                                    copy.eps.value, tol)
+    return bool(((y - expected).abs() <= allowed).all())
 
 
 def estimated_eps(copy) -> float | None:

@@ -10,69 +10,20 @@ checkpoint's norm fingerprint (replay.fingerprint), so a check refuses rows from
 from __future__ import annotations
 
 import contextlib
-import heapq
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from parity_cli.errors import InputError
 from parity_cli.model.pairing import half_step, rounding_bound
+from parity_cli.sampling import RowSample, describe
 from parity_cli.text import layer_count
 
 MAX_ROWS_PER_LAYER = 4096
 NORM_PREFIX = "norm:"  # beside the rows, the norm tensors the capture was made with (float32)
 MAX_FILE_BYTES = 1 << 30
-
-
-@dataclass
-class _Sample:
-    """K rows of one layer: k_small smallest q, k_large largest q, the rest a uniform reservoir."""
-
-    k_small: int
-    k_large: int
-    k_uniform: int
-    rng: random.Random
-    small: list = field(default_factory=list)  # max-heap by q: (-q, n, row)
-    large: list = field(default_factory=list)  # min-heap by q: (q, n, row)
-    uniform: list = field(default_factory=list)
-    seen: int = 0
-
-    def add(self, rows, q) -> None:
-        """Rows of one forward call. Each row is its own copy: a kept view would hold the call's
-        whole activation (and, for a float32 model on the CPU, alias the model's own tensor)."""
-        for k, qv in enumerate(q.tolist()):
-            self.seen += 1
-            n = self.seen
-            row = rows[k].clone()
-            if self.k_small:
-                if len(self.small) < self.k_small:
-                    heapq.heappush(self.small, (-qv, n, row))
-                elif -self.small[0][0] > qv:
-                    heapq.heapreplace(self.small, (-qv, n, row))
-            if self.k_large:
-                if len(self.large) < self.k_large:
-                    heapq.heappush(self.large, (qv, n, row))
-                elif self.large[0][0] < qv:
-                    heapq.heapreplace(self.large, (qv, n, row))
-            if self.k_uniform:  # reservoir sampling (algorithm R)
-                if len(self.uniform) < self.k_uniform:
-                    self.uniform.append((qv, n, row))
-                else:
-                    j = self.rng.randrange(n)
-                    if j < self.k_uniform:
-                        self.uniform[j] = (qv, n, row)
-
-    def rows(self):
-        """The kept rows, each once (a row can be both small and in the reservoir), by q."""
-        import torch
-
-        kept = {}
-        for entry in [(-a, n, r) for a, n, r in self.small] + self.large + self.uniform:
-            kept[entry[1]] = entry
-        ordered = sorted(kept.values(), key=lambda e: e[0])
-        return torch.stack([e[2] for e in ordered]) if ordered else None
 
 
 def _model_class(config, gguf: bool = False):
@@ -467,9 +418,8 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         raise InputError("the text has no tokens")
     # whole sequences as the model was trained on them (positions matter), up to its context
     chunk = chunk or min(int(getattr(config, "max_position_embeddings", 0) or 2048), 2048)
-    k_small = k_large = rows_per_layer // 3
     rng = random.Random(seed)
-    samples = {name: _Sample(k_small, k_large, rows_per_layer - k_small - k_large, rng) for name in names}
+    samples = {name: RowSample.of(rows_per_layer, rng, copy=lambda row: row.clone()) for name in names}
     hooks, seen = [], set()
     for module, name in hooked(model):
         layer = names[name]
@@ -496,7 +446,8 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
     if not seen:
         raise InputError(f"{model_dir}: no module of {cls.__name__} is a norm layer parity checks "
                          f"(looked for {', '.join(sorted(names)[:3])}, ...); nothing captured")
-    kept = {name: samples[name].rows() for name in names if name in seen}
+    kept = {name: samples[name].kept() for name in names if name in seen}
+    kept = {name: torch.stack(rows) if rows else None for name, rows in kept.items()}
     empty = sorted(name for name, rows in kept.items() if rows is None)
     if empty:  # the forward reached them, but every row it gave was NaN or inf: nothing to probe with
         raise InputError(f"{model_dir}: every row {cls.__name__} gave {layer_count(len(empty))} "
@@ -513,7 +464,7 @@ def capture(model_dir, text: str, max_tokens: int = 512, rows_per_layer: int = 9
         "model_class": cls.__name__,
         "tokens": int(ids.numel()),
         "rows_per_layer": rows_per_layer,
-        "sampling": f"{k_small} smallest q, {k_large} largest q, {rows_per_layer - k_small - k_large} uniform",
+        "sampling": describe(rows_per_layer),
         "seed": seed,
         "device": str(device),
         "not_seen": missing,

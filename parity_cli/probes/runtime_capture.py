@@ -20,26 +20,25 @@ import random
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.sampling import describe
 
 FORMAT = "parity runtime capture 1"
 META_KEY = "parity-runtime"
 RUNTIMES = ("llama.cpp", "onnxruntime", "openvino")
-MAX_FILE_BYTES = 1 << 30
 MAX_LAYERS = 10_000
 KINDS = {"RMS_NORM": "rms_norm", "NORM": "layer_norm"}
 
 
 def _sampled(x, y, q, rows_per_layer: int, rng):
-    """(x, y) cut to rows_per_layer pairs as `parity capture` keeps rows: a third the smallest q, a
-    third the largest, the rest a uniform reservoir; a pair is kept or dropped together."""
+    """(x, y) cut to rows_per_layer pairs as `parity capture` keeps rows (sampling.RowSample); a pair
+    is kept or dropped together."""
     import torch
 
-    from parity_cli.probes.capture import _Sample
+    from parity_cli.sampling import RowSample
 
-    k_small = k_large = rows_per_layer // 3
-    sample = _Sample(k_small, k_large, rows_per_layer - k_small - k_large, rng)
+    sample = RowSample.of(rows_per_layer, rng, copy=lambda row: row.clone())
     sample.add(torch.cat([x, y], -1), q)
-    both = sample.rows()
+    both = torch.stack(sample.kept())
     return both[:, : x.shape[1]].contiguous(), both[:, x.shape[1]:].contiguous()
 
 
@@ -50,15 +49,18 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
     import torch
 
     from parity_cli.backends.implementations import mean_square
+    from parity_cli.probes.capture import MAX_ROWS_PER_LAYER
 
     if runtime not in RUNTIMES:
         raise InputError(f"--runtime: '{runtime}' is not one of transformers, {', '.join(RUNTIMES)}")
+    if not 3 <= rows_per_layer <= MAX_ROWS_PER_LAYER:
+        raise InputError(f"--rows-per-layer must be between 3 and {MAX_ROWS_PER_LAYER}")
     from parity_cli.backends.implementations import require
 
     require(runtime, "--runtime")  # an absent runtime is one line naming what to install
     say(f"running {model} in {runtime}")
     if runtime == "llama.cpp":
-        raw = _llama_cpp(model, text, tokens, max_tokens)
+        raw = _llama_cpp(model, text, tokens, max_tokens, rows_per_layer, seed)
     else:
         from parity_cli.backends.graph_capture import record as graph_record
 
@@ -68,19 +70,25 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
     rng = random.Random(seed)
     tensors, nodes, nonfinite = {}, {}, []
     merged: dict = {}
+    unmapped = list(raw.get("unmapped", []))
     for node in raw["nodes"]:  # nodes that attach one layer's gain (a norm called twice): one layer, all rows
+        node.setdefault("seen", node["x"].shape[0])
         same = merged.get(node["layer"])
-        if same is not None and same["x"].shape[1] == node["x"].shape[1]:
+        if same is None:
+            merged[node["layer"]] = node
+        elif same["x"].shape[1] != node["x"].shape[1]:  # the same gain over rows of another width: not this layer
+            unmapped.append(f"{node['node']} (rows {node['x'].shape[1]} wide, {node['layer']}'s are "
+                            f"{same['x'].shape[1]})")
+        else:
             import numpy as np
 
             same["x"], same["y"] = np.concatenate([same["x"], node["x"]]), np.concatenate([same["y"], node["y"]])
             same["node"] += f", {node['node']}"
-        else:
-            merged[node["layer"]] = node
+            same["seen"] += node["seen"]
     for node in sorted(merged.values(), key=lambda n: n["layer"]):
         x, y = torch.from_numpy(node.pop("x")), torch.from_numpy(node.pop("y"))
         finite = torch.isfinite(x).all(-1)
-        seen = int(x.shape[0])
+        seen = int(node.pop("seen"))  # what the runtime gave (llama.cpp's child samples as it goes)
         x, y = x[finite], y[finite]
         if not x.shape[0]:  # the runtime gave this norm no finite input: upstream broke, nothing to judge
             nonfinite.append(node["layer"])
@@ -96,15 +104,14 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
         nodes[layer] = {**node, "rows_seen": seen, "rows": int(x.shape[0])}
     meta = {"format": FORMAT, "runtime": runtime, "version": raw.get("version"), "model": str(model),
             "tokens": raw["tokens"], "rows_per_layer": rows_per_layer, "seed": seed,
-            "sampling": f"{rows_per_layer // 3} smallest q, {rows_per_layer // 3} largest q, "
-                        f"{rows_per_layer - 2 * (rows_per_layer // 3)} uniform of each norm node's rows",
+            "sampling": f"{describe(rows_per_layer)} of each norm node's rows",
             "computes_in": sorted({n["dtype"] for n in nodes.values()}), "nodes": nodes,
-            "unmapped": raw.get("unmapped", []), "nonfinite_only": nonfinite,
+            "unmapped": unmapped, "nonfinite_only": nonfinite,
             **{k: raw[k] for k in ("backend", "note") if raw.get(k)}}
     return tensors, meta
 
 
-def _llama_cpp(model, text, tokens, max_tokens) -> dict:
+def _llama_cpp(model, text, tokens, max_tokens, rows_per_layer: int, seed: int) -> dict:
     """llama.cpp's norm nodes under the checkpoint's layer names: the GGUF's own gain tensor names
     (blk.0.attn_norm.weight) mapped back with gguf-py's table, as `parity check model.gguf` does."""
     from parity_cli.backends import llama_graph
@@ -117,7 +124,7 @@ def _llama_cpp(model, text, tokens, max_tokens) -> dict:
     ckpt, fam, eps = load(model)
     layers = {layer.name: layer for layer in discover_layers(ckpt, fam, eps).layers}
     by_tensor = {f"{g}.weight": hf for hf, g in ckpt.gguf_names.items() if hf in layers}
-    raw = llama_graph.record(model, tokens, text, max_tokens)
+    raw = llama_graph.record(model, tokens, text, max_tokens, rows_per_layer=rows_per_layer, seed=seed)
     nodes, unmapped = [], []
     for n in raw["nodes"]:
         layer = by_tensor.get(n["gain"][0]) if n["gain"] is not None else None
@@ -128,7 +135,7 @@ def _llama_cpp(model, text, tokens, max_tokens) -> dict:
         nodes.append({"layer": layer, "node": node, "op": n["op"], "kind": KINDS[n["op"]], "eps": n["eps"],
                       "eps_source": f"llama.cpp: the {n['op']} node's op_params[0] ({n['node']})",
                       "chain": n["chain"], "gain": n["gain"], "bias": n["bias"], "dtype": n["dtype"],
-                      "x": n["x"], "y": n["y"]})
+                      "x": n["x"], "y": n["y"], "seen": n["seen"]})
     return {"nodes": nodes, "unmapped": unmapped, "tokens": raw["tokens"], "note": raw.get("note"),
             "version": raw["version"], "backend": "ggml CPU"}
 
@@ -160,26 +167,6 @@ def write(tensors: dict, meta: dict, out) -> None:
     write_bytes(Path(out), save(tensors, metadata={META_KEY: json.dumps(meta)}))
 
 
-def _header(path: Path) -> dict | None:
-    """The safetensors header of `path`, or None where it is not one (read with a bound)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) != 8:
-                return None
-            n = int.from_bytes(head, "little")
-            if not 2 <= n <= (100 << 20):
-                return None
-            return json.loads(fh.read(n))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
-def is_runtime_capture(path) -> bool:
-    header = _header(Path(path)) if Path(path).is_file() else None
-    return bool(header and META_KEY in (header.get("__metadata__") or {}))
-
-
 def load(path, reference_layers) -> tuple[list, dict]:
     """(the capture's norms as NormLayers: the runtime's eps, gain and bias, `recorded` = its (x, y)
     rows; the report's description of the capture). Every malformed part is one line."""
@@ -187,13 +174,18 @@ def load(path, reference_layers) -> tuple[list, dict]:
     from safetensors import SafetensorError, safe_open
 
     from parity_cli.model.layers import NormLayer
+    from parity_cli.probes.capture import MAX_FILE_BYTES
     from parity_cli.sources.jsonfile import regular_file
     from parity_cli.sources.tensors import Eps
 
     path = Path(path)
     regular_file(path, "the runtime capture", MAX_FILE_BYTES, "over the 1 GiB a capture may have")
-    header = _header(path)
-    meta_text = ((header or {}).get("__metadata__") or {}).get(META_KEY)
+    try:  # safetensors bounds and checks the header itself
+        with safe_open(str(path), framework="pt") as fh:
+            meta_text = (fh.metadata() or {}).get(META_KEY)
+    except (SafetensorError, OSError) as exc:
+        raise InputError(f"{path}: not a runtime capture (not safetensors: {' '.join(str(exc).split())[:120]})") \
+            from None
     if meta_text is None:
         raise InputError(f"{path}: not a runtime capture (`parity capture MODEL --runtime ...` writes one)")
     try:
@@ -210,11 +202,10 @@ def load(path, reference_layers) -> tuple[list, dict]:
         with safe_open(str(path), framework="pt") as fh:
             keys = set(fh.keys())
             for name, node in sorted(meta["nodes"].items()):
-                layers.append(_layer(path, fh, keys, name, node, NormLayer, Eps, torch))
+                layers.append(_layer(path, fh, keys, name, node, meta["runtime"], NormLayer, Eps, torch))
     except SafetensorError as exc:
         raise InputError(f"{path}: unreadable safetensors: {exc}") from None
-    meta["path"] = str(path)
-    return _named(layers, reference_layers, meta), meta
+    return _named(layers, reference_layers, meta, path), meta
 
 
 _TEXT = (str, type(None))
@@ -230,6 +221,8 @@ def _check_fields(path, meta: dict) -> None:
     def bad(what):
         raise InputError(f"{path}: the capture's metadata is malformed: {what}")
 
+    if not isinstance(meta.get("runtime"), str):
+        bad("no 'runtime' name")
     for key, (types, what) in _FIELDS.items():
         if key in meta and (not isinstance(meta[key], types) or isinstance(meta[key], bool)):
             bad(f"'{key}' is not {what}")
@@ -252,7 +245,7 @@ def _check_fields(path, meta: dict) -> None:
             bad(f"node {name!r}: 'chain' is not a list of ops")
 
 
-def _named(layers: list, reference_layers: list, meta: dict) -> list:
+def _named(layers: list, reference_layers: list, meta: dict, path) -> list:
     """Each recorded norm under the reference layer it is: by name (an export's wrapper prefix set
     aside), else by the gain it holds, as an exported graph's norms are paired (sources.onnx_graph);
     the capture's own name stays in the report's node entry."""
@@ -271,7 +264,7 @@ def _named(layers: list, reference_layers: list, meta: dict) -> list:
         paired.setdefault(view.name, []).append(layer.name)
     twice = next(((name, nodes) for name, nodes in paired.items() if len(nodes) > 1), None)
     if twice is not None:  # one layer's rows from two nodes: which one the runtime ran is not said
-        raise InputError(f"{meta.get('path', 'the capture')}: nodes {', '.join(twice[1][:3])} of the capture all pair "
+        raise InputError(f"{path}: nodes {', '.join(twice[1][:3])} of the capture all pair "
                          f"with {twice[0]}; a capture holds one node per layer")
     out = []
     for layer, view in zip(layers, views):
@@ -299,7 +292,7 @@ def _as_stored(path, name, part, t, dtype, torch):
     return narrow
 
 
-def _layer(path, fh, keys, name, node, NormLayer, Eps, torch):
+def _layer(path, fh, keys, name, node, runtime: str, NormLayer, Eps, torch):
     def tensor(key, required=True):
         if key not in keys:
             if required:
@@ -332,7 +325,7 @@ def _layer(path, fh, keys, name, node, NormLayer, Eps, torch):
             raise InputError(f"{path}: {name}: the {part} has shape {list(t.shape)} for rows of width {dim}")
     gain, bias = (_as_stored(path, name, part, t, node.get(f"{part}_dtype"), torch)
                   for part, t in (("gain", gain), ("bias", bias)))
-    source = str(node.get("eps_source") or f"{node.get('runtime', 'the runtime')}'s node")
+    source = node.get("eps_source") or f"{runtime}'s node"
     weightless = gain is None
     return NormLayer(name=name, kind=node["kind"], dim=dim, order="native", gain_offset=0.0,
                      eps=Eps(float(eps), source), weight=torch.ones(dim) if weightless else gain, bias=bias,
