@@ -505,3 +505,21 @@ def test_a_capture_keeps_its_rows_per_layer_whatever_the_tokens(models, tmp_path
         assert tensors[f"x:{name}"].shape == (node["rows"], HIDDEN)
     with pytest.raises(InputError, match="--rows-per-layer"):
         runtime_capture.record(gguf_path, "llama.cpp", tokens=ids, rows_per_layer=2)
+
+
+def test_llama_cpps_child_runs_this_parity_whatever_the_working_directory(models, tmp_path, monkeypatch):
+    """The child is `python -m parity_cli.backends.llama_graph`, and `-m` puts the working directory
+    first on the path: a directory holding another parity_cli (here one whose llama_graph exits 3)
+    must not be what runs. A relative model path still names the file from the caller's directory."""
+    from parity_cli.backends import llama_graph
+    from parity_cli.sources.synthetic import hf_to_gguf
+
+    hf_to_gguf(models("llama"), tmp_path / "m.gguf", full=True)
+    other = tmp_path / "parity_cli" / "backends"
+    other.mkdir(parents=True)
+    (tmp_path / "parity_cli" / "__init__.py").write_text("")
+    (other / "__init__.py").write_text("")
+    (other / "llama_graph.py").write_text("raise SystemExit(3)\n")
+    monkeypatch.chdir(tmp_path)
+    raw = llama_graph.record("m.gguf", TOKEN_IDS, None, 64)
+    assert raw["tokens"] == 17 and len(raw["nodes"]) == 5

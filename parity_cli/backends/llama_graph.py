@@ -259,13 +259,15 @@ def record(path, tokens: list[int] | None, text: str | None, max_tokens: int, ch
 
     with tempfile.TemporaryDirectory(prefix="parity-llama-") as tmp:
         with open(os.path.join(tmp, "args.json"), "w") as fh:
-            json.dump({"path": str(path), "tokens": tokens, "text": text, "max_tokens": max_tokens, "chunk": chunk,
+            json.dump({"path": os.path.abspath(path), "tokens": tokens, "text": text, "max_tokens": max_tokens, "chunk": chunk,
                        "threads": threads, "rows_per_layer": rows_per_layer, "seed": seed}, fh)
+        # this parity_cli, first: `-m` also puts the working directory on the path, so the child runs in
+        # its own temporary directory, where no other parity_cli can be found first
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
         with open(os.path.join(tmp, "stderr"), "wb") as err:
             done = subprocess.run([sys.executable, "-m", "parity_cli.backends.llama_graph", tmp],
-                                  stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env)
+                                  stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env, cwd=tmp)
         result_path = os.path.join(tmp, "result.json")
         if not os.path.exists(result_path):
             said = _said(os.path.join(tmp, "stderr"))
