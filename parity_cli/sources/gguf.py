@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.sources.localread import pread
 from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, Eps, TensorInfo
 
 GGUF_MAGIC = b"GGUF"
@@ -24,8 +25,7 @@ READABLE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "floa
 
 def is_gguf(path: Path) -> bool:
     try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == GGUF_MAGIC
+        return pread(path, 4, 0) == GGUF_MAGIC
     except OSError:
         return False
 

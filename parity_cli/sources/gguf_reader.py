@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.sources.localread import open_read, pread
 
 MAX_KV = 1 << 20  # metadata entries
 MAX_TENSORS = 1 << 20
@@ -155,7 +156,7 @@ def read_gguf(path: Path) -> GGUFFile:
     path = Path(path)
     try:
         size = os.stat(path).st_size
-        fh = open(path, "rb", buffering=1 << 16)
+        fh = open_read(path, buffering=1 << 16)
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
     with fh:
@@ -233,18 +234,12 @@ def first_overlap(spans) -> tuple[str, str] | None:
 def read_tensor(gf: GGUFFile, t: GGUFTensor):
     """A plain (F32/F16/BF16/F64) tensor as a torch tensor in this machine's byte order, torch
     (slowest-first) shape."""
-    import os
-
     import torch
 
     _, dtype_name, itemsize = PLAIN[t.type_code]
     nbytes = t.numel * itemsize
     try:
-        fd = os.open(gf.path, os.O_RDONLY)
-        try:
-            buf = os.pread(fd, nbytes, t.offset)
-        finally:
-            os.close(fd)
+        buf = pread(gf.path, nbytes, t.offset)
     except OSError as exc:
         raise InputError(f"{gf.path}: cannot read tensor {t.name!r}: {exc.strerror or exc}") from None
     if len(buf) != nbytes:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from parity_cli.errors import InputError
 from parity_cli.sources.jsonfile import kind_words
+from parity_cli.sources.localread import pread
 from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, Eps, TensorInfo  # noqa: F401  (Eps: the readers' type)
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
@@ -35,14 +36,13 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Parses and validates the header against the file size (catches truncated files)."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise InputError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise InputError(f"{path}: not a safetensors file or truncated (header length {n} exceeds the file)")
-            raw = fh.read(n)
+        head = pread(path, 8, 0)
+        if len(head) < 8:
+            raise InputError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise InputError(f"{path}: not a safetensors file or truncated (header length {n} exceeds the file)")
+        raw = pread(path, n, 8)
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
     from parity_cli.sources.jsonfile import parse
@@ -114,8 +114,6 @@ class Checkpoint:
     def read(self, name: str):
         """The tensor as stored (dtype untouched). Exactly its byte range is read with pread: an
         mmap would make the kernel read megabytes around each small norm tensor."""
-        import os
-
         import torch
 
         info = self.info(name)
@@ -129,11 +127,7 @@ class Checkpoint:
                              f"more than {MAX_NORM_ELEMENTS}; refused")
         dtype = getattr(torch, info.dtype)
         try:
-            fd = os.open(info.file, os.O_RDONLY)
-            try:
-                buf = os.pread(fd, info.nbytes, info.offset)
-            finally:
-                os.close(fd)
+            buf = pread(info.file, info.nbytes, info.offset)
         except OSError as exc:
             raise InputError(f"{info.file}: cannot read tensor '{name}': {exc.strerror or exc}") from None
         if len(buf) != info.nbytes:
