@@ -743,7 +743,11 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
     name or by pattern where the layout differs, values equal within their storage dtypes' rounding;
     towers the copy lacks get no rows: the report states the match)."""
     from parity_cli import preflight
+    from parity_cli.sources.remote import is_url
 
+    if is_url(model):
+        raise InputError(f"{model}: parity capture runs the model, which needs all of its weights on this machine; "
+                         "download it first (hf download ORG/NAME --revision REV --local-dir DIR) and capture DIR")
     preflight.inspect_inputs(model)
     preflight.device_input(device)
     given = [p for p in (text_path, prompt, tokens_path) if p is not None]
@@ -849,6 +853,43 @@ class _stages:
         return False
 
 
+@cli.group()
+def cache():
+    """The cache of checkpoints read where they live (hf://, s3://, ...): the byte ranges fetched,
+    keyed by commit and ETag, beside huggingface_hub's cache (PARITY_CACHE to move it)."""
+
+
+@cache.command("info")
+@click.option("--json", "as_json", is_flag=True, help="Print it as JSON.")
+def cache_info(as_json):
+    """Where the cache is, and per repository its snapshots and the bytes held."""
+    import json
+
+    from parity_cli.sources.remote import cache_info as info
+    from parity_cli.sources.remote import human
+
+    data = info()
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return EXIT_PASS
+    click.echo(f"{data['path']}: {human(data['bytes_fetched'])} fetched, {human(data['bytes_on_disk'])} on disk")
+    for s in data["stores"]:
+        click.echo(f"  {s['store']}: {len(s['snapshots'])} snapshot(s), {s['files']} file(s), "
+                   f"{human(s['bytes_fetched'])} fetched")
+    return EXIT_PASS
+
+
+@cache.command("clear")
+def cache_clear():
+    """Remove everything parity cached (huggingface_hub's own cache is left alone)."""
+    from parity_cli.sources.remote import cache_clear as clear
+    from parity_cli.sources.remote import cache_root, human
+
+    freed = clear()
+    click.echo(f"{cache_root()}: cleared ({human(freed)} on disk freed)")
+    return EXIT_PASS
+
+
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def implementations(as_json):
@@ -894,7 +935,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = cli.main(args=argv, prog_name="parity", standalone_mode=False)
     except InputError as exc:  # one line, even for a path with a newline or an ESC in it
-        click.echo(f"parity: error: {printable(exc)}", err=True)
+        remote = sys.modules.get("parity_cli.sources.remote")  # a snapshot directory shown as its URL
+        click.echo(f"parity: error: {printable(remote.shown(str(exc)) if remote else exc)}", err=True)
         code = EXIT_INPUT
     except click.exceptions.Exit as exc:
         code = exc.exit_code

@@ -29,7 +29,7 @@ from parity_cli.options import (
     uses_transformers,
 )
 from parity_cli.report.grouping import g as _g
-from parity_cli.report.replay import recorded_path, recorded_spec
+from parity_cli.report.replay import checkpoint_where, recorded_path, recorded_spec
 
 
 def _config_name(ckpt) -> str:
@@ -154,7 +154,7 @@ def inspect(path: str | Path, family: str | None = None, eps: float | None = Non
     return {
         "schema_version": 1,
         "tool": {"name": "parity-cli", "version": __version__},
-        "checkpoint": {"path": str(ckpt.path), "format": ckpt.format, "family": fam.name,
+        "checkpoint": {**checkpoint_where(ckpt), "format": ckpt.format, "family": fam.name,
                        "family_from": family_choice(family, fam, ckpt.model_type, ckpt.format,
                                              getattr(ckpt, "architecture", None)),
                        "family_source": fam.source_line,
@@ -363,7 +363,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
         ckpt2, fam2, eps2 = load(opts.candidate_checkpoint, model=model, classes=uses_transformers(opts))
         found2 = discover_layers(ckpt2, fam2, eps2)
         layers = found2.layers
-        described = {"path": recorded_path(ckpt2.path), "format": ckpt2.format, "family": fam2.name,
+        described = {**checkpoint_where(ckpt2), "format": ckpt2.format, "family": fam2.name,
                      "model_type": ckpt2.model_type, "eps": {"value": eps2.value, "source": eps2.source},
                      "layers": len(found2.layers), "unmatched": found2.unmatched}
         if getattr(ckpt2, "architecture", None) == MMPROJ:
@@ -559,7 +559,7 @@ def _open_candidate(opts, cand_args: dict, device: str, timeout, memory, workers
 
 def _checkpoint_header(opts, ckpt, found, fam, conversion) -> dict:
     return {
-        "path": recorded_path(ckpt.path),
+        **checkpoint_where(ckpt),
         "fingerprint": fingerprint(found.layers),
         "format": ckpt.format,
         "family": fam.name,
@@ -715,7 +715,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         torch.set_num_threads(opts.threads)
         if sharded:
             _say(progress, f"starting {workers} worker processes")
-            plan = parallel.Plan(str(path), opts, cand_dtype_name, tol, grad_tol, tuple(strata), timeout, fam)
+            plan = parallel.Plan(ckpt.remote.pinned if ckpt.remote else str(path), opts, cand_dtype_name, tol, grad_tol, tuple(strata), timeout, fam)
             results = parallel.check_shards(plan, [layer.name for layer in found.layers], workers, progress)
         else:
             candidates = [Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps,

@@ -88,11 +88,19 @@ def checkpoint_input(path, family=None) -> None:
     """A directory is opened as `check` opens it (config, shard index, safetensors header: no
     tensor bytes), so every layout open_checkpoint refuses is refused here in its words. A GGUF
     file is only recognised: reading its metadata needs gguf, which imports numpy."""
-    from parity_cli.model.families import family_by_name, family_for_model_type
+    from parity_cli.model.families import family_by_name
     from parity_cli.model.load import open_checkpoint
     from parity_cli.sources.gguf import is_gguf
     from parity_cli.sources.onnx_graph import is_onnx
+    from parity_cli.sources.remote import is_url
 
+    if is_url(path):  # read where it lives: config, index and headers now, the norms' bytes with them
+        ckpt = open_checkpoint(path)
+        if family:
+            family_by_name(family)
+        elif ckpt.format != "gguf":
+            _derivable(ckpt, ckpt.path)
+        return
     path = Path(path)
     st = _stat(path)
     if st is None:
@@ -115,21 +123,28 @@ def checkpoint_input(path, family=None) -> None:
     if family:
         family_by_name(family)
     elif not gguf_file:
-        try:
-            family_for_model_type(ckpt.model_type, str(path / "config.json"))
-        except InputError:
-            # no family file: the family is derived from the model's own transformers classes
-            # (model.derive) after torch loads; without transformers that cannot happen, said now
-            if not isinstance(ckpt.model_type, str) or not ckpt.model_type:
-                raise
-            if not _findable("transformers"):
-                from parity_cli.model.derive import needs_transformers
+        _derivable(ckpt, path)
 
-                raise InputError(needs_transformers(ckpt.model_type, str(path / "config.json"))) from None
-            if ckpt.config.get("auto_map"):
-                raise InputError(f"{path / 'config.json'}: model_type '{ckpt.model_type}' has no family file and "
-                                 "asks for remote code (auto_map), which parity never runs; force a family with "
-                                 "--family") from None
+
+def _derivable(ckpt, path) -> None:
+    """A family file claims the model type, or the installed transformers can derive one."""
+    from parity_cli.model.families import family_for_model_type
+
+    try:
+        family_for_model_type(ckpt.model_type, str(path / "config.json"))
+    except InputError:
+        # no family file: the family is derived from the model's own transformers classes
+        # (model.derive) after torch loads; without transformers that cannot happen, said now
+        if not isinstance(ckpt.model_type, str) or not ckpt.model_type:
+            raise
+        if not _findable("transformers"):
+            from parity_cli.model.derive import needs_transformers
+
+            raise InputError(needs_transformers(ckpt.model_type, str(path / "config.json"))) from None
+        if ckpt.config.get("auto_map"):
+            raise InputError(f"{path / 'config.json'}: model_type '{ckpt.model_type}' has no family file and "
+                             "asks for remote code (auto_map), which parity never runs; force a family with "
+                             "--family") from None
 
 
 def onnx_input(path) -> None:

@@ -13,7 +13,12 @@ from parity_cli.sources.tensors import Eps
 
 
 def open_checkpoint(path: str | Path, model=None) -> Checkpoint:
-    """`model` (family, model_type): what an mmproj GGUF is read as (sources.gguf)."""
+    """`model` (family, model_type): what an mmproj GGUF is read as (sources.gguf). A URL
+    (hf://, s3://, ...) is read where it lives, by range (sources.remote)."""
+    from parity_cli.sources.remote import is_url
+
+    if is_url(path):
+        return _open_remote(str(path), model)
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
@@ -30,6 +35,21 @@ def open_checkpoint(path: str | Path, model=None) -> Checkpoint:
     return open_directory(path)
 
 
+def _open_remote(url: str, model) -> Checkpoint:
+    """The sparse copy opened as a local one, then every norm tensor's bytes fetched at once."""
+    from parity_cli.sources import remote
+
+    local, mirror = remote.materialise(url)
+    if local.suffix in (".bin", ".pt", ".pth", ".ckpt") or (not local.exists()):
+        raise InputError(f"{url}: not a checkpoint (expected a Hugging Face model folder or a .gguf file)")
+    ckpt = open_checkpoint(local, model)
+    if ckpt.remote is None:
+        mirror.prefetch(remote.norm_ranges(ckpt))
+        mirror.progress(final=True)
+        ckpt.remote = mirror
+    return ckpt
+
+
 def load(path: str | Path, family: str | None = None, eps: float | None = None, model=None, classes: bool = False,
          resolved: Family | None = None):
     """Checkpoint, its family and its resolved eps (the part `inspect` and `check` share); `model`
@@ -41,7 +61,7 @@ def load(path: str | Path, family: str | None = None, eps: float | None = None, 
     if forced is not None and model is None:
         model = (forced, family if family in forced.model_types else forced.model_types[0])
     ckpt = open_checkpoint(path, model)
-    where = str(path) if ckpt.format == "gguf" else str(Path(path) / "config.json")
+    where = str(ckpt.path) if ckpt.format == "gguf" else str(ckpt.path / "config.json")
     if resolved is not None:
         return ckpt, resolved, resolve_eps(ckpt, resolved, eps)
     fam = forced or _family(ckpt, where)

@@ -21,6 +21,14 @@ def recorded_path(path) -> str:
         return str(absolute)
 
 
+def checkpoint_where(ckpt) -> dict:
+    """`path` as a report records it, and for a remote checkpoint `source`: the URL pinned to
+    its commit (a rerun reads the same bytes), each file's ETag and what reading it cost."""
+    if getattr(ckpt, "remote", None) is None:
+        return {"path": recorded_path(ckpt.path)}
+    return {"path": ckpt.remote.pinned, "source": ckpt.remote.record()}
+
+
 def recorded_spec(spec: str) -> str:
     """FILE.py:ATTR with the file as recorded_path gives it; other specs as typed."""
     from parity_cli.backends.implementations import is_file_target

@@ -87,6 +87,7 @@ class GGUFCheckpoint:
     # HF-style name -> the (rows, columns) a gain is stored as where the converter reshaped it (a
     # Mamba2 gated norm's (n_group, d_inner / n_group)); read flat, as the transformers checkpoint holds it
     _reshaped: dict = field(default_factory=dict, repr=False)
+    remote: object = field(default=None, repr=False)  # sources.remote.Mirror: where it was read from
     # the file's converter stores a 1 + w gain as the sum (a hand-written family's [gguf] offset_baked,
     # or configs/gguf.toml for an architecture only a derived family knows): the gain is the stored value
     offset_baked: bool = False

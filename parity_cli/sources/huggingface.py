@@ -91,6 +91,7 @@ class Checkpoint:
     _weight_map: dict[str, Path]
     _headers: dict[Path, dict[str, TensorInfo]] = field(default_factory=dict, repr=False)
     _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+    remote: object = field(default=None, repr=False)  # sources.remote.Mirror: where it was read from
 
     @property
     def model_type(self) -> str | None:

@@ -1,0 +1,515 @@
+"""A checkpoint where it lives (hf://, s3://, gs://, az://, https://), read by byte range.
+
+It becomes a sparse local copy in parity's cache, laid out as huggingface_hub lays out its own
+(snapshots/<commit>/ linking into blobs/<etag>), so the local readers open it unchanged: the
+config and the shard index whole, each shard as a file of its true size where only the ranges
+read so far are filled. sources.localread fetches any range before it is read; the norm
+tensors' ranges are fetched up front, coalesced, in parallel. Blobs are keyed by ETag (an LFS
+file's is its sha256), snapshots by commit, so a rerun of a pinned revision reads nothing.
+
+Torch-free, and nothing network-related is imported until a URL is opened."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity_cli.errors import InputError
+
+SCHEMES = ("hf://", "s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "https://", "http://")
+HEAD_BYTES = 64 << 10  # first fetch of a safetensors shard: its 8-byte length and (usually) the whole header
+AHEAD_START, AHEAD_MAX = 256 << 10, 16 << 20  # sequential read-ahead (a GGUF header), doubling
+GAP = 64 << 10  # two wanted ranges closer than this are fetched as one
+WORKERS = 8
+WHOLE = ("config.json", "model.safetensors.index.json")
+
+
+def is_url(path) -> bool:
+    return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+def hub_endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def cache_root() -> Path:
+    """PARITY_CACHE, or parity/ beside huggingface_hub's cache (HF_HOME, ~/.cache/huggingface)."""
+    if os.environ.get("PARITY_CACHE"):
+        return Path(os.environ["PARITY_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return Path(home).expanduser() / "parity"
+
+
+@dataclass(frozen=True)
+class Location:
+    scheme: str  # hf, s3, gs, az, https
+    repo: str  # hf: org/name; fsspec: bucket/prefix; https: the base URL
+    revision: str  # hf only ("main" when none is named)
+    sub: str  # a folder in the repo, or a file (a .gguf, a lone .safetensors)
+    url: str
+
+    @property
+    def is_file(self) -> bool:
+        return self.sub.endswith((".gguf", ".safetensors"))
+
+
+def parse(url: str) -> Location:
+    from urllib.parse import unquote
+
+    scheme, rest = url.split("://", 1)
+    if scheme == "hf":
+        m = re.fullmatch(r"(?:models/)?([\w.-]+/[\w.-]+)(?:@([^/]+))?(?:/(.*))?", rest)
+        if not m or rest.startswith(("datasets/", "spaces/")):
+            raise InputError(f"{url}: expected hf://ORG/NAME[@REVISION][/PATH] (a model repository)")
+        sub = (m[3] or "").strip("/")
+        if any(part in ("", ".", "..") for part in sub.split("/")) and sub:
+            raise InputError(f"{url}: the path in the repository has an empty, '.' or '..' part")
+        return Location("hf", m[1], unquote(m[2] or "main"), sub, url)
+    if scheme in ("https", "http"):
+        base, _, last = url.rpartition("/")
+        if last.endswith((".gguf", ".safetensors")):
+            return Location("https", base + "/", "", last, url)
+        return Location("https", url.rstrip("/") + "/", "", "", url)
+    scheme = "gs" if scheme == "gcs" else scheme
+    path = rest.strip("/")
+    if not path or any(part in (".", "..") for part in path.split("/")):
+        raise InputError(f"{url}: expected {scheme}://BUCKET/PATH")
+    if path.endswith((".gguf", ".safetensors")):
+        folder, _, name = path.rpartition("/")
+        return Location(scheme, folder, "", name, url)
+    return Location(scheme, path, "", "", url)
+
+
+@dataclass(eq=False)
+class Blob:
+    """One remote file's sparse copy and the byte ranges of it that are filled (a .ranges file
+    beside it, so a later process knows them); fetching fills, under a lock file."""
+
+    path: Path
+    name: str  # the file's path in its repository
+    meta: object  # stores.FileMeta
+    fetch: object  # (start, end) -> bytes
+    mirror: object
+    _have: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _ahead: int = AHEAD_START
+
+    def __post_init__(self):
+        self._have = self._read_have()
+
+    @property
+    def size(self) -> int:
+        return self.meta.size
+
+    def _ranges_file(self) -> Path:
+        return self.path.with_name(self.path.name + ".ranges")
+
+    def _read_have(self) -> list:
+        try:
+            data = json.loads(self._ranges_file().read_text())
+            return _merged([(int(a), int(b)) for a, b in data["ranges"] if 0 <= int(a) < int(b) <= self.size])
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
+    def missing(self, start: int, end: int) -> list:
+        gaps, at = [], start
+        for a, b in self._have:
+            if b <= at:
+                continue
+            if a >= end:
+                break
+            if a > at:
+                gaps.append((at, min(a, end)))
+            at = max(at, b)
+            if at >= end:
+                break
+        if at < end:
+            gaps.append((at, end))
+        return gaps
+
+    def ensure(self, offset: int, n: int, ahead: bool = False) -> None:
+        end = min(offset + n, self.size)
+        if offset >= end:
+            return
+        if not self.missing(offset, end):
+            return
+        with self._lock:
+            self._have = _merged(self._have + self._read_have())  # another process may have fetched it
+            if ahead:
+                end = min(self.size, max(end, offset + self._ahead))
+                self._ahead = min(AHEAD_MAX, self._ahead * 2)
+            gaps = self.missing(offset, end)
+        if gaps:
+            self.fill(gaps)
+
+    def fill(self, gaps: list) -> None:
+        datas = [(a, b, self.fetch(a, b)) for a, b in gaps]
+        self.store(datas)
+
+    def store(self, datas: list) -> None:
+        import fcntl
+
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            for a, _, data in datas:
+                os.pwrite(fd, data, a)
+        finally:
+            os.close(fd)
+        with self._lock, open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._have = _merged(self._have + self._read_have() + [(a, b) for a, b, _ in datas])
+            tmp = self._ranges_file().with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"etag": self.meta.etag, "size": self.size, "ranges": self._have}))
+            os.replace(tmp, self._ranges_file())
+        self.mirror.progress()
+
+    def filled(self) -> int:
+        return sum(b - a for a, b in self._have)
+
+
+def _merged(ranges: list, gap: int = 0) -> list:
+    out: list = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1] + gap:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class Mirror:
+    """A remote checkpoint's sparse copy, what it was read from, and what reading it cost."""
+
+    def __init__(self, loc: Location):
+        from parity_cli.sources import stores
+
+        self.loc, self.traffic = loc, stores.Traffic()
+        self.commit = None
+        if loc.scheme == "hf":
+            self.store = stores.HubStore(loc.repo, loc.revision, "", self.traffic)
+        elif loc.scheme == "https":
+            self.store = stores.HttpStore(loc.repo, self.traffic)
+        else:
+            self.store = stores.FsspecStore(loc.scheme, loc.repo, self.traffic)
+        self.base = cache_root() / self.store.key
+        self.blobs: dict[str, Blob] = {}
+        self._listing: dict | None = None
+        self._shown, self._started = 0.0, time.monotonic()
+        self.cached_at_start = 0
+
+    # -- where ---------------------------------------------------------------------------------
+    @property
+    def folder(self) -> str:
+        return self.loc.sub.rpartition("/")[0] if self.loc.is_file else self.loc.sub
+
+    @property
+    def pinned(self) -> str:
+        if self.loc.scheme != "hf":
+            return self.loc.url
+        return f"hf://{self.loc.repo}@{self.commit}" + (f"/{self.loc.sub}" if self.loc.sub else "")
+
+    def resolve(self) -> None:
+        """The commit (hf: from the cache when the revision is a sha, or offline) and the listing."""
+        from parity_cli.sources import stores
+
+        if self.loc.scheme == "hf":
+            rev = self.loc.revision
+            ref = self.base / "refs" / rev.replace("/", "%2F")
+            if stores.HEX40.fullmatch(rev):
+                self.commit = rev
+            elif os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") and ref.is_file():
+                self.commit = ref.read_text().strip()
+            elif os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+                raise InputError(f"{self.store.label}: HF_HUB_OFFLINE is set and revision '{rev}' was never resolved "
+                                 "here; name its commit sha")
+            else:
+                self.commit = self.store.commit()
+                _write_atomic(ref, self.commit)
+            self.snapshot = self.base / "snapshots" / self.commit
+        else:
+            self.snapshot = None  # an object store has no commit: the snapshot is named by its listing
+        self._listing = self._cached_listing()
+
+    def _cached_listing(self) -> dict:
+        from parity_cli.sources.stores import FileMeta
+
+        if self.loc.scheme == "https":
+            return {}  # found by name with HEAD
+        if self.snapshot is not None:
+            saved = self.snapshot / ".parity" / f"listing-{_safe(self.folder) or 'root'}.json"
+            try:
+                data = json.loads(saved.read_text())
+                return {k: FileMeta(int(v["size"]), str(v["etag"])) for k, v in data.items()}
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            files = self.store.listing(self.commit, self.folder)
+            _write_atomic(saved, json.dumps({k: {"size": v.size, "etag": v.etag} for k, v in files.items()}))
+            return files
+        files = self.store.listing(self.folder)
+        import hashlib
+
+        digest = hashlib.sha256(json.dumps(sorted((k, v.size, v.etag) for k, v in files.items())).encode())
+        self.snapshot = self.base / "snapshots" / digest.hexdigest()[:16]
+        return files
+
+    def meta(self, name: str):
+        """A file's size and ETag, or None where the checkpoint has no such file."""
+        if self.loc.scheme == "https":
+            if name not in self._listing:
+                self._listing[name] = self.store.stat(name)
+            return self._listing[name]
+        return self._listing.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._listing) if self._listing else []
+
+    def label(self, name: str) -> str:
+        return f"{self.pinned.rstrip('/')}/{name}" if not self.loc.is_file or name != self.loc.sub else self.pinned
+
+    # -- bytes ---------------------------------------------------------------------------------
+    def blob(self, name: str) -> Path:
+        """The snapshot's path of `name`, a hard link to its blob (created sparse, of its size)."""
+        from parity_cli.sources.localread import back
+
+        meta = self.meta(name)
+        if meta is None:
+            raise InputError(f"{self.label(name)}: no such file")
+        key = _safe(meta.etag) if re.fullmatch(r"[0-9A-Za-z_-]{8,128}", meta.etag or "") else _digest(meta.etag, name)
+        blob = self.base / "blobs" / key
+        link = self.snapshot / name
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            fd = os.open(blob, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.ftruncate(fd, meta.size)
+            finally:
+                os.close(fd)
+        elif blob.stat().st_size != meta.size:
+            raise InputError(f"{self.label(name)}: the cached copy for ETag {meta.etag} has {blob.stat().st_size} "
+                             f"bytes, the file {meta.size}; run parity cache clear")
+        if not link.exists():
+            try:
+                os.link(blob, link)
+            except OSError:
+                link.symlink_to(os.path.relpath(blob, link.parent))
+        held = Blob(blob, name, meta, lambda a, b, n=name, m=meta: self.store.read(self.commit, n, a, b, m), self)
+        self.cached_at_start += held.filled()
+        self.blobs[name] = held
+        back(link, held)
+        return link
+
+    def whole(self, name: str, cap: int) -> Path:
+        """A small file (config, index) fetched whole, at most `cap` bytes."""
+        meta = self.meta(name)
+        if meta is not None and meta.size > cap:
+            raise InputError(f"{self.label(name)}: {meta.size} bytes, over the {cap >> 20} MiB it may have; refused")
+        link = self.blob(name)
+        self.blobs[name].ensure(0, meta.size)
+        return link
+
+    def prefetch(self, wanted: list) -> None:
+        """(file, offset, nbytes) ranges, coalesced per file, fetched on WORKERS threads."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        by_blob: dict = {}
+        for path, offset, n in wanted:
+            held = next((b for b in self.blobs.values() if os.path.samefile(b.path, path)), None)
+            if held is not None and n > 0:
+                by_blob.setdefault(held, []).append((offset, offset + n))
+        tasks = []
+        for held, ranges in by_blob.items():
+            for a, b in _merged(ranges, GAP):
+                tasks.extend((held, gap) for gap in held.missing(a, b))
+        if not tasks:
+            return
+        with ThreadPoolExecutor(min(WORKERS, len(tasks))) as pool:
+            done = pool.map(lambda t: (t[0], t[1][0], t[1][1], t[0].fetch(*t[1])), tasks)
+            for held, a, b, data in done:
+                held.store([(a, b, data)])
+
+    def heads(self, names: list, nbytes: int) -> None:
+        """The first bytes of several files at once (safetensors headers)."""
+        self.prefetch([(self.blobs[n].path, 0, min(nbytes, self.blobs[n].size)) for n in names])
+
+    # -- what it cost ----------------------------------------------------------------------------
+    def total(self) -> int:
+        return sum(b.size for b in self.blobs.values())
+
+    def progress(self, final: bool = False) -> None:
+        """On a terminal: bytes fetched out of the checkpoint's total ("2.1 MB of 810 GB")."""
+        if not sys.stderr.isatty():
+            return
+        now = time.monotonic()
+        if not final and now - self._shown < 0.1:
+            return
+        self._shown = now
+        sys.stderr.write(f"\r{self.store.label}: fetched {human(self.traffic.bytes)} of {human(self.total())}"
+                         + ("\n" if final else ""))
+        sys.stderr.flush()
+
+    def record(self) -> dict:
+        """What a report records: where, pinned, each file's ETag, and what reading cost."""
+        out = {"url": self.loc.url, "pinned": self.pinned, "store": self.loc.scheme}
+        if self.loc.scheme == "hf":
+            out.update(repo=self.loc.repo, revision=self.loc.revision, commit=self.commit,
+                       endpoint=self.store.endpoint)
+        out["files"] = {name: {"size": b.size, "etag": b.meta.etag} for name, b in sorted(self.blobs.items())}
+        out["bytes_total"] = self.total()
+        out["bytes_fetched"] = self.traffic.bytes
+        out["requests"] = self.traffic.requests
+        out["bytes_cached"] = self.cached_at_start
+        return out
+
+
+def human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}" if n < 100 else f"{n:.0f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^0-9A-Za-z._-]", "_", text)
+
+
+def _digest(*parts: str) -> str:
+    import hashlib
+
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+_OPEN: dict[str, Mirror] = {}  # url -> its mirror, once per process
+_SHOWN: dict[str, str] = {}  # a snapshot directory -> the URL it stands for, in messages
+
+
+def materialise(url: str) -> tuple[Path, Mirror]:
+    """The local path the readers open (a snapshot directory, or a .gguf in it), and its mirror.
+    Only the config, the index and (lazily) headers are fetched here."""
+    if url in _OPEN:
+        mirror = _OPEN[url]
+        return _entry(mirror), mirror
+    from parity_cli.sources.jsonfile import MAX_BYTES
+
+    loc = parse(url)
+    mirror = Mirror(loc)
+    mirror.resolve()
+    if loc.is_file:
+        mirror.blob(loc.sub)
+    else:
+        prefix = f"{loc.sub}/" if loc.sub else ""
+        if mirror.meta(prefix + "config.json") is None:
+            ggufs = [n for n in mirror.names() if n.endswith(".gguf")]
+            hint = f"; name one of its {len(ggufs)} .gguf files: {loc.url.rstrip('/')}/{ggufs[0].rsplit('/', 1)[-1]}" \
+                if ggufs else ""
+            raise InputError(f"{mirror.label(prefix + 'config.json')}: no config.json{hint}")
+        mirror.whole(prefix + "config.json", MAX_BYTES["config"])
+        index = prefix + "model.safetensors.index.json"
+        if mirror.meta(index) is not None:
+            from parity_cli.sources.jsonfile import load
+
+            data = load(mirror.whole(index, MAX_BYTES["index"]), "the index", "index")
+            shards = sorted(set((data.get("weight_map") or {}).values())) if isinstance(data, dict) else []
+            named = [prefix + s for s in shards if isinstance(s, str) and mirror.meta(prefix + s) is not None
+                     and ".." not in s.split("/")]
+            for name in named:
+                mirror.blob(name)
+            mirror.heads(named, HEAD_BYTES)  # every shard's header at once, not one after another
+        elif mirror.meta(prefix + "model.safetensors") is not None:
+            mirror.blob(prefix + "model.safetensors")
+            mirror.heads([prefix + "model.safetensors"], HEAD_BYTES)
+    _OPEN[url] = mirror
+    _SHOWN[str(mirror.snapshot)] = mirror.pinned if loc.scheme == "hf" else (
+        f"{loc.scheme}://{loc.repo}" if loc.scheme != "https" else loc.repo.rstrip("/"))
+    return _entry(mirror), mirror
+
+
+def _entry(mirror: Mirror) -> Path:
+    return mirror.snapshot / mirror.loc.sub if mirror.loc.sub else mirror.snapshot
+
+
+def norm_ranges(ckpt) -> list:
+    """(file, offset, nbytes) of every tensor a norm layer may read: 1-D floating tensors of at
+    most MAX_NORM_ELEMENTS (gains, biases, BatchNorm statistics). One that is not among them is
+    still fetched when read, one request of its own."""
+    from parity_cli.sources.huggingface import NORM_DTYPE_CODES, read_safetensors_header
+    from parity_cli.sources.tensors import MAX_NORM_ELEMENTS
+
+    out = []
+    if ckpt.format == "gguf":
+        from parity_cli.sources.gguf_reader import PLAIN
+
+        for t in ckpt._reader.tensors:
+            if t.type_code in PLAIN and len(t.shape) == 1 and t.shape[0] <= MAX_NORM_ELEMENTS:
+                out.append((ckpt.path, t.offset, t.shape[0] * PLAIN[t.type_code][2]))
+        return out
+    for file in ckpt.files:
+        headers = ckpt._headers.get(file)
+        if headers is None:
+            headers = ckpt._headers[file] = read_safetensors_header(file)
+        for info in headers.values():
+            if info.code in NORM_DTYPE_CODES and len(info.shape) == 1 and info.shape[0] <= MAX_NORM_ELEMENTS:
+                out.append((file, info.offset, info.nbytes))
+    return out
+
+
+def shown(text: str) -> str:
+    """A message with each snapshot directory written as the URL it stands for."""
+    for local, url in sorted(_SHOWN.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(local, url)
+    return text
+
+
+def cache_info() -> dict:
+    """Each cached repository or bucket: its snapshots, and the bytes its blobs hold (fetched
+    ranges) and take on disk (sparse: only the fetched blocks)."""
+    root = cache_root()
+    stores = []
+    for blobs in sorted(root.glob("*/*/*/blobs")) + sorted(root.glob("*/*/blobs")):
+        base = blobs.parent
+        fetched = disk = files = 0
+        for ranges in blobs.glob("*.ranges"):
+            try:
+                fetched += sum(int(b) - int(a) for a, b in json.loads(ranges.read_text())["ranges"])
+                blob = ranges.with_suffix("")
+                disk += blob.stat().st_blocks * 512
+                files += 1
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        snapshots = sorted(p.name for p in (base / "snapshots").iterdir()) if (base / "snapshots").is_dir() else []
+        stores.append({"store": str(base.relative_to(root)), "snapshots": snapshots, "files": files,
+                       "bytes_fetched": fetched, "bytes_on_disk": disk})
+    return {"path": str(root), "stores": stores, "bytes_fetched": sum(s["bytes_fetched"] for s in stores),
+            "bytes_on_disk": sum(s["bytes_on_disk"] for s in stores)}
+
+
+def cache_clear() -> int:
+    """Removes parity's cache (only it: the directory must look like one parity made)."""
+    import shutil
+
+    root = cache_root()
+    if not root.exists():
+        return 0
+    made = [p for p in root.iterdir() if p.name in ("hf", "https", "s3", "gs", "az", "abfs", "abfss")]
+    others = [p.name for p in root.iterdir() if p not in made]
+    if others:
+        raise InputError(f"{root}: holds {', '.join(sorted(others)[:5])}, which parity did not write; not cleared")
+    before = cache_info()["bytes_on_disk"]
+    for p in made:
+        shutil.rmtree(p)
+    return before
