@@ -394,15 +394,16 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-_OPEN: dict[str, Mirror] = {}  # url -> its mirror, once per process
+_OPEN: dict[str, Mirror] = {}  # (url, endpoint, cache) -> its mirror, once per process
 _SHOWN: dict[str, str] = {}  # a snapshot directory -> the URL it stands for, in messages
 
 
 def materialise(url: str) -> tuple[Path, Mirror]:
     """The local path the readers open (a snapshot directory, or a .gguf in it), and its mirror.
     Only the config, the index and (lazily) headers are fetched here."""
-    if url in _OPEN:
-        mirror = _OPEN[url]
+    key = f"{url}\0{hub_endpoint()}\0{cache_root()}"
+    if key in _OPEN:
+        mirror = _OPEN[key]
         return _entry(mirror), mirror
     from parity_cli.sources.jsonfile import MAX_BYTES
 
@@ -433,7 +434,7 @@ def materialise(url: str) -> tuple[Path, Mirror]:
         elif mirror.meta(prefix + "model.safetensors") is not None:
             mirror.blob(prefix + "model.safetensors")
             mirror.heads([prefix + "model.safetensors"], HEAD_BYTES)
-    _OPEN[url] = mirror
+    _OPEN[key] = mirror
     _SHOWN[str(mirror.snapshot)] = mirror.pinned if loc.scheme == "hf" else (
         f"{loc.scheme}://{loc.repo}" if loc.scheme != "https" else loc.repo.rstrip("/"))
     return _entry(mirror), mirror

@@ -7,6 +7,7 @@ against transformers' own state_dict names where it is installed).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -351,4 +352,69 @@ def write_runnable(directory, model_type: str = "llama", *, layers: int = 2, hid
                 p.copy_((0.0 if zero_centred else 1.0) + 0.1 * torch.randn_like(p))
     directory = Path(directory)
     model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+# Llama 3.1 405B's config.json (meta-llama/Llama-3.1-405B): the shapes of its 1,138 tensors
+LLAMA_405B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16384,
+              "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-05,
+              "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
+              "torch_dtype": "bfloat16", "hidden_act": "silu"}
+
+
+def write_sparse_llama(directory, config: dict | None = None, shards: int = 191, seed: int = 0) -> Path:
+    """A checkpoint of a large Llama's true layout and size (405B: 191 shards, 812 GB) as sparse
+    files: every header is real, the norm gains are real values, every other tensor is a hole.
+    What a remote check should fetch of it is the headers and the gains, nothing else."""
+    import os
+
+    import torch
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    c = dict(config or LLAMA_405B)
+    h, inter, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "mlp.down_proj.weight": (h, inter),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "post_attention_layernorm.weight": (h,), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.o_proj.weight": (h, h), p + "self_attn.q_proj.weight": (h, h),
+                       p + "self_attn.v_proj.weight": (kv, h)})
+    shapes.update({"model.norm.weight": (h,), "lm_head.weight": (c["vocab_size"], h)})
+    nbytes = {n: 2 * math.prod(s) for n, s in shapes.items()}
+    target = sum(nbytes.values()) / shards
+    groups, current, size = [], [], 0
+    for name in shapes:  # in model order, as the converters fill shards
+        if current and size + nbytes[name] > target * 1.02 and len(groups) < shards - 1:
+            groups.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes[name]
+    groups.append(current)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map = {}
+    for k, names in enumerate(groups):
+        fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name in names:
+            header[name] = {"dtype": "BF16", "shape": list(shapes[name]), "data_offsets": [offset, offset + nbytes[name]]}
+            offset += nbytes[name]
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        start = 8 + len(raw)
+        with open(directory / fname, "wb") as fh:
+            fh.write(len(raw).to_bytes(8, "little") + raw)
+            for name in names:
+                if len(shapes[name]) == 1:
+                    gain = (1.0 + 0.1 * torch.randn(shapes[name], generator=gen, dtype=torch.float64)).to(torch.bfloat16)
+                    os.pwrite(fh.fileno(), gain.view(torch.uint8).numpy().tobytes(),
+                              start + header[name]["data_offsets"][0])
+            fh.truncate(start + offset)
+        weight_map.update({n: fname for n in names})
+    (directory / "config.json").write_text(json.dumps(c, indent=2))
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2))
     return directory
