@@ -273,3 +273,99 @@ def test_the_parsed_locations():
     assert (loc.scheme, loc.repo, loc.sub, loc.is_file) == ("s3", "bucket/models/llama", "model-Q4_K_M.gguf", True)
     assert remote.parse("hf://org/name").revision == "main"
     assert os.fspath(remote.parse("https://host/models/m/").repo) == "https://host/models/m/"
+
+
+def test_jobs_workers_open_the_pinned_commit_from_the_cache(hub, env, tmp_path):
+    """--jobs 2: each worker opens the checkpoint again, at the commit the parent resolved, from
+    the cache: the server sees one revision request in all (the parent's)."""
+    _repo(hub, tmp_path, "acme/parallel", layers=4)
+    result, data = _check("hf://acme/parallel", tmp_path, env, "r.json", "--jobs", "2")
+    assert result.returncode == 0, result.stderr
+    assert sum("/revision/" in r[1] for r in hub.requests) == 1
+    assert data["environment"]["jobs"] == 2
+
+
+def test_plain_https_finds_files_by_name(hub, env, tmp_path):
+    """https:// (here http:// on the loopback): no listing, each file found with HEAD; the Hub's
+    resolve URLs serve as such a server, redirects and all."""
+    directory, sha = _repo(hub, tmp_path, "acme/plain", layers=2, shards=2)
+    local, local_data = _check(directory, tmp_path, env, "local.json")
+    base = f"{hub.url}/acme/plain/resolve/{sha}/"
+    result, data = _check(base, tmp_path, env)
+    assert result.returncode == local.returncode == 0, result.stderr
+    _same_report(local_data, data)
+    assert data["checkpoint"]["source"]["store"] == "https" and data["checkpoint"]["path"] == base
+    result, _ = _check(f"{hub.url}/acme/plain/resolve/{sha}/nothing/", tmp_path, env, "x.json")
+    assert result.returncode == 2 and "no config.json" in result.stderr
+
+
+def test_progress_on_a_terminal(hub, env, tmp_path, monkeypatch, capsys):
+    import io
+
+    _repo(hub, tmp_path, "acme/progress", layers=2)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Tty()
+    monkeypatch.setattr("sys.stderr", err)
+    from parity_cli.model.load import open_checkpoint
+
+    ckpt = open_checkpoint("hf://acme/progress")
+    size = sum(b.size for b in ckpt.remote.blobs.values())
+    last = err.getvalue().rstrip("\n").split("\r")[-1]
+    assert last == f"hf://acme/progress: fetched {remote.human(ckpt.remote.traffic.bytes)} of {remote.human(size)}"
+
+
+# -- object stores ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3():
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from tests.s3_server import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+def test_s3_check_is_the_local_check_from_a_fraction_of_the_bytes(s3, tmp_path):
+    directory = write_sparse_llama(tmp_path / "s3model", dict(
+        LLAMA_405B, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=8000), shards=2)
+    s3.put_tree("models", "llama-small", directory)
+    env = {**s3.env(), "PARITY_CACHE": str(tmp_path / "cache")}
+    total = sum(p.stat().st_size for p in directory.iterdir())
+    local, local_data = _check(directory, tmp_path, env, "local.json")
+    s3.reset_counts()
+    result, data = _check("s3://models/llama-small", tmp_path, env)
+    assert result.returncode == local.returncode == 0, result.stderr
+    _same_report(local_data, data)
+    assert s3.bytes_sent() < total / 100
+    source = data["checkpoint"]["source"]
+    assert source["store"] == "s3" and source["bytes_fetched"] == s3.bytes_sent()
+    for p in directory.iterdir():  # S3's ETag of a single-part upload is its MD5
+        assert source["files"][p.name]["etag"] == hashlib.md5(p.read_bytes()).hexdigest()
+    # a rerun lists the prefix (one request) and reads no object byte
+    remote._OPEN.clear()
+    s3.reset_counts()
+    result, _ = _check("s3://models/llama-small", tmp_path, env, "again.json")
+    assert result.returncode == 0 and s3.bytes_sent() == 0 and len(s3.requests) == 1
+
+
+def test_s3_missing_and_forbidden_are_one_line(s3, tmp_path):
+    env = {**s3.env(), "PARITY_CACHE": str(tmp_path / "cache")}
+    _refused("s3://no-such-bucket/model", tmp_path, env, "s3://no-such-bucket/model", "not found")
+    _refused("s3://models/llama-small", tmp_path, {**env, "AWS_ACCESS_KEY_ID": "someone-else"},
+             "access denied", "s3fs")
+
+
+def test_a_missing_fsspec_backend_names_its_package(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
+    _refused("gs://bucket/model", tmp_path, {"PARITY_CACHE": str(tmp_path / "cache")}, "gs://bucket/model",
+             "pip install gcsfs")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.sources.stores import hub_endpoint
 
 SCHEMES = ("hf://", "s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "https://", "http://")
 HEAD_BYTES = 64 << 10  # first fetch of a safetensors shard: its 8-byte length and (usually) the whole header
@@ -32,10 +33,6 @@ WHOLE = ("config.json", "model.safetensors.index.json")
 
 def is_url(path) -> bool:
     return isinstance(path, str) and path.startswith(SCHEMES)
-
-
-def hub_endpoint() -> str:
-    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
 
 
 def cache_root() -> Path:
@@ -240,8 +237,9 @@ class Mirror:
     def _cached_listing(self) -> dict:
         from parity_cli.sources.stores import FileMeta
 
-        if self.loc.scheme == "https":
-            return {}  # found by name with HEAD
+        if self.loc.scheme == "https":  # no listing: found by name with HEAD, linked to the blob of the ETag seen
+            self.snapshot = self.base / "snapshots" / "latest"
+            return {}
         if self.snapshot is not None:
             saved = self.snapshot / ".parity" / f"listing-{_safe(self.folder) or 'root'}.json"
             try:
@@ -295,6 +293,8 @@ class Mirror:
         elif blob.stat().st_size != meta.size:
             raise InputError(f"{self.label(name)}: the cached copy for ETag {meta.etag} has {blob.stat().st_size} "
                              f"bytes, the file {meta.size}; run parity cache clear")
+        if link.exists() and not os.path.samefile(link, blob):  # a name whose ETag changed (https: one snapshot)
+            link.unlink()
         if not link.exists():
             try:
                 os.link(blob, link)

@@ -30,6 +30,10 @@ def _env_float(name: str, default: float) -> float:
         raise InputError(f"{name}={os.environ[name]!r}: not a number") from None
 
 
+def hub_endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
 def timeout_s() -> float:
     return _env_float("PARITY_HTTP_TIMEOUT", 30.0)
 
@@ -219,8 +223,6 @@ class HubStore:
     kind = "hf"
 
     def __init__(self, repo: str, revision: str, sub: str, traffic: Traffic):
-        from parity_cli.sources.remote import hub_endpoint
-
         self.repo, self.revision, self.sub, self.traffic = repo, revision, sub, traffic
         self.endpoint = hub_endpoint()
         self.label = f"hf://{repo}" + (f"@{revision}" if revision != "main" else "")
@@ -354,7 +356,7 @@ class FsspecStore:
         try:
             import fsspec
 
-            self.fs = fsspec.filesystem(protocol)
+            self.fs = fsspec.filesystem(protocol, skip_instance_cache=True)  # the environment may have changed
         except ImportError:
             package = PACKAGES.get(protocol, "its fsspec backend")
             raise InputError(f"{self.label}: reading {protocol}:// needs {package}: pip install {package}") from None
