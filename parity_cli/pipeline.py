@@ -715,7 +715,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         torch.set_num_threads(opts.threads)
         if sharded:
             _say(progress, f"starting {workers} worker processes")
-            plan = parallel.Plan(ckpt.remote.pinned if ckpt.remote else str(path), opts, cand_dtype_name, tol, grad_tol, tuple(strata), timeout, fam)
+            plan = parallel.Plan(ckpt.remote.pinned if ckpt.remote else str(path), opts, cand_dtype_name, tol, grad_tol,
+                                 tuple(strata), timeout, fam, ckpt.remote.environment() if ckpt.remote else ())
             results = parallel.check_shards(plan, [layer.name for layer in found.layers], workers, progress)
         else:
             candidates = [Side(cand_impl, opts.candidate, getattr(torch, cand_dtype_name), device, opts.candidate_eps,

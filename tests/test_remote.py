@@ -13,7 +13,7 @@ import struct
 import pytest
 
 from parity_cli.sources import remote
-from parity_cli.sources.synthetic import LLAMA_405B, write_checkpoint, write_sparse_llama
+from parity_cli.sources.synthetic import write_checkpoint, write_sparse_llama
 from tests.conftest import run_parity
 from tests.hub_server import HubServer
 
@@ -81,7 +81,8 @@ def test_hub_check_is_the_local_check_and_records_the_commit_and_etags(hub, env,
 def test_the_405b_layout_is_checked_from_under_a_hundredth_of_its_bytes(hub, env, tmp_path):
     """Llama 3.1 405B's layout (191 shards, 812 GB, sparse here): the same verdict and layers as
     the local check, after fetching headers and gains only; a rerun at the commit reads nothing."""
-    directory = write_sparse_llama(tmp_path / "405b")
+    directory = tmp_path / "405b"
+    write_sparse_llama(directory)
     sha = hub.add_repo("meta-llama/Llama-3.1-405B", directory)
     total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     assert total > 800e9
@@ -209,9 +210,8 @@ def test_the_token_never_leaves_the_hub_for_another_host(hub, env, tmp_path):
 
 
 def test_a_server_that_ignores_range_is_not_read_to_the_end(hub, env, tmp_path):
-    directory = write_sparse_llama(tmp_path / "small", dict(
-        LLAMA_405B, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-        vocab_size=32000), shards=2)
+    directory = tmp_path / "small"
+    write_sparse_llama(directory, layers=4, hidden=1024, vocab=32000, shards=2)
     hub.add_repo("acme/no-ranges", directory)
     total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     hub.ignore_range = True
@@ -333,9 +333,8 @@ def s3():
 
 
 def test_s3_check_is_the_local_check_from_a_fraction_of_the_bytes(s3, tmp_path):
-    directory = write_sparse_llama(tmp_path / "s3model", dict(
-        LLAMA_405B, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=8000), shards=2)
+    directory = tmp_path / "s3model"
+    write_sparse_llama(directory, layers=2, hidden=1024, intermediate=2816, vocab=8000, shards=2)
     s3.put_tree("models", "llama-small", directory)
     env = {**s3.env(), "PARITY_CACHE": str(tmp_path / "cache")}
     total = sum(p.stat().st_size for p in directory.iterdir())

@@ -50,6 +50,9 @@ class Plan:
     strata: tuple
     timeout: float | None
     family: object = None  # model.families.Family as the parent settled it (validated, derived again, classes bound)
+    # a remote checkpoint's place (HF_ENDPOINT, PARITY_CACHE): the fork server's environment is from
+    # before the parent's, and `path` is then the URL pinned to the commit the parent resolved
+    environment: tuple = ()
 
 
 def check_shards(plan: Plan, names: list[str], workers: int, progress=None) -> list:
@@ -135,6 +138,7 @@ def _run_share(task):
 
     opts = plan.opts
     torch.set_num_threads(opts.threads)
+    os.environ.update(dict(plan.environment))
     key = (plan.path, opts.family, opts.eps)
     if key not in _STATE:
         _STATE.clear()

@@ -355,6 +355,13 @@ class Mirror:
                          + ("\n" if final else ""))
         sys.stderr.flush()
 
+    def environment(self) -> tuple:
+        """What another process needs to open this copy as this one does (a --jobs worker)."""
+        env = {"PARITY_CACHE": str(cache_root())}
+        if self.loc.scheme == "hf":
+            env["HF_ENDPOINT"] = self.store.endpoint
+        return tuple(sorted(env.items()))
+
     def record(self) -> dict:
         """What a report records: where, pinned, each file's ETag, and what reading cost."""
         out = {"url": self.loc.url, "pinned": self.pinned, "store": self.loc.scheme}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -87,6 +88,11 @@ def _session():
     return get_session()
 
 
+def _httpx(session):
+    """The HTTP library huggingface_hub's session comes from: httpx (1.x) or its fork httpx2 (2.x)."""
+    return sys.modules[type(session).__module__.split(".")[0]]
+
+
 def _origin(url: str) -> tuple:
     p = urlparse(url)
     return p.scheme, (p.hostname or "").lower(), p.port or {"http": 80, "https": 443}.get(p.scheme, 0)
@@ -103,15 +109,14 @@ class Http:
 
     def _hops(self, method: str, url: str, extra: dict):
         """The response at the end of the redirects (streamed, open) and the headers seen on the way."""
-        import httpx2
-
         session, seen = _session(), {}
+        httpx = _httpx(session)
         for _ in range(MAX_REDIRECTS + 1):
             headers = dict(extra)
             if _origin(url) in self.trusted:
                 headers.update(self.headers)
             request = session.build_request(method, url, headers=headers,
-                                            timeout=httpx2.Timeout(timeout_s()))
+                                            timeout=httpx.Timeout(timeout_s()))
             response = session.send(request, stream=True, follow_redirects=False)
             self.traffic.add(requests=1)
             for key in ("x-linked-etag", "x-linked-size", "x-repo-commit"):
@@ -126,8 +131,7 @@ class Http:
 
     def call(self, method: str, url: str, what: str, extra: dict | None = None, body=None):
         """`body(response, seen) -> value` reads what it needs; retried on timeouts, 429 and 5xx."""
-        import httpx2
-
+        httpx = _httpx(_session())
         tries = max(1, retries())
         for attempt in range(tries):
             try:
@@ -142,8 +146,8 @@ class Http:
                     return body(response, seen) if body else (response.headers, seen)
                 finally:
                     response.close()
-            except (_Retry, httpx2.TimeoutException, httpx2.TransportError) as exc:
-                reason = "timed out" if isinstance(exc, httpx2.TimeoutException) else str(exc) or type(exc).__name__
+            except (_Retry, httpx.TimeoutException, httpx.TransportError) as exc:
+                reason = "timed out" if isinstance(exc, httpx.TimeoutException) else str(exc) or type(exc).__name__
                 if attempt + 1 == tries:
                     raise InputError(f"{self.label}: {what}: {reason} ({tries} tries, {timeout_s():g} s timeout "
                                      "each; PARITY_HTTP_TIMEOUT, PARITY_HTTP_RETRIES)") from None
