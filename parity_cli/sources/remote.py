@@ -319,9 +319,14 @@ class Mirror:
         """(file, offset, nbytes) ranges, coalesced per file, fetched on WORKERS threads."""
         from concurrent.futures import ThreadPoolExecutor
 
+        by_inode = {}
+        for b in self.blobs.values():
+            st = os.stat(b.path)
+            by_inode[(st.st_dev, st.st_ino)] = b
         by_blob: dict = {}
         for path, offset, n in wanted:
-            held = next((b for b in self.blobs.values() if os.path.samefile(b.path, path)), None)
+            st = os.stat(path)
+            held = by_inode.get((st.st_dev, st.st_ino))
             if held is not None and n > 0:
                 by_blob.setdefault(held, []).append((offset, offset + n))
         tasks = []
