@@ -368,3 +368,17 @@ def test_a_missing_fsspec_backend_names_its_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
     _refused("gs://bucket/model", tmp_path, {"PARITY_CACHE": str(tmp_path / "cache")}, "gs://bucket/model",
              "pip install gcsfs")
+
+
+def test_an_index_naming_shards_outside_the_folder_is_refused(hub, env, tmp_path):
+    """The index is the repository's: a shard named '../x' or '/etc/x' would make the cache write
+    or unlink outside itself. Refused before any file is linked."""
+    for k, shard in enumerate(("../../outside.safetensors", "/tmp/outside.safetensors")):
+        directory, _ = _repo(hub, tmp_path, f"acme/hostile-index-{k}", layers=2, shards=2)
+        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        first = next(iter(index["weight_map"]))
+        index["weight_map"][first] = shard
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+        hub.add_repo(f"acme/hostile-index-{k}", directory)
+        _refused(f"hf://acme/hostile-index-{k}", tmp_path, env, "model.safetensors.index.json", "outside", "refused")
+    assert not (tmp_path / "outside.safetensors").exists()

@@ -276,6 +276,9 @@ class Mirror:
         """The snapshot's path of `name`, a hard link to its blob (created sparse, of its size)."""
         from parity_cli.sources.localread import back
 
+        parts = name.split("/")
+        if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+            raise InputError(f"{self.store.label}: file name {name!r} would leave the checkpoint's folder; refused")
         meta = self.meta(name)
         if meta is None:
             raise InputError(f"{self.label(name)}: no such file")
@@ -438,8 +441,12 @@ def materialise(url: str) -> tuple[Path, Mirror]:
 
             data = load(mirror.whole(index, MAX_BYTES["index"]), "the index", "index")
             shards = sorted(set((data.get("weight_map") or {}).values())) if isinstance(data, dict) else []
-            named = [prefix + s for s in shards if isinstance(s, str) and mirror.meta(prefix + s) is not None
-                     and ".." not in s.split("/")]
+            bad = [s for s in shards if not isinstance(s, str) or s.startswith("/") or "\\" in s
+                   or any(p in ("", ".", "..") for p in s.split("/"))]
+            if bad:
+                raise InputError(f"{mirror.label(index)}: shard {str(bad[0])!r} points outside the checkpoint's "
+                                 "folder; refused")
+            named = [prefix + s for s in shards if mirror.meta(prefix + s) is not None]
             for name in named:
                 mirror.blob(name)
             mirror.heads(named, HEAD_BYTES)  # every shard's header at once, not one after another
