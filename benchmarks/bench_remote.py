@@ -67,11 +67,12 @@ def main() -> None:
                 times.append(timed(["check", target, "-q", "--json", root / "r.json"], env))
                 fetched.append(hub.body_bytes)
                 requests.append(len(hub.requests))
-            rows[name] = (statistics.median(times), statistics.median(fetched), statistics.median(requests))
+            rows[name] = (statistics.median(times), statistics.median(fetched), statistics.median(requests), times)
         base = rows["local"][0]
-        for name, (t, nbytes, requests) in rows.items():
+        for name, (t, nbytes, requests, times) in rows.items():
             share = f"{100 * nbytes / info['declared_bytes']:.4f} %" if name != "local" else "-"
-            print(f"{name:6s} {t:6.2f} s  x{t / base:4.2f} of local  fetched {human(nbytes):>8s} ({share})  "
+            runs = ", ".join(f"{x:.2f}" for x in times)
+            print(f"{name:6s} {t:6.2f} s ({runs})  x{t / base:4.2f} of local  fetched {human(nbytes):>8s} ({share})  "
                   f"{int(requests)} requests")
 
 

@@ -382,3 +382,15 @@ def test_an_index_naming_shards_outside_the_folder_is_refused(hub, env, tmp_path
         hub.add_repo(f"acme/hostile-index-{k}", directory)
         _refused(f"hf://acme/hostile-index-{k}", tmp_path, env, "model.safetensors.index.json", "outside", "refused")
     assert not (tmp_path / "outside.safetensors").exists()
+
+
+def test_explain_replays_a_remote_report_at_its_commit(hub, env, tmp_path):
+    """A report of hf://... records the URL at its commit; explain opens it there (from the cache)."""
+    _repo(hub, tmp_path, "acme/explained", layers=2, eps=1e-5)
+    result, data = _check("hf://acme/explained", tmp_path, env, "r.json", "--candidate-eps", "1e-6")
+    assert result.returncode == 1, result.stderr
+    remote._OPEN.clear()
+    hub.reset_counts()
+    result = run_parity("explain", tmp_path / "r.json", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "the candidate's eps matches it" in result.stdout and hub.body_bytes == 0

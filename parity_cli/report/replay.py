@@ -102,9 +102,12 @@ def options_from_report(data: dict, where: str, checkpoint: str | None = None, c
     if opts.activations and not Path(opts.activations).is_file():
         raise InputError(f"{where}: the report's activations {opts.activations} are not here; rerun the check "
                          "without --activations, or from where the capture is")
+    from parity_cli.sources.remote import is_url
+
     for flag, value, given in (("--checkpoint", path, checkpoint),
                                ("--candidate-checkpoint", opts.candidate_checkpoint, candidate_checkpoint)):
-        if value and not given and not Path(value).exists():
+        # a URL (hf://ORG/NAME@<commit>) is where it lives: opened there, pinned, or from the cache
+        if value and not given and not is_url(value) and not Path(value).exists():
             raise InputError(f"{where}: the report's checkpoint {value} is not here; point at this machine's copy "
                              f"with {flag} PATH")
     return path, opts
