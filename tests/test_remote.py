@@ -394,3 +394,13 @@ def test_explain_replays_a_remote_report_at_its_commit(hub, env, tmp_path):
     result = run_parity("explain", tmp_path / "r.json", env=env)
     assert result.returncode == 0, result.stderr
     assert "the candidate's eps matches it" in result.stdout and hub.body_bytes == 0
+
+
+def test_a_repository_of_pickles_only(hub, env, tmp_path):
+    directory = tmp_path / "pickles"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (directory / "pytorch_model.bin").write_bytes(b"\x80\x04not unpickled")
+    hub.add_repo("acme/pickles", directory)
+    _refused("hf://acme/pickles", tmp_path, env, "pytorch_model.bin", "never unpickled")
+    assert not any(r[1].endswith("pytorch_model.bin") for r in hub.requests)

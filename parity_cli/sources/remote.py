@@ -453,6 +453,11 @@ def materialise(url: str) -> tuple[Path, Mirror]:
         elif mirror.meta(prefix + "model.safetensors") is not None:
             mirror.blob(prefix + "model.safetensors")
             mirror.heads([prefix + "model.safetensors"], HEAD_BYTES)
+        else:
+            pickles = [n.rsplit("/", 1)[-1] for n in mirror.names() if n.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+            if pickles:
+                raise InputError(f"{mirror.pinned}: only pickle weights ({', '.join(sorted(pickles)[:3])}); they are "
+                                 "never unpickled, and a repository without safetensors cannot be read by range")
     _OPEN[key] = mirror
     _SHOWN[str(mirror.snapshot)] = mirror.pinned if loc.scheme == "hf" else (
         f"{loc.scheme}://{loc.repo}" if loc.scheme != "https" else loc.repo.rstrip("/"))
