@@ -316,7 +316,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
     )
     with _progress(quiet) as progress:
         report = run_check(checkpoint, options, progress=progress)
-    data = report.to_dict()
+    data = _shown(report.to_dict())
     if explain and not report.passed:
         from parity_cli.explain import explain_groups
 
@@ -561,7 +561,7 @@ def inspect(checkpoint, family, eps, json_path):
     from parity_cli.api import inspect as run_inspect
     from parity_cli.outputs import write_json
 
-    info = run_inspect(checkpoint, family, eps)
+    info = _shown(run_inspect(checkpoint, family, eps))
     if json_path:
         write_json(info, json_path)
     from parity_cli.report.terminal import render_inspect
@@ -956,6 +956,12 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"parity: internal error: {first} (rerun with PARITY_DEBUG=1 for the traceback)", err=True)
         code = EXIT_INPUT
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _shown(data):
+    """A report as written and printed: a remote checkpoint's cache paths as its URL."""
+    remote = sys.modules.get("parity_cli.sources.remote")
+    return remote.shown_in(data) if remote else data
 
 
 def _signal_exit(word: str, code: int, hard: bool) -> int:

@@ -404,3 +404,107 @@ def test_a_repository_of_pickles_only(hub, env, tmp_path):
     hub.add_repo("acme/pickles", directory)
     _refused("hf://acme/pickles", tmp_path, env, "pytorch_model.bin", "never unpickled")
     assert not any(r[1].endswith("pytorch_model.bin") for r in hub.requests)
+
+
+# -- the review's cases (issue 39 re-read) ---------------------------------------------------------
+
+def test_the_cache_is_not_a_local_checkpoint(hub, env, tmp_path):
+    """A snapshot in parity's cache holds holes where nothing was fetched: opened as a directory it
+    would read them as zero gains. It is refused, naming what to do."""
+    _repo(hub, tmp_path, "acme/holes", layers=2)
+    result, data = _check("hf://acme/holes", tmp_path, env)
+    assert result.returncode == 0
+    snapshot = next((tmp_path / "cache").glob("hf/*/models--acme--holes/snapshots/*"))
+    _refused(snapshot, tmp_path, env, "parity's cache", "URL")
+
+
+def test_a_blob_deleted_by_hand_is_fetched_again(hub, env, tmp_path):
+    directory, sha = _repo(hub, tmp_path, "acme/deleted", layers=2)
+    assert _check(f"hf://acme/deleted@{sha}", tmp_path, env)[0].returncode == 0
+    blobs = tmp_path / "cache" / "hf"
+    for blob in blobs.glob("*/models--acme--deleted/blobs/*"):
+        if not blob.name.endswith((".ranges", ".lock")):
+            blob.unlink()  # its .ranges file stays, claiming bytes that are gone
+    for link in blobs.glob("*/models--acme--deleted/snapshots/*/*"):
+        if link.is_file():
+            link.unlink()
+    remote._OPEN.clear()
+    result, data = _check(f"hf://acme/deleted@{sha}", tmp_path, env, "again.json")
+    assert result.returncode == 0, result.stderr
+    assert data["checkpoint"]["source"]["bytes_fetched"] > 0
+
+
+def test_a_folder_in_a_repository_and_its_messages(hub, env, tmp_path):
+    """hf://ORG/NAME@REV/FOLDER: files named once in messages (the folder not doubled), warnings
+    name the repository's config.json, never this machine's cache, and two folders whose names
+    differ only by '/' and '_' are two listings."""
+    root = tmp_path / "foldered"
+    write_checkpoint(root / "a" / "b", layers=2, eps=None)  # no eps in config.json: a warning names the file
+    write_checkpoint(root / "a_b", layers=3)
+    (root / "broken").mkdir()
+    (root / "broken" / "config.json").write_text("{not json")
+    sha = hub.add_repo("acme/foldered", root)
+    result, data = _check("hf://acme/foldered/a/b", tmp_path, env)
+    assert result.returncode == 0, result.stderr
+    assert data["checkpoint"]["path"] == f"hf://acme/foldered@{sha}/a/b"
+    text = json.dumps(data) + result.stdout + result.stderr
+    assert env["PARITY_CACHE"] not in text
+    assert f"hf://acme/foldered@{sha}/a/b/config.json" in " ".join(data["warnings"])
+    result, other = _check("hf://acme/foldered/a_b", tmp_path, env, "other.json")
+    assert result.returncode == 0 and len(other["layers"]) == 7
+    line = _refused("hf://acme/foldered/broken", tmp_path, env, "invalid JSON")
+    assert f"hf://acme/foldered@{sha}/broken/config.json:" in line and "broken/broken" not in line
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], {"model.norm.weight": 3}])
+def test_a_malformed_weight_map_is_one_line(hub, env, tmp_path, weight_map):
+    directory, _ = _repo(hub, tmp_path, "acme/bad-map", layers=2, shards=2)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    hub.add_repo("acme/bad-map", directory)
+    _refused("hf://acme/bad-map", tmp_path, env, "model.safetensors.index.json", "weight_map")
+
+
+def test_environment_and_url_mistakes_are_one_line(hub, env, tmp_path):
+    _repo(hub, tmp_path, "acme/envs", layers=2)
+    (tmp_path / "a-file").write_text("")
+    _refused("hf://acme/envs", tmp_path, {**env, "PARITY_CACHE": str(tmp_path / "a-file")}, "cannot write",
+             "cache")
+    _refused("hf://acme/envs@..", tmp_path, env, "'..'", "not a branch")
+    _refused("hf://acme/envs@" + "0" * 40, tmp_path, {**env, "HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE",
+             "not in parity's cache")
+    line = _refused("https://alice:s3cretpw@example.invalid/models/m/", tmp_path, env, "credentials", "refused")
+    assert "s3cretpw" not in line
+    _refused("https://example.invalid/m/model.gguf?X-Amz-Signature=abc", tmp_path, env, "presigned")
+
+
+def test_coalescing_never_fetches_more_than_twice_what_it_needs():
+    """A header spacing 300 tiny tensors just under 64 KiB apart must not turn into one request of
+    the whole shard; adjacent ranges (a gain and its bias) share one."""
+    spaced = [(k * 65_000, k * 65_000 + 64) for k in range(300)]
+    requests = remote._coalesced(spaced)
+    wanted = sum(b - a for a, b in spaced)
+    assert sum(b - a for a, b in requests) <= 2 * wanted
+    assert remote._coalesced([(0, 4096), (4096, 8192)]) == [(0, 8192)]
+    assert remote._coalesced([(0, 4096), (6000, 10096)]) == [(0, 10096)]  # 1,904 bytes between 8,192 wanted
+    big = [(k * (1 << 20), k * (1 << 20) + (1 << 20)) for k in range(20)]  # 20 MiB contiguous
+    assert all(b - a <= remote.MAX_SPAN for a, b in remote._coalesced(big))
+
+
+def test_a_server_that_drips_is_cut_off(monkeypatch):
+    """Each socket read inside its timeout, the whole body far slower: the read has a deadline."""
+    import time
+
+    from parity_cli.sources import stores
+
+    monkeypatch.setenv("PARITY_HTTP_TIMEOUT", "0.3")
+
+    class Dripping:
+        headers = {"content-length": "1000000"}
+
+        def iter_raw(self):
+            while True:
+                time.sleep(0.05)
+                yield b"x"
+
+    with pytest.raises(stores._Retry, match="64 KiB/s"):
+        stores._bounded(Dripping(), 1_000_000 if False else 65_536)

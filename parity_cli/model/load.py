@@ -15,11 +15,17 @@ from parity_cli.sources.tensors import Eps
 def open_checkpoint(path: str | Path, model=None) -> Checkpoint:
     """`model` (family, model_type): what an mmproj GGUF is read as (sources.gguf). A URL
     (hf://, s3://, ...) is read where it lives, by range (sources.remote)."""
-    from parity_cli.sources.remote import is_url
+    from parity_cli.sources.remote import cached_copy, is_url
 
     if is_url(path):
         return _open_remote(str(path), model)
-    path = Path(path)
+    if cached_copy(path):
+        raise InputError(f"{path}: a sparse copy in parity's cache, whose unfetched bytes read as zeros; check the "
+                         "URL it was read from (hf://..., s3://...), which fills what it needs")
+    return _open_local(Path(path), model)
+
+
+def _open_local(path: Path, model) -> Checkpoint:
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
     if path.is_file():
@@ -42,11 +48,10 @@ def _open_remote(url: str, model) -> Checkpoint:
     local, mirror = remote.materialise(url)
     if local.suffix in (".bin", ".pt", ".pth", ".ckpt") or (not local.exists()):
         raise InputError(f"{url}: not a checkpoint (expected a Hugging Face model folder or a .gguf file)")
-    ckpt = open_checkpoint(local, model)
-    if ckpt.remote is None:
-        mirror.prefetch(remote.norm_ranges(ckpt))
-        mirror.progress(final=True)
-        ckpt.remote = mirror
+    ckpt = _open_local(local, model)
+    mirror.prefetch(remote.norm_ranges(ckpt))
+    mirror.progress(final=True)
+    ckpt.remote = mirror
     return ckpt
 
 

@@ -27,6 +27,7 @@ SCHEMES = ("hf://", "s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", 
 HEAD_BYTES = 64 << 10  # first fetch of a safetensors shard: its 8-byte length and (usually) the whole header
 AHEAD_START, AHEAD_MAX = 256 << 10, 16 << 20  # sequential read-ahead (a GGUF header), doubling
 GAP = 64 << 10  # two wanted ranges closer than this are fetched as one
+MAX_SPAN = 8 << 20  # one request's bytes, at most
 WORKERS = 8
 WHOLE = ("config.json", "model.safetensors.index.json")
 
@@ -65,11 +66,20 @@ def parse(url: str) -> Location:
         m = re.fullmatch(r"(?:models/)?([\w.-]+/[\w.-]+)(?:@([^/]+))?(?:/(.*))?", rest)
         if not m or rest.startswith(("datasets/", "spaces/")):
             raise InputError(f"{url}: expected hf://ORG/NAME[@REVISION][/PATH] (a model repository)")
+        revision = unquote(m[2] or "main")
+        if any(part in ("", ".", "..") for part in revision.split("/")):
+            raise InputError(f"{url}: revision '{revision}' is not a branch, tag or commit name")
         sub = (m[3] or "").strip("/")
         if any(part in ("", ".", "..") for part in sub.split("/")) and sub:
             raise InputError(f"{url}: the path in the repository has an empty, '.' or '..' part")
-        return Location("hf", m[1], unquote(m[2] or "main"), sub, url)
+        return Location("hf", m[1], revision, sub, url)
     if scheme in ("https", "http"):
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.username or parts.password or parts.query or parts.fragment:
+            raise InputError(f"{parts.scheme}://{parts.hostname}/...: a URL with credentials or a query (a presigned "
+                             "URL) would be written into the report and the cache; refused")
         base, _, last = url.rpartition("/")
         if last.endswith((".gguf", ".safetensors")):
             return Location("https", base + "/", "", last, url)
@@ -153,22 +163,51 @@ class Blob:
     def store(self, datas: list) -> None:
         import fcntl
 
-        fd = os.open(self.path, os.O_WRONLY)
         try:
-            for a, _, data in datas:
-                os.pwrite(fd, data, a)
-        finally:
-            os.close(fd)
-        with self._lock, open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            self._have = _merged(self._have + self._read_have() + [(a, b) for a, b, _ in datas])
-            tmp = self._ranges_file().with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"etag": self.meta.etag, "size": self.size, "ranges": self._have}))
-            os.replace(tmp, self._ranges_file())
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                for a, _, data in datas:
+                    if os.pwrite(fd, data, a) != len(data):
+                        raise OSError(28, "No space left on device")
+                os.fsync(fd)  # the bytes are on disk before the .ranges file says they are
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise InputError(f"{cache_root()}: cannot write parity's cache ({self.name}): {exc.strerror or exc}") \
+                from None
+        with self._lock:
+            try:
+                with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)  # another process filling the same blob
+                    self._have = _merged(self._have + self._read_have() + [(a, b) for a, b, _ in datas])
+                    tmp = self._ranges_file().with_suffix(f".tmp{os.getpid()}")
+                    tmp.write_text(json.dumps({"etag": self.meta.etag, "size": self.size, "ranges": self._have}))
+                    os.replace(tmp, self._ranges_file())
+            except OSError as exc:
+                raise InputError(f"{cache_root()}: cannot write parity's cache ({self.name}): "
+                                 f"{exc.strerror or exc}") from None
         self.mirror.progress()
 
     def filled(self) -> int:
         return sum(b - a for a, b in self._have)
+
+
+def _coalesced(ranges: list) -> list:
+    """Wanted ranges as requests: neighbours closer than GAP share one where the gap is no larger
+    than the bytes wanted (so a request fetches at most twice what it needs) and a request stays
+    under MAX_SPAN: a hostile header spacing tiny tensors just under GAP apart would otherwise make
+    one request of a whole shard."""
+    out: list = []
+    wanted = waste = 0
+    for a, b in _merged(ranges):
+        gap = a - out[-1][1] if out else 0
+        if out and gap <= GAP and waste + gap <= wanted + (b - a) and b - out[-1][0] <= MAX_SPAN:
+            out[-1] = (out[-1][0], b)
+            wanted, waste = wanted + (b - a), waste + gap
+        else:
+            out.append((a, b))
+            wanted, waste = b - a, 0
+    return [(x, min(x + MAX_SPAN, b)) for a, b in out for x in range(a, b, MAX_SPAN)]
 
 
 def _merged(ranges: list, gap: int = 0) -> list:
@@ -207,6 +246,13 @@ class Mirror:
         return self.loc.sub.rpartition("/")[0] if self.loc.is_file else self.loc.sub
 
     @property
+    def root(self) -> str:
+        """The repository (at its commit), bucket or base URL that file names are relative to."""
+        if self.loc.scheme == "hf":
+            return f"hf://{self.loc.repo}@{self.commit}"
+        return self.loc.repo.rstrip("/") if self.loc.scheme == "https" else f"{self.loc.scheme}://{self.loc.repo}"
+
+    @property
     def pinned(self) -> str:
         if self.loc.scheme != "hf":
             return self.loc.url
@@ -241,7 +287,7 @@ class Mirror:
             self.snapshot = self.base / "snapshots" / "latest"
             return {}
         if self.snapshot is not None:
-            saved = self.snapshot / ".parity" / f"listing-{_safe(self.folder) or 'root'}.json"
+            saved = self.snapshot / ".parity" / f"listing-{_digest(self.folder)[:24]}.json"
             try:
                 data = json.loads(saved.read_text())
                 return {k: FileMeta(int(v["size"]), str(v["etag"])) for k, v in data.items()}
@@ -269,7 +315,7 @@ class Mirror:
         return sorted(self._listing) if self._listing else []
 
     def label(self, name: str) -> str:
-        return f"{self.pinned.rstrip('/')}/{name}" if not self.loc.is_file or name != self.loc.sub else self.pinned
+        return f"{self.root}/{name}"
 
     # -- bytes ---------------------------------------------------------------------------------
     def blob(self, name: str) -> Path:
@@ -285,24 +331,28 @@ class Mirror:
         key = _safe(meta.etag) if re.fullmatch(r"[0-9A-Za-z_-]{8,128}", meta.etag or "") else _digest(meta.etag, name)
         blob = self.base / "blobs" / key
         link = self.snapshot / name
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not blob.exists():
-            fd = os.open(blob, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                os.ftruncate(fd, meta.size)
-            finally:
-                os.close(fd)
-        elif blob.stat().st_size != meta.size:
-            raise InputError(f"{self.label(name)}: the cached copy for ETag {meta.etag} has {blob.stat().st_size} "
-                             f"bytes, the file {meta.size}; run parity cache clear")
-        if link.exists() and not os.path.samefile(link, blob):  # a name whose ETag changed (https: one snapshot)
-            link.unlink()
-        if not link.exists():
-            try:
-                os.link(blob, link)
-            except OSError:
-                link.symlink_to(os.path.relpath(blob, link.parent))
+        try:
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not blob.exists():
+                blob.with_name(blob.name + ".ranges").unlink(missing_ok=True)  # a blob deleted by hand: no claims
+                fd = os.open(blob, os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    os.ftruncate(fd, meta.size)
+                finally:
+                    os.close(fd)
+            elif blob.stat().st_size != meta.size:
+                raise InputError(f"{self.label(name)}: the cached copy for ETag {meta.etag} has "
+                                 f"{blob.stat().st_size} bytes, the file {meta.size}; run parity cache clear")
+            if link.exists() and not os.path.samefile(link, blob):  # a name whose ETag changed (https: one snapshot)
+                link.unlink()
+            if not link.exists():
+                try:
+                    os.link(blob, link)
+                except OSError:
+                    link.symlink_to(os.path.relpath(blob, link.parent))
+        except OSError as exc:
+            raise InputError(f"{cache_root()}: cannot write parity's cache ({name}): {exc.strerror or exc}") from None
         held = Blob(blob, name, meta, lambda a, b, n=name, m=meta: self.store.read(self.commit, n, a, b, m), self)
         self.cached_at_start += held.filled()
         self.blobs[name] = held
@@ -334,7 +384,7 @@ class Mirror:
                 by_blob.setdefault(held, []).append((offset, offset + n))
         tasks = []
         for held, ranges in by_blob.items():
-            for a, b in _merged(ranges, GAP):
+            for a, b in _coalesced(ranges):
                 tasks.extend((held, gap) for gap in held.missing(a, b))
         if not tasks:
             return
@@ -403,10 +453,13 @@ def _digest(*parts: str) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise InputError(f"{cache_root()}: cannot write parity's cache ({path.name}): {exc.strerror or exc}") from None
 
 
 _OPEN: dict[str, Mirror] = {}  # (url, endpoint, cache) -> its mirror, once per process
@@ -440,8 +493,11 @@ def materialise(url: str) -> tuple[Path, Mirror]:
             from parity_cli.sources.jsonfile import load
 
             data = load(mirror.whole(index, MAX_BYTES["index"]), "the index", "index")
-            shards = sorted(set((data.get("weight_map") or {}).values())) if isinstance(data, dict) else []
-            bad = [s for s in shards if not isinstance(s, str) or s.startswith("/") or "\\" in s
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise InputError(f"{mirror.label(index)}: no valid 'weight_map' object")
+            shards = sorted(set(weight_map.values()))
+            bad = [s for s in shards if s.startswith("/") or "\\" in s
                    or any(p in ("", ".", "..") for p in s.split("/"))]
             if bad:
                 raise InputError(f"{mirror.label(index)}: shard {str(bad[0])!r} points outside the checkpoint's "
@@ -459,8 +515,7 @@ def materialise(url: str) -> tuple[Path, Mirror]:
                 raise InputError(f"{mirror.pinned}: only pickle weights ({', '.join(sorted(pickles)[:3])}); they are "
                                  "never unpickled, and a repository without safetensors cannot be read by range")
     _OPEN[key] = mirror
-    _SHOWN[str(mirror.snapshot)] = mirror.pinned if loc.scheme == "hf" else (
-        f"{loc.scheme}://{loc.repo}" if loc.scheme != "https" else loc.repo.rstrip("/"))
+    _SHOWN[str(mirror.snapshot)] = mirror.root
     return _entry(mirror), mirror
 
 
@@ -538,3 +593,27 @@ def cache_clear() -> int:
     for p in made:
         shutil.rmtree(p)
     return before
+
+
+def shown_in(data):
+    """A report (dicts, lists, strings) with each snapshot directory written as its URL: a warning
+    that names config.json names the repository's, not this machine's cache."""
+    if not _SHOWN:
+        return data
+    if isinstance(data, str):
+        return shown(data)
+    if isinstance(data, dict):
+        return {k: shown_in(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [shown_in(v) for v in data]
+    return data
+
+
+def cached_copy(path) -> bool:
+    """Whether a local path lies in parity's cache: a sparse copy, whose unfetched bytes would read
+    as zeros, so it is opened only through its URL."""
+    try:
+        real, root = Path(path).resolve(), cache_root().resolve()
+    except OSError:
+        return False
+    return real == root or root in real.parents

@@ -20,6 +20,7 @@ from parity_cli.errors import InputError
 
 MAX_REDIRECTS = 5
 MAX_LISTING_BYTES = 16 << 20  # one page of a tree listing, one revision's JSON
+MAX_PAGES, MAX_FILES = 100, 100_000  # a folder's listing in all (the Hub sends 1,000 entries a page)
 PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
 HEX40 = re.compile(r"[0-9a-f]{40}")
 
@@ -33,6 +34,10 @@ def _env_float(name: str, default: float) -> float:
 
 def hub_endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def timeout_s() -> float:
@@ -123,14 +128,21 @@ class Http:
                 if key in response.headers and key not in seen:
                     seen[key] = response.headers[key]
             if response.status_code in (301, 302, 303, 307, 308) and "location" in response.headers:
-                response.close()
-                url = urljoin(url, response.headers["location"])
+                _drain(response)
+                try:
+                    url = urljoin(url, response.headers["location"])
+                    if urlparse(url).scheme not in ("http", "https"):
+                        raise ValueError(url)
+                except ValueError:
+                    raise InputError(f"{self.label}: a redirect to a malformed location; refused") from None
                 continue
             return response, seen
         raise InputError(f"{self.label}: more than {MAX_REDIRECTS} redirects; refused")
 
     def call(self, method: str, url: str, what: str, extra: dict | None = None, body=None):
         """`body(response, seen) -> value` reads what it needs; retried on timeouts, 429 and 5xx."""
+        if offline():
+            raise InputError(f"{self.label}: {what}: HF_HUB_OFFLINE is set and it is not in parity's cache")
         httpx = _httpx(_session())
         tries = max(1, retries())
         for attempt in range(tries):
@@ -145,7 +157,7 @@ class Http:
                         raise failure
                     return body(response, seen) if body else (response.headers, seen)
                 finally:
-                    response.close()
+                    _drain(response)
             except (_Retry, httpx.TimeoutException, httpx.TransportError) as exc:
                 reason = "timed out" if isinstance(exc, httpx.TimeoutException) else str(exc) or type(exc).__name__
                 if attempt + 1 == tries:
@@ -165,7 +177,8 @@ class Http:
                 raise InputError(f"{self.label}: {what} is over {MAX_LISTING_BYTES >> 20} MiB; refused")
             self.traffic.add(nbytes=len(data))
             try:
-                return json.loads(data), response.links.get("next", {}).get("url")
+                following = response.links.get("next", {}).get("url")
+                return json.loads(data), urljoin(url, following) if following else None
             except ValueError as exc:
                 raise InputError(f"{self.label}: {what}: not JSON ({exc})") from None
 
@@ -203,13 +216,31 @@ class Http:
 
 
 def _bounded(response, n: int) -> bytes:
-    """At most n bytes of the body: a server that sends more is not read further."""
-    out = bytearray()
+    """At most n bytes of the body: a server that sends more is not read further. A body of
+    exactly what was asked is read to its end, so that the connection goes back to the pool.
+    The whole read has a deadline (the timeout, plus 64 KiB/s): a server that drips a byte
+    just inside each read's timeout does not hold the check for days."""
+    out, deadline = bytearray(), time.monotonic() + timeout_s() + n / (64 << 10)
+    whole = response.headers.get("content-length", "").isdigit() and int(response.headers["content-length"]) <= n
     for chunk in response.iter_raw():
         out += chunk[: n - len(out)]
-        if len(out) >= n:
+        if time.monotonic() > deadline:
+            raise _Retry(f"under 64 KiB/s ({len(out)} of {n} bytes)")
+        if len(out) >= n and not whole:
             break
     return bytes(out)
+
+
+def _drain(response, limit: int = 64 << 10) -> None:
+    """Closes a response, reading a small unread body first (a redirect's, an error's) so that
+    its connection is reused rather than dropped."""
+    try:
+        if not response.is_stream_consumed and response.headers.get("content-length", "x").isdigit() \
+                and int(response.headers["content-length"]) <= limit:
+            response.read()
+    except Exception:
+        pass
+    response.close()
 
 
 def _content_range(value):
@@ -239,7 +270,7 @@ class HubStore:
         token = get_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._has_token = bool(token)
-        trusted = {_origin(self.endpoint), _origin("https://huggingface.co"), _origin("https://hf.co")}
+        trusted = {_origin(self.endpoint)}  # not huggingface.co when HF_ENDPOINT names another Hub
         self.http = Http(self.label, headers, trusted, traffic, self._status)
 
     @property
@@ -282,8 +313,9 @@ class HubStore:
         files, pages = {}, 0
         while url:
             pages += 1
-            if pages > 1000:
-                raise InputError(f"{self.label}: the tree listing of {folder or 'the repository'} has over 1000 pages")
+            if pages > MAX_PAGES or len(files) > MAX_FILES:
+                raise InputError(f"{self.label}: the tree listing of {folder or 'the repository'} has over "
+                                 f"{MAX_FILES:,} files or {MAX_PAGES} pages; refused")
             entries, url = self.http.json(url, f"the file list of {folder or 'the repository'}")
             if not isinstance(entries, list):
                 raise InputError(f"{self.label}: the tree endpoint gave no list")
@@ -340,7 +372,10 @@ class HttpStore:
         size = seen.get("x-linked-size") or headers.get("content-length")
         if size is None or not str(size).isdigit():
             raise InputError(f"{self.label}: {path}: the server gives no size; refused")
-        return FileMeta(int(size), etag_of(seen.get("x-linked-etag") or headers.get("etag")))
+        etag = etag_of(seen.get("x-linked-etag") or headers.get("etag"))
+        if not etag:  # no ETag: the size and Last-Modified stand for the content (a blob per version, not per name)
+            etag = f"size-{size}-{headers.get('last-modified', '')}"
+        return FileMeta(int(size), etag)
 
     def read(self, commit, path: str, start: int, end: int, meta: FileMeta) -> bytes:
         return self.http.range(urljoin(self.base, quote(path)), start, end, meta, path)
