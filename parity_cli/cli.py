@@ -935,8 +935,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = cli.main(args=argv, prog_name="parity", standalone_mode=False)
     except InputError as exc:  # one line, even for a path with a newline or an ESC in it
-        remote = sys.modules.get("parity_cli.sources.remote")  # a snapshot directory shown as its URL
-        click.echo(f"parity: error: {printable(remote.shown(str(exc)) if remote else exc)}", err=True)
+        click.echo(f"parity: error: {printable(_shown(str(exc)))}", err=True)  # a cache path shown as its URL
         code = EXIT_INPUT
     except click.exceptions.Exit as exc:
         code = exc.exit_code

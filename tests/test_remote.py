@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import re
 import struct
 
 import pytest
@@ -33,7 +33,7 @@ def env(hub, tmp_path):
     hub.ignore_range, hub.require_token, hub.gated, hub.delay, hub.fail_times = False, None, set(), 0.0, 0
     hub.etag_override, hub.lfs_redirect, hub.redirect_to, hub.cdn_saw_authorization = {}, True, None, False
     return {"HF_ENDPOINT": hub.url, "PARITY_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
-            "HF_TOKEN": "", "HF_HUB_OFFLINE": "", "PARITY_HTTP_TIMEOUT": "2", "PARITY_HTTP_RETRIES": "2",
+            "HF_TOKEN": "", "HF_HUB_OFFLINE": "", "PARITY_HTTP_TIMEOUT": "2", "PARITY_HTTP_RETRIES": "1",
             "PARITY_HTTP_BACKOFF": "0.01"}
 
 
@@ -272,7 +272,7 @@ def test_the_parsed_locations():
     loc = remote.parse("s3://bucket/models/llama/model-Q4_K_M.gguf")
     assert (loc.scheme, loc.repo, loc.sub, loc.is_file) == ("s3", "bucket/models/llama", "model-Q4_K_M.gguf", True)
     assert remote.parse("hf://org/name").revision == "main"
-    assert os.fspath(remote.parse("https://host/models/m/").repo) == "https://host/models/m/"
+    assert remote.parse("https://host/models/m").repo == "https://host/models/m/"
 
 
 def test_jobs_workers_open_the_pinned_commit_from_the_cache(hub, env, tmp_path):
@@ -315,9 +315,14 @@ def test_progress_on_a_terminal(hub, env, tmp_path, monkeypatch, capsys):
     from parity_cli.model.load import open_checkpoint
 
     ckpt = open_checkpoint("hf://acme/progress")
-    size = sum(b.size for b in ckpt.remote.blobs.values())
+    # the total is the served files' size, in decimal kB as the Hub shows sizes (a tiny model: all of it read)
+    total = sum(p.stat().st_size for p in (tmp_path / "acme_progress").iterdir())
+    assert 1000 <= total < 100_000
     last = err.getvalue().rstrip("\n").split("\r")[-1]
-    assert last == f"hf://acme/progress: fetched {remote.human(ckpt.remote.traffic.bytes)} of {remote.human(size)}"
+    assert re.fullmatch(rf"hf://acme/progress: fetched \d+\.\d kB of {total / 1000:.1f} kB", last), last
+    assert ckpt.remote.traffic.bytes >= hub.body_bytes >= total  # it did read the files: the line counts them
+    open_checkpoint("hf://acme/progress")  # opened again (preflight, then the check): no second final line
+    assert err.getvalue().count("\n") == 1
 
 
 # -- object stores ------------------------------------------------------------------------------
@@ -507,4 +512,18 @@ def test_a_server_that_drips_is_cut_off(monkeypatch):
                 yield b"x"
 
     with pytest.raises(stores._Retry, match="64 KiB/s"):
-        stores._bounded(Dripping(), 1_000_000 if False else 65_536)
+        stores._bounded(Dripping(), 65_536)
+
+
+@pytest.mark.parametrize("name,value", [("PARITY_HTTP_TIMEOUT", "-1"), ("PARITY_HTTP_TIMEOUT", "nan"),
+                                        ("PARITY_HTTP_TIMEOUT", "soon"), ("PARITY_HTTP_RETRIES", "1e9"),
+                                        ("PARITY_HTTP_BACKOFF", "-3")])
+def test_hostile_http_settings_are_one_line(hub, env, tmp_path, name, value):
+    _repo(hub, tmp_path, "acme/settings", layers=2)
+    _refused("hf://acme/settings", tmp_path, {**env, name: value}, name, repr(value))
+
+
+def test_a_url_naming_a_safetensors_file_names_its_folder(tmp_path, env):
+    line = _refused("hf://acme/tiny-llama/model.safetensors", tmp_path, env, "no config", "hf://acme/tiny-llama")
+    assert "model.safetensors:" in line.split("no config")[0]
+    _refused("s3://bucket/models/m/model-00001-of-00002.safetensors", tmp_path, env, "s3://bucket/models/m")

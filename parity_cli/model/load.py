@@ -46,8 +46,6 @@ def _open_remote(url: str, model) -> Checkpoint:
     from parity_cli.sources import remote
 
     local, mirror = remote.materialise(url)
-    if local.suffix in (".bin", ".pt", ".pth", ".ckpt") or (not local.exists()):
-        raise InputError(f"{url}: not a checkpoint (expected a Hugging Face model folder or a .gguf file)")
     ckpt = _open_local(local, model)
     mirror.prefetch(remote.norm_ranges(ckpt))
     mirror.progress(final=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
-from parity_cli.sources.stores import hub_endpoint
+from parity_cli.sources.stores import PACKAGES, hub_endpoint, offline
 
 SCHEMES = ("hf://", "s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "https://", "http://")
 HEAD_BYTES = 64 << 10  # first fetch of a safetensors shard: its 8-byte length and (usually) the whole header
@@ -29,11 +29,16 @@ AHEAD_START, AHEAD_MAX = 256 << 10, 16 << 20  # sequential read-ahead (a GGUF he
 GAP = 64 << 10  # two wanted ranges closer than this are fetched as one
 MAX_SPAN = 8 << 20  # one request's bytes, at most
 WORKERS = 8
-WHOLE = ("config.json", "model.safetensors.index.json")
 
 
 def is_url(path) -> bool:
     return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+def _escapes(path: str) -> bool:
+    """Whether a name taken from a URL, an index or a listing could leave the folder it is joined
+    to (absolute, a backslash, an empty, '.' or '..' part)."""
+    return path.startswith("/") or "\\" in path or any(part in ("", ".", "..") for part in path.split("/"))
 
 
 def cache_root() -> Path:
@@ -55,7 +60,7 @@ class Location:
 
     @property
     def is_file(self) -> bool:
-        return self.sub.endswith((".gguf", ".safetensors"))
+        return self.sub.endswith(".gguf")
 
 
 def parse(url: str) -> Location:
@@ -67,12 +72,12 @@ def parse(url: str) -> Location:
         if not m or rest.startswith(("datasets/", "spaces/")):
             raise InputError(f"{url}: expected hf://ORG/NAME[@REVISION][/PATH] (a model repository)")
         revision = unquote(m[2] or "main")
-        if any(part in ("", ".", "..") for part in revision.split("/")):
+        if _escapes(revision):
             raise InputError(f"{url}: revision '{revision}' is not a branch, tag or commit name")
         sub = (m[3] or "").strip("/")
-        if any(part in ("", ".", "..") for part in sub.split("/")) and sub:
+        if sub and _escapes(sub):
             raise InputError(f"{url}: the path in the repository has an empty, '.' or '..' part")
-        return Location("hf", m[1], revision, sub, url)
+        return _checked(Location("hf", m[1], revision, sub, url))
     if scheme in ("https", "http"):
         from urllib.parse import urlsplit
 
@@ -82,16 +87,25 @@ def parse(url: str) -> Location:
                              "URL) would be written into the report and the cache; refused")
         base, _, last = url.rpartition("/")
         if last.endswith((".gguf", ".safetensors")):
-            return Location("https", base + "/", "", last, url)
+            return _checked(Location("https", base + "/", "", last, url))
         return Location("https", url.rstrip("/") + "/", "", "", url)
     scheme = "gs" if scheme == "gcs" else scheme
     path = rest.strip("/")
-    if not path or any(part in (".", "..") for part in path.split("/")):
+    if not path or _escapes(path):
         raise InputError(f"{url}: expected {scheme}://BUCKET/PATH")
     if path.endswith((".gguf", ".safetensors")):
         folder, _, name = path.rpartition("/")
-        return Location(scheme, folder, "", name, url)
+        return _checked(Location(scheme, folder, "", name, url))
     return Location(scheme, path, "", "", url)
+
+
+def _checked(loc: Location) -> Location:
+    """A URL naming a .safetensors file names no config: the folder holding both is the checkpoint."""
+    if loc.sub.endswith(".safetensors"):
+        folder = loc.url[: -len(loc.sub.rpartition("/")[2])].rstrip("/")
+        raise InputError(f"{loc.url}: a safetensors file has no config to check against; name the folder that holds "
+                         f"it and config.json: {folder}")
+    return loc
 
 
 @dataclass(eq=False)
@@ -229,7 +243,7 @@ class Mirror:
         self.loc, self.traffic = loc, stores.Traffic()
         self.commit = None
         if loc.scheme == "hf":
-            self.store = stores.HubStore(loc.repo, loc.revision, "", self.traffic)
+            self.store = stores.HubStore(loc.repo, loc.revision, self.traffic)
         elif loc.scheme == "https":
             self.store = stores.HttpStore(loc.repo, self.traffic)
         else:
@@ -237,7 +251,7 @@ class Mirror:
         self.base = cache_root() / self.store.key
         self.blobs: dict[str, Blob] = {}
         self._listing: dict | None = None
-        self._shown, self._started = 0.0, time.monotonic()
+        self._shown, self._shown_bytes = 0.0, -1
         self.cached_at_start = 0
 
     # -- where ---------------------------------------------------------------------------------
@@ -267,9 +281,9 @@ class Mirror:
             ref = self.base / "refs" / rev.replace("/", "%2F")
             if stores.HEX40.fullmatch(rev):
                 self.commit = rev
-            elif os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") and ref.is_file():
+            elif offline() and ref.is_file():
                 self.commit = ref.read_text().strip()
-            elif os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+            elif offline():
                 raise InputError(f"{self.store.label}: HF_HUB_OFFLINE is set and revision '{rev}' was never resolved "
                                  "here; name its commit sha")
             else:
@@ -322,8 +336,7 @@ class Mirror:
         """The snapshot's path of `name`, a hard link to its blob (created sparse, of its size)."""
         from parity_cli.sources.localread import back
 
-        parts = name.split("/")
-        if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        if _escapes(name):
             raise InputError(f"{self.store.label}: file name {name!r} would leave the checkpoint's folder; refused")
         meta = self.meta(name)
         if meta is None:
@@ -369,19 +382,22 @@ class Mirror:
         return link
 
     def prefetch(self, wanted: list) -> None:
-        """(file, offset, nbytes) ranges, coalesced per file, fetched on WORKERS threads."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        by_inode = {}
-        for b in self.blobs.values():
-            st = os.stat(b.path)
-            by_inode[(st.st_dev, st.st_ino)] = b
+        """(snapshot path, offset, nbytes) ranges, coalesced per file, fetched on WORKERS threads."""
+        by_link = {self.snapshot / name: held for name, held in self.blobs.items()}
         by_blob: dict = {}
         for path, offset, n in wanted:
-            st = os.stat(path)
-            held = by_inode.get((st.st_dev, st.st_ino))
+            held = by_link.get(Path(path))
             if held is not None and n > 0:
                 by_blob.setdefault(held, []).append((offset, offset + n))
+        self._fetch(by_blob)
+
+    def heads(self, names: list, nbytes: int) -> None:
+        """The first bytes of several files at once (safetensors headers)."""
+        self._fetch({self.blobs[n]: [(0, min(nbytes, self.blobs[n].size))] for n in names})
+
+    def _fetch(self, by_blob: dict) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         tasks = []
         for held, ranges in by_blob.items():
             for a, b in _coalesced(ranges):
@@ -393,10 +409,6 @@ class Mirror:
             for held, a, b, data in done:
                 held.store([(a, b, data)])
 
-    def heads(self, names: list, nbytes: int) -> None:
-        """The first bytes of several files at once (safetensors headers)."""
-        self.prefetch([(self.blobs[n].path, 0, min(nbytes, self.blobs[n].size)) for n in names])
-
     # -- what it cost ----------------------------------------------------------------------------
     def total(self) -> int:
         return sum(b.size for b in self.blobs.values())
@@ -406,9 +418,11 @@ class Mirror:
         if not sys.stderr.isatty():
             return
         now = time.monotonic()
-        if not final and now - self._shown < 0.1:
-            return
+        if (not final and now - self._shown < 0.1) or (final and self._shown_bytes == self.traffic.bytes):
+            return  # at most 10 a second; the final line once per bytes fetched (a second open prints none)
         self._shown = now
+        if final:
+            self._shown_bytes = self.traffic.bytes
         sys.stderr.write(f"\r{self.store.label}: fetched {human(self.traffic.bytes)} of {human(self.total())}"
                          + ("\n" if final else ""))
         sys.stderr.flush()
@@ -497,8 +511,7 @@ def materialise(url: str) -> tuple[Path, Mirror]:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise InputError(f"{mirror.label(index)}: no valid 'weight_map' object")
             shards = sorted(set(weight_map.values()))
-            bad = [s for s in shards if s.startswith("/") or "\\" in s
-                   or any(p in ("", ".", "..") for p in s.split("/"))]
+            bad = [s for s in shards if _escapes(s)]
             if bad:
                 raise InputError(f"{mirror.label(index)}: shard {str(bad[0])!r} points outside the checkpoint's "
                                  "folder; refused")
@@ -585,7 +598,7 @@ def cache_clear() -> int:
     root = cache_root()
     if not root.exists():
         return 0
-    made = [p for p in root.iterdir() if p.name in ("hf", "https", "s3", "gs", "az", "abfs", "abfss")]
+    made = [p for p in root.iterdir() if p.name in ("hf", "https", *PACKAGES)]  # the stores' keys begin so
     others = [p.name for p in root.iterdir() if p not in made]
     if others:
         raise InputError(f"{root}: holds {', '.join(sorted(others)[:5])}, which parity did not write; not cleared")

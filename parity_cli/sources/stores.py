@@ -41,15 +41,24 @@ def offline() -> bool:
 
 
 def timeout_s() -> float:
-    return _env_float("PARITY_HTTP_TIMEOUT", 30.0)
+    value = _env_float("PARITY_HTTP_TIMEOUT", 30.0)
+    if not 0 < value < float("inf"):
+        raise InputError(f"PARITY_HTTP_TIMEOUT={os.environ['PARITY_HTTP_TIMEOUT']!r}: seconds, finite and > 0")
+    return value
 
 
 def retries() -> int:
-    return int(_env_float("PARITY_HTTP_RETRIES", 4))
+    value = _env_float("PARITY_HTTP_RETRIES", 4)
+    if not 0 <= value <= 100:
+        raise InputError(f"PARITY_HTTP_RETRIES={os.environ['PARITY_HTTP_RETRIES']!r}: a count from 0 to 100")
+    return int(value)
 
 
 def backoff_s(attempt: int) -> float:
-    return _env_float("PARITY_HTTP_BACKOFF", 1.0) * (2 ** attempt)
+    value = _env_float("PARITY_HTTP_BACKOFF", 1.0)
+    if not 0 <= value <= 60:
+        raise InputError(f"PARITY_HTTP_BACKOFF={os.environ['PARITY_HTTP_BACKOFF']!r}: seconds from 0 to 60")
+    return value * (2 ** attempt)
 
 
 def etag_of(value) -> str:
@@ -144,7 +153,8 @@ class Http:
         if offline():
             raise InputError(f"{self.label}: {what}: HF_HUB_OFFLINE is set and it is not in parity's cache")
         httpx = _httpx(_session())
-        tries = max(1, retries())
+        tries = retries() + 1  # the first try, then the retries
+        backoff_s(0)  # every setting is checked before the first request, not when a retry needs it
         for attempt in range(tries):
             try:
                 response, seen = self._hops(method, url, extra or {})
@@ -255,10 +265,8 @@ class HubStore:
     pins a branch or tag to its commit, the tree endpoint lists files with their sizes and
     ETags (an LFS file's is its sha256), resolve/<commit> serves ranges."""
 
-    kind = "hf"
-
-    def __init__(self, repo: str, revision: str, sub: str, traffic: Traffic):
-        self.repo, self.revision, self.sub, self.traffic = repo, revision, sub, traffic
+    def __init__(self, repo: str, revision: str, traffic: Traffic):
+        self.repo, self.revision, self.traffic = repo, revision, traffic
         self.endpoint = hub_endpoint()
         self.label = f"hf://{repo}" + (f"@{revision}" if revision != "main" else "")
         try:
@@ -340,8 +348,6 @@ class HubStore:
 class HttpStore:
     """A checkpoint behind plain HTTPS (a mirror, a presigned URL's host): files are found by
     name with HEAD; no token is sent."""
-
-    kind = "https"
 
     def __init__(self, base: str, traffic: Traffic):
         self.base, self.traffic, self.label = base, traffic, base
@@ -430,7 +436,10 @@ class FsspecStore:
             etag = entry.get("ETag") or entry.get("etag") or entry.get("md5Hash") or entry.get("generation")
             if not etag:
                 etag = f"size-{entry.get('size')}-{entry.get('LastModified') or entry.get('mtime') or ''}"
-            files[(f"{folder}/" if folder else "") + name] = FileMeta(int(entry.get("size") or 0), etag_of(etag))
+            size = entry.get("size")
+            if type(size) is not int or size < 0:  # what the backend says of the object, as it says it
+                raise InputError(f"{self.label}: {name}: the listing gives no size ({size!r}); refused")
+            files[(f"{folder}/" if folder else "") + name] = FileMeta(size, etag_of(etag))
         return files
 
     def read(self, commit, path: str, start: int, end: int, meta: FileMeta) -> bytes:
