@@ -88,7 +88,6 @@ def checkpoint_input(path, family=None) -> None:
     """A directory is opened as `check` opens it (config, shard index, safetensors header: no
     tensor bytes), so every layout open_checkpoint refuses is refused here in its words. A GGUF
     file is only recognised: reading its metadata needs gguf, which imports numpy."""
-    from parity_cli.model.families import family_by_name
     from parity_cli.model.load import open_checkpoint
     from parity_cli.sources.gguf import is_gguf
     from parity_cli.sources.onnx_graph import is_onnx
@@ -96,10 +95,7 @@ def checkpoint_input(path, family=None) -> None:
 
     if is_url(path):  # read where it lives: config, index and headers now, the norms' bytes with them
         ckpt = open_checkpoint(path)
-        if family:
-            family_by_name(family)
-        elif ckpt.format != "gguf":
-            _derivable(ckpt, ckpt.path)
+        _family_input(ckpt, ckpt.path, family, ckpt.format == "gguf")
         return
     path = Path(path)
     st = _stat(path)
@@ -113,23 +109,26 @@ def checkpoint_input(path, family=None) -> None:
     if is_openvino_ir(path):
         raise InputError(f"{path}: an OpenVINO IR has no config to check against; check the model it was converted "
                          f"from with --candidate-checkpoint {path} (or: parity inspect {path})")
-    gguf_file = stat.S_ISREG(st.st_mode) and is_gguf(path)
+    gguf_file, ckpt = stat.S_ISREG(st.st_mode) and is_gguf(path), None
     if gguf_file:  # its model type is in metadata only gguf can read
         if not _findable("gguf"):
             raise InputError(f"{path}: reading GGUF needs the gguf package: pip install gguf "
                              "(from a checkout: pip install -e '.[gguf]')")
     else:
         ckpt = open_checkpoint(path)  # refuses any other file, and a directory of a wrong layout
+    _family_input(ckpt, path, family, gguf_file)
+
+
+def _family_input(ckpt, path, family, gguf_file: bool) -> None:
+    """--family names one, or a family file claims the model type, or the installed transformers
+    can derive one (a GGUF's type is in metadata only gguf reads: checked later)."""
+    from parity_cli.model.families import family_by_name, family_for_model_type
+
     if family:
         family_by_name(family)
-    elif not gguf_file:
-        _derivable(ckpt, path)
-
-
-def _derivable(ckpt, path) -> None:
-    """A family file claims the model type, or the installed transformers can derive one."""
-    from parity_cli.model.families import family_for_model_type
-
+        return
+    if gguf_file:
+        return
     try:
         family_for_model_type(ckpt.model_type, str(path / "config.json"))
     except InputError:
