@@ -145,18 +145,35 @@ def _type_name(t) -> str:
 # --- the family's norm as an OpenVINO model -------------------------------------------------------
 
 
+def _bf16_tensor(t):
+    """A torch tensor as an ov.Tensor of element type bf16 that owns its memory: its 16-bit patterns
+    copied in, bit for bit (numpy has no bfloat16; an ov.Tensor over a numpy array only borrows the
+    array, which nothing would keep alive)."""
+    import numpy as np
+    import openvino as ov
+    import torch
+
+    t = t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    owned = ov.Tensor(ov.Type.bf16, ov.Shape(list(t.shape)))
+    if t.numel():
+        owned.data.reshape(-1).view(np.uint16)[...] = t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+    return owned
+
+
 def _constant(t, ov_type: str):
-    """A torch tensor as an OpenVINO Constant of that element type (bf16 through its 16-bit pattern)."""
+    """A torch tensor as an OpenVINO Constant of that element type that owns a copy of the values
+    (bf16 through its 16-bit pattern, as the PyTorch frontend emits a bfloat16 parameter: a bf16
+    Constant). Never memory borrowed from a temporary: a Constant over a numpy array that is
+    freed afterwards multiplies by whatever is written there next (issue 46)."""
     import numpy as np
     import openvino as ov
     import torch
 
     t = t.detach().cpu().contiguous()
     if ov_type == "bf16":
-        bits = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return ov.op.Constant(ov.Tensor(np.ascontiguousarray(bits), ov.Shape(list(t.shape)), ov.Type.bf16))
-    return ov.op.Constant(np.ascontiguousarray(t.to(getattr(torch, {"f32": "float32", "f16": "float16"}[ov_type]))
-                                               .numpy()))
+        return ov.op.Constant(_bf16_tensor(t), shared_memory=False)
+    array = np.ascontiguousarray(t.to(getattr(torch, {"f32": "float32", "f16": "float16"}[ov_type])).numpy())
+    return ov.op.Constant(array, shared_memory=False)
 
 
 def build_model(kind: str, order: str, dim: int, per_head: tuple, dtype: str, eps: float, offset: float, form: str,
@@ -268,11 +285,11 @@ def _runner(compiled, dtype, kind: str, rank: int | None, maps: tuple | None = N
             else:
                 shaped = x.reshape(*([1] * max(0, rank - 2)), -1, x.shape[-1])
         shaped = shaped.detach().to(device="cpu", dtype=dtype).contiguous()
-        if takes == "bf16":  # numpy has no bfloat16: the 16-bit patterns, typed bf16
-            bits = shaped.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            data = ov.Tensor(np.ascontiguousarray(bits), ov.Shape(list(bits.shape)), ov.Type.bf16)
+        if takes == "bf16":  # numpy has no bfloat16: the 16-bit patterns, in a tensor that owns them
+            data = _bf16_tensor(shaped)
         else:
-            data = np.ascontiguousarray(shaped.to(feeds.get(takes, torch.float32)).numpy())
+            data = ov.Tensor(np.ascontiguousarray(shaped.to(feeds.get(takes, torch.float32)).numpy()),
+                             shared_memory=False)
         try:
             request.infer({0: data})
         except Exception as exc:
@@ -298,7 +315,8 @@ def _program(layer, device: str, precision: str | None):
     key = ("program", hashlib.sha256(layer.program).hexdigest(), device, precision, torch.get_num_threads())
     if key not in _MODELS:
         try:
-            model = core().read_model(xml.decode("utf-8"), ov.Tensor(np.frombuffer(weights or b"\0", dtype=np.uint8)))
+            blob = ov.Tensor(np.frombuffer(weights or b"\0", dtype=np.uint8), shared_memory=False)  # owns a copy
+            model = core().read_model(xml.decode("utf-8"), blob)
         except Exception as exc:
             raise InputError(f"openvino: cannot read {layer.name}'s IR subgraph: {' '.join(str(exc).split())[:240]}") \
                 from None
