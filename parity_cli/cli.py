@@ -521,18 +521,25 @@ def _run_fused(checkpoint, candidate, args: dict, dtype, layers, candidate_eps, 
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the table as JSON.")
 @click.option("--markdown", "markdown_path", default=None, type=click.Path(dir_okay=False),
               help="Write the table as Markdown (a deployment review's page).")
-def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdown_path):
-    """One table across every installed runtime: runtime x dtype -> verdict, cause, worst/allowed.
-    Each cell is `parity check --candidate RUNTIME --dtype DTYPE`; exit 1 where any cell fails."""
+@click.option("--quiet", "-q", is_flag=True, help="Only the verdict line (and the progress lines on stderr).")
+def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdown_path, quiet):
+    """One table across every installed runtime: runtime x dtype -> verdict, worst/allowed, and the
+    worst error over torch eager's at the same dtype (about 1x: rounding order; 1000x: a broken
+    kernel). Each cell is `parity check --candidate RUNTIME --dtype DTYPE`; a line a cell on stderr
+    as it ends; exit 1 where any cell fails, 2 where none could run."""
     json_path = _check_output_target(json_path, [checkpoint])
     markdown_path = _check_output_target(markdown_path, [checkpoint])
     from parity_cli.outputs import json_text, write_files
     from parity_cli.report.formats import runtimes_markdown
-    from parity_cli.report.terminal import render_runtimes
+    from parity_cli.report.terminal import render_runtimes, runtime_progress
     from parity_cli.runtimes import table
 
+    def progress(cell, done, total):
+        click.echo(runtime_progress(cell, done, total), err=True)
+
     split = (lambda v: [p.strip() for p in v.split(",") if p.strip()] if v else None)
-    result = table(checkpoint, split(names), split(dtypes), layers=layers, candidate_eps=candidate_eps)
+    result = table(checkpoint, split(names), split(dtypes), progress=progress, layers=layers,
+                   candidate_eps=candidate_eps)
     data = result.as_dict()
     outputs = {}
     if json_path:
@@ -541,7 +548,7 @@ def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdo
         outputs[markdown_path] = runtimes_markdown(data)
     if outputs:
         write_files(outputs)
-    render_runtimes(data, _console())
+    render_runtimes(data, _console(), quiet=quiet)
     return EXIT_PASS if result.passed else EXIT_FAIL
 
 

@@ -602,10 +602,12 @@ def _probes_header(opts, strata, captured_meta, cand_dtype_name: str) -> dict:
     }
 
 
-def check(path: str | Path, options: CheckOptions | None = None, progress=None, **kwargs):
+def check(path: str | Path, options: CheckOptions | None = None, progress=None, torch_baseline=None, **kwargs):
     """Runs the whole check and returns a Report; raises InputError for bad input.
 
-    `progress(done, total, layer_name)` is called before each layer (the CLI's progress bar)."""
+    `progress(done, total, layer_name)` is called before each layer (the CLI's progress bar);
+    `torch_baseline`: the same check's Report with torch as the candidate, where the caller has
+    it (`parity runtimes`), for a runtime candidate's severity (computed here otherwise)."""
     opts = effective(runtime_capture_options(options or CheckOptions(**kwargs)))
     from parity_cli.isolation import supervisor
 
@@ -759,8 +761,53 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         "tolerance": _tolerance_header(opts, tol, grad_tol),
         "probes": _probes_header(opts, strata, captured_meta, cand_dtype_name),
     }
-    return Report(header=header, layers=results, warnings=warnings,
-                  findings=pairing.report_findings if pairing else [])
+    report = Report(header=header, layers=results, warnings=warnings,
+                    findings=pairing.report_findings if pairing else [])
+    if severity_wanted(opts):
+        with_severity(report, torch_baseline or _torch_twin(path, opts, cand_dtype_name), cand_dtype_name)
+    return report
+
+
+def _torch_twin(path, opts: CheckOptions, dtype: str):
+    """The same check with torch eager as the candidate, or None where torch cannot run it."""
+    try:
+        return check(path, torch_options(opts, dtype))
+    except InputError:
+        return None
+
+
+# candidates that are a runtime's own kernels: each failing layer, and the run, read against torch eager
+SEVERITY_CANDIDATES = ("transformers", "onnxruntime", "openvino", "vllm", "llama.cpp", "mlx", "torch.compile",
+                       "executorch")
+
+
+def severity_wanted(opts: CheckOptions) -> bool:
+    """A runtime built-in on the checkpoint's own norms and the stratified probes (a converted copy or
+    a capture has no torch twin on the same rows)."""
+    return (opts.candidate in SEVERITY_CANDIDATES and not opts.candidate_checkpoint and not opts.runtime_capture
+            and not opts.activations)
+
+
+def torch_options(opts: CheckOptions, dtype: str) -> CheckOptions:
+    """The same check with torch eager as the candidate: the same layers, probes, eps and tolerance."""
+    return dataclasses.replace(opts, candidate="torch", candidate_args=None, dtype=dtype, jobs=1, grad=False,
+                               isolation="none", candidate_memory=None)
+
+
+def with_severity(report, baseline, dtype: str) -> None:
+    """Each layer's worst error over torch's at the same dtype (every layer: a passing one's ratio
+    is what a reviewer compares a failing one's with), and the run's, in the candidate's header."""
+    from parity_cli.check import severity
+
+    if baseline is None:
+        report.header["candidate"]["vs_torch_same_dtype"] = None
+        return
+    found = severity.per_layer(report.layers, baseline.layers)
+    for layer in report.layers:
+        if layer.name in found:
+            layer.vs_torch = found[layer.name].as_dict(dtype)
+    whole = severity.overall(found)
+    report.header["candidate"]["vs_torch_same_dtype"] = None if whole is None else whole.as_dict(dtype)
 
 
 def _say(progress, text: str) -> None:

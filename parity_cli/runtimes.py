@@ -34,19 +34,36 @@ RUNTIMES = {
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# what a runtime computes in, shortly, for the table's "runs in" column (describe() says it at length)
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
+
+
 @dataclass
 class Cell:
     runtime: str
     dtype: str
-    verdict: str  # pass, fail, refused, not installed, error
+    verdict: str  # pass, fail, refused, not installed, error, adapter (parity's adapter disagrees with the runtime)
     cause: str = ""
-    worst_over_allowed: float | None = None
+    worst_over_allowed: float | None = None  # over the finite outputs; `nonfinite` says where there were others
     layers: int = 0
     failed: int = 0
     runtime_version: str | None = None
+    nonfinite: bool = False  # some output was inf/NaN where the oracle is finite
+    vs_torch_same_dtype: dict | None = None  # check.severity: the worst error over torch eager's
+    computes_in: str | None = None  # what the runtime really computes in (llama.cpp: f32; OpenVINO: its plugin's)
+    seconds: float | None = None
+
+    @property
+    def ran(self) -> bool:
+        return self.verdict in ("pass", "fail", "error", "adapter")
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        from parity_cli.check.results import jfloat
+
+        out = dict(self.__dict__)
+        if out["worst_over_allowed"] is not None:
+            out["worst_over_allowed"] = jfloat(out["worst_over_allowed"])
+        return out
 
 
 @dataclass
@@ -56,7 +73,7 @@ class Table:
 
     @property
     def passed(self) -> bool:
-        return not any(c.verdict in ("fail", "error") for c in self.cells)
+        return not any(c.verdict in ("fail", "error", "adapter") for c in self.cells)
 
     def as_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "verdict": "pass" if self.passed else "fail",
@@ -70,18 +87,24 @@ def installed(runtime: str) -> bool:
         return False
 
 
-def _worst(data: dict) -> float | None:
-    """The largest |cand - ref| / allowed over every compared stratum of every layer."""
-    best = None
+def _worst(data: dict) -> tuple[float | None, bool]:
+    """(the largest |cand - ref| / allowed over every compared stratum of every layer whose outputs
+    are finite, whether any stratum's candidate went non-finite where the reference did not). A
+    non-finite stratum's worst element may be a finite one: it never stands for the stratum."""
+    best, nonfinite = None, False
     for layer in data["layers"]:
         for s in layer.get("strata", []):
+            counts = s.get("nonfinite") or {}
+            if (counts.get("candidate") or 0) > (counts.get("reference") or 0):
+                nonfinite = True
+                continue
             w = s.get("worst")
             if not isinstance(w, dict) or not all(isinstance(w.get(k), (int, float)) for k in
                                                   ("candidate", "reference", "allowed")) or not w["allowed"]:
                 continue
             ratio = abs(w["candidate"] - w["reference"]) / w["allowed"]
             best = ratio if best is None else max(best, ratio)
-    return best
+    return best, nonfinite
 
 
 # the package a runtime's module is installed from, where it is not the runtime's own name
@@ -96,27 +119,79 @@ def version(runtime: str) -> str | None:
     return None if found is None else found.split("-releases")[0]
 
 
-def cell(path, runtime: str, dtype: str, **options) -> Cell:
-    from parity_cli import pipeline
+def computes_in(runtime: str, dtype: str, candidate: dict | None) -> str:
+    """What the runtime really computes the probes in, shortly: llama.cpp and vLLM upcast to float32
+    whatever the probe dtype; OpenVINO's plugin runs its inference precision (bf16 by default on a
+    CPU with avx512_bf16/AMX); the others compute in the probe's dtype."""
+    ov = (candidate or {}).get("openvino") or {}
+    if ov.get("inference_precision"):
+        return ov["inference_precision"]
+    if runtime in ("llama.cpp", "vllm"):
+        return "f32"
+    return _SHORT.get(dtype, dtype)
+
+
+def _ran(runtime: str, dtype: str, report) -> Cell:
     from parity_cli.report.terminal import quiet_line
 
-    if not installed(runtime):
-        return Cell(runtime, dtype, "not installed", RUNTIMES[runtime][2])
-    try:
-        report = pipeline.check(path, candidate=runtime, dtype=dtype, **options)
-    except InputError as exc:
-        return Cell(runtime, dtype, "refused", str(exc).removeprefix("--candidate ").splitlines()[0])
     data = report.to_dict()
     summary = data["summary"]
     line = quiet_line(data)
+    worst, nonfinite = _worst(data)
     return Cell(runtime, dtype, "pass" if report.passed else "fail",
-                "" if report.passed else line.partition(": ")[2] or line, _worst(data), summary.get("layers", 0),
-                summary.get("failed", 0) + summary.get("errors", 0), version(runtime))
+                "" if report.passed else line.partition(": ")[2] or line, worst, summary.get("layers", 0),
+                summary.get("failed", 0) + summary.get("errors", 0), version(runtime), nonfinite,
+                data["candidate"].get("vs_torch_same_dtype"), computes_in(runtime, dtype, data["candidate"]))
 
 
-def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = None, **options) -> Table:
+def cell(path, runtime: str, dtype: str, torch_baseline=None, **options) -> Cell:
+    """One runtime at one dtype: a whole `parity check --candidate RUNTIME --dtype DTYPE`, read
+    against `torch_baseline` (the same check with torch) where given."""
+    import time
+
+    from parity_cli import pipeline
+
+    if not installed(runtime):
+        return Cell(runtime, dtype, "not installed", RUNTIMES[runtime][2])
+    started = time.monotonic()
+    try:
+        report = torch_baseline if runtime == "torch" and torch_baseline is not None else pipeline.check(
+            path, candidate=runtime, dtype=dtype, torch_baseline=torch_baseline, **options)
+    except InputError as exc:
+        return Cell(runtime, dtype, "refused", str(exc).removeprefix("--candidate ").splitlines()[0],
+                    runtime_version=version(runtime))
+    out = _ran(runtime, dtype, report)
+    out.seconds = time.monotonic() - started
+    return out
+
+
+def _nothing_ran(path, cells: list) -> str:
+    """The one line of a table where no runtime checked anything: each refusal's reason once."""
+    reasons: dict = {}
+    for c in cells:
+        why = f"not installed ({c.cause})" if c.verdict == "not installed" else c.cause or c.verdict
+        reasons.setdefault(why, []).append(f"{c.runtime} {c.dtype}")
+    said = "; ".join(f"{', '.join(who[:3])}{' ...' if len(who) > 3 else ''}: {why}" for why, who in reasons.items())
+    return f"{path}: no runtime checked any layer ({said})"
+
+
+def _baseline(path, dtype: str, options: dict):
+    """torch eager at `dtype` on the same layers and probes: the torch row, and what every other
+    row's severity is read against. None where torch refuses (then the checkpoint's own refusal
+    is each cell's)."""
+    from parity_cli import pipeline
+
+    try:
+        return pipeline.check(path, candidate="torch", dtype=dtype, **options)
+    except InputError:
+        return None
+
+
+def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = None, progress=None,
+          **options) -> Table:
     """Every runtime in `runtimes` (default: all known) at every dtype; the checkpoint's own
-    errors (a bad path, no norm) are the caller's InputError, raised by the first cell."""
+    errors (a bad path, no norm) are the caller's InputError, raised before any runtime runs, and
+    a table where no cell ran is one too. `progress(cell, done, total)` hears each cell as it ends."""
     chosen = list(runtimes or RUNTIMES)
     unknown = [r for r in chosen if r not in RUNTIMES]
     if unknown:
@@ -128,7 +203,14 @@ def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = No
 
     load(path)  # the checkpoint's own faults are one line before any runtime runs
     out = Table(str(path))
-    for runtime in chosen:
-        for dtype in dtypes or DTYPES:
-            out.cells.append(cell(path, runtime, dtype, **options))
+    order = [(runtime, dtype) for dtype in dtypes or DTYPES for runtime in chosen]
+    baselines = {dtype: _baseline(path, dtype, options) for dtype in dtypes or DTYPES}
+    cells = {}
+    for done, (runtime, dtype) in enumerate(order, 1):
+        cells[runtime, dtype] = cell(path, runtime, dtype, baselines[dtype], **options)
+        if progress is not None:
+            progress(cells[runtime, dtype], done, len(order))
+    out.cells = [cells[runtime, dtype] for runtime in chosen for dtype in dtypes or DTYPES]
+    if not any(c.ran for c in out.cells):
+        raise InputError(_nothing_ran(path, out.cells))
     return out

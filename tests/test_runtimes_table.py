@@ -53,9 +53,21 @@ def test_a_kind_a_runtime_has_no_kernel_for_is_refused_not_failed(ckpt, tmp_path
 
 def test_a_runtime_not_installed_is_listed_with_its_install_command(ckpt, monkeypatch):
     monkeypatch.setattr(runtimes, "installed", lambda name: name != "openvino")
-    table = runtimes.table(ckpt("llama", layers=1, eps=1e-6), ["openvino"], ["float32"])
-    (c,) = table.cells
+    table = runtimes.table(ckpt("llama", layers=1, eps=1e-6), ["torch", "openvino"], ["float32"])
+    torch_cell, c = table.cells
     assert c.verdict == "not installed" and c.cause == "pip install openvino" and table.passed
+    assert torch_cell.verdict == "pass"
+
+
+def test_a_table_where_nothing_ran_is_not_a_pass(ckpt, monkeypatch):
+    """Issue 46: every cell absent or refused is exit 2 with the reason, never "PASS: all 0"."""
+    monkeypatch.setattr(runtimes, "installed", lambda name: name != "openvino")
+    r = run_parity("runtimes", ckpt("llama", layers=1, eps=1e-6), "--runtimes", "openvino", "--dtypes", "float32")
+    # the cell's progress line, then the one error line; no traceback
+    assert r.returncode == 2 and r.stderr.splitlines()[0] == "[1/1] openvino float32: not installed", r.stderr
+    assert len(r.stderr.splitlines()) == 2 and "Traceback" not in r.stderr
+    assert "no runtime checked any layer (openvino float32: not installed (pip install openvino))" in r.stderr
+    assert "PASS" not in r.stdout
 
 
 def test_bad_input_is_one_line(ckpt, tmp_path):
@@ -75,3 +87,72 @@ def test_a_gemma3_gguf_gets_a_row_per_runtime_and_dtype(ckpt, tmp_path):
     table = runtimes.table(gguf, asked, ["float32"])
     assert [(c.runtime, c.verdict) for c in table.cells] == [(r, "pass") for r in asked]
     assert all(c.layers == 7 for c in table.cells)  # 6 norms a Gemma 3 block and the final one
+
+
+def test_the_table_fits_80_columns_with_each_cause_once_below_it(ckpt, tmp_path):
+    """Issue 46: readable at 80 columns, no token split, the long cause below the table, a progress
+    line a cell on stderr, and -q leaves the verdict line alone."""
+    src = ckpt("llama", layers=1, eps=1e-6)
+    args = ("runtimes", src, "--runtimes", "torch,onnxruntime", "--dtypes", "float32,bfloat16", "--candidate-eps",
+            "1e-5")
+    r = run_parity(*args, env={"COLUMNS": "80"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    # every line but the verdict, which stays one line for a CI log's grep
+    assert all(len(line) <= 80 for line in lines[:-1]), "\n".join(line for line in lines if len(line) > 80)
+    rows = [line for line in lines if line.startswith(("torch ", "onnxruntime "))]
+    assert len(rows) == 4 and all(" fail 3/3 [1]" in row for row in rows), rows
+    # the one cause, whole, once, numbered below the table; the verdict last
+    notes = [line for line in lines if line.startswith("[1] ")]
+    assert len(notes) == 1 and notes[0].startswith("[1] 3 of 3 layers: eps_mismatch"), lines
+    assert lines[-1] == ("FAIL: 4 of 4 runtime checks: torch float32, torch bfloat16, onnxruntime float32, "
+                         "onnxruntime bfloat16")
+    assert [line.partition(":")[0] for line in r.stderr.splitlines()] == [
+        "[1/4] torch float32", "[2/4] onnxruntime float32", "[3/4] torch bfloat16", "[4/4] onnxruntime bfloat16"]
+    q = run_parity(*args, "-q")
+    assert q.returncode == 1 and q.stdout.splitlines() == [lines[-1]]
+
+
+def _stratum(name, err, nonfinite=0):
+    from parity_cli.comparison import StratumResult
+
+    return StratumResult(name, "fail" if nonfinite else "pass", 4, (1.0, 1.0), (1.0, 1.0), max_abs_err=err,
+                         nonfinite_candidate=nonfinite)
+
+
+def _layer(*strata):
+    from parity_cli.check.results import LayerResult
+
+    return LayerResult("model.norm", "rms_norm", 4, {}, {}, list(strata))
+
+
+def test_severity_is_the_worst_error_over_torchs_on_the_finite_strata():
+    """The ratio of the largest |cand - ref| to torch's on the same strata: 0.03 / 0.01 = 3; a stratum
+    where the runtime went non-finite is said, not folded into a number."""
+    from parity_cli.check import severity
+
+    cand = _layer(_stratum("normal", 0.03), _stratum("large", 0.02))
+    base = _layer(_stratum("normal", 0.01), _stratum("large", 0.005))
+    found = severity.per_layer([cand], [base])["model.norm"]
+    assert found.ratio == pytest.approx(3.0) and found.words("bfloat16") == "3x torch bf16"
+    broken = _layer(_stratum("normal", 0.03), _stratum("large", float("inf"), nonfinite=2))
+    found = severity.per_layer([broken], [base])["model.norm"]
+    assert found.nonfinite and found.ratio == pytest.approx(3.0)
+    assert found.words("float16") == "3x torch f16, non-finite"
+    nothing = severity.per_layer([_layer(_stratum("normal", float("nan"), nonfinite=4))], [base])["model.norm"]
+    assert nothing.ratio is None and nothing.words("float16") == "non-finite"
+    assert severity.Severity(2800 * 1e-3, 1e-3).words("float16") == "2,800x torch f16"
+
+
+def test_a_non_finite_cell_is_shown_as_non_finite_never_as_a_ratio_below_one():
+    """ConvNeXt's final LayerNorm on ExecuTorch float32: NaN outputs whose stratum's worst element
+    is a finite one (0.0996 of its allowance) must not read as a pass-sized ratio."""
+    data = {"layers": [{"strata": [
+        {"nonfinite": {"reference": 0, "candidate": 3},
+         "worst": {"candidate": 0.10, "reference": 0.0, "allowed": 1.004}},
+        {"nonfinite": {"reference": 0, "candidate": 0},
+         "worst": {"candidate": 0.5, "reference": 0.25, "allowed": 0.5}}]}]}
+    assert runtimes._worst(data) == (0.5, True)
+    from parity_cli.report.terminal import _worst_cell
+
+    assert _worst_cell({"nonfinite": True, "worst_over_allowed": 0.0996}) == "non-finite"

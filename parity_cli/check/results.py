@@ -63,6 +63,7 @@ class LayerResult:
     runtime_node: dict | None = None  # --runtime-capture: the runtime's node this layer's rows came from
     tower: str = "main"  # the part of a multimodal model the norm serves (model.layers.tower_of)
     statistics: dict | None = None  # batch_norm: the smallest running_var / eps (check.layer.running_summary)
+    vs_torch: dict | None = None  # a runtime candidate's worst error over torch eager's (check.severity)
 
     @property
     def status(self) -> str:
@@ -172,4 +173,5 @@ def _layer_dict(layer: LayerResult) -> dict:
         "captured": _jsonable(layer.captured),
         **({"runtime_node": _jsonable(layer.runtime_node)} if layer.runtime_node else {}),
         "statistics": _jsonable(layer.statistics),
+        **({"vs_torch_same_dtype": layer.vs_torch} if layer.vs_torch else {}),
     }

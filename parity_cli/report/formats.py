@@ -267,15 +267,21 @@ def _ratio(value) -> str:
 
 
 def runtimes_markdown(data: dict) -> str:
-    """`parity runtimes`' table as Markdown: a row a runtime and dtype, the verdict, the cause and the
-    worst element's distance past its allowance."""
+    """`parity runtimes`' table as Markdown: a row a runtime and dtype, what it computes in, the
+    verdict, the worst element's distance past its allowance, the worst error over torch eager's at
+    the same dtype, and the cause."""
     data = printable_tree(data)
     lines = [f"# Runtimes for {_code(data['checkpoint'])}", "",
              f"Verdict: **{data['verdict'].upper()}** (a failing cell fails it; refused and not installed do not)", "",
-             "| runtime | version | dtype | verdict | layers failing | worst/allowed | cause |",
-             "|---|---|---|---|---:|---:|---|"]
+             "*vs torch*: the cell's worst error over torch eager's at the same dtype on the same probes "
+             "(about 1x: a rounding order; 1000x and more: a kernel that computes something else).", "",
+             "| runtime | version | dtype | runs in | verdict | layers failing | worst/allowed | vs torch | cause |",
+             "|---|---|---|---|---|---:|---:|---:|---|"]
     for c in data["cells"]:
         failing = f"{c['failed']} of {c['layers']}" if c["layers"] else ""
+        worst = "non-finite" if c.get("nonfinite") else _ratio(c.get("worst_over_allowed"))
+        severity = (c.get("vs_torch_same_dtype") or {}).get("words") or ""
         lines.append(f"| {_cell(c['runtime'])} | {_cell(c.get('runtime_version') or '')} | {c['dtype']} | "
-                     f"{c['verdict']} | {failing} | {_ratio(c.get('worst_over_allowed'))} | {_cell(c['cause'])} |")
+                     f"{_cell(c.get('computes_in') or '')} | {c['verdict']} | {failing} | {worst} | "
+                     f"{_cell(severity)} | {_cell(c['cause'])} |")
     return "\n".join(lines) + "\n"

@@ -627,34 +627,78 @@ def render_inspect(info: dict, console, verbose: bool = False) -> None:
         _print(console, wrap(f"[yellow]warning:[/] {_e(warning)}", width))
 
 
-RUNTIME_COLOURS = {"pass": "green", "fail": "red", "error": "magenta", "refused": "yellow", "not installed": "dim"}
+RUNTIME_COLOURS = {"pass": "green", "fail": "red", "error": "magenta", "refused": "yellow", "not installed": "dim",
+                   "adapter": "magenta"}
+_SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
 
 
-def render_runtimes(data: dict, console) -> None:
-    """`parity runtimes`: a row a runtime and dtype, the cause where it fails or is refused, and
-    the verdict last (what a CI log shows)."""
+def runtime_notes(cells: list) -> dict:
+    """{cause: its footnote number}: each cause of a failing, refused or absent cell once, in the
+    table's order, so that the table stays narrow and the words stay whole below it."""
+    notes: dict = {}
+    for c in cells:
+        if c["verdict"] != "pass" and c.get("cause"):
+            notes.setdefault(c["cause"], len(notes) + 1)
+    return notes
+
+
+def _vs_torch(c: dict) -> str:
+    if c["runtime"] == "torch" and c["verdict"] in ("pass", "fail"):
+        return "baseline"
+    sev = c.get("vs_torch_same_dtype") or {}
+    ratio = unjfloat(sev.get("ratio"))
+    if ratio is None:
+        return "-"
+    words = sev.get("words") or ""
+    return words.partition(" torch")[0] if "x torch" in words else fmt(ratio) + "x"
+
+
+def _worst_cell(c: dict) -> str:
+    if c.get("nonfinite"):
+        return "non-finite"
+    return "" if c.get("worst_over_allowed") is None else fmt(c["worst_over_allowed"])
+
+
+def render_runtimes(data: dict, console, quiet: bool = False) -> None:
+    """`parity runtimes`: a row a runtime and dtype, narrow enough for 80 columns (each cause once,
+    numbered, below the table), and the verdict last (what a CI log shows)."""
     from rich.table import Table
 
     data = printable_tree(data)
-    table = Table(show_edge=False, header_style="bold", pad_edge=False)
-    for col, justify in (("runtime", "left"), ("dtype", "left"), ("verdict", "left"), ("failing", "right"),
-                         ("worst/allowed", "right"), ("cause", "left")):
-        table.add_column(col, justify=justify, overflow="fold", no_wrap=col in ("dtype", "verdict"))
-    for c in data["cells"]:
-        colour = RUNTIME_COLOURS.get(c["verdict"], "")
-        failing = f"{c['failed']} of {c['layers']}" if c["layers"] else ""
-        worst = "" if c.get("worst_over_allowed") is None else fmt(c["worst_over_allowed"]) + "x"
-        who = c["runtime"] + (f" ({c['runtime_version']})" if c.get("runtime_version") else "")
-        table.add_row(_e(who), c["dtype"], f"[{colour}]{_e(c['verdict'])}[/]", failing, worst, _e(c["cause"]))
-    console.print(f"[bold]{_e(data['checkpoint'])}[/]: one check a runtime and dtype", soft_wrap=True)
-    console.print(table)
-    bad = [c for c in data["cells"] if c["verdict"] in ("fail", "error")]
-    ran = [c for c in data["cells"] if c["verdict"] in ("pass", "fail", "error")]
+    cells = data["cells"]
+    if not quiet:
+        notes = runtime_notes(cells)
+        table = Table(show_edge=False, header_style="bold", pad_edge=False, box=None)
+        for col, justify in (("runtime", "left"), ("dtype", "left"), ("runs in", "left"), ("verdict", "left"),
+                             ("worst/\nallowed", "right"), ("vs torch", "right")):
+            table.add_column(col, justify=justify, no_wrap=col != "runtime", overflow="ellipsis")
+        for c in cells:
+            colour = RUNTIME_COLOURS.get(c["verdict"], "")
+            note = f" [{notes[c['cause']]}]" if c.get("cause") in notes else ""
+            failing = f" {c['failed']}/{c['layers']}" if c["verdict"] == "fail" and c["layers"] else ""
+            version = (c.get("runtime_version") or "").rpartition(" ")[2]  # "xllamacpp 2026.10.1": the number
+            who = c["runtime"] + (f" {version}" if version else "")
+            table.add_row(_e(who), c["dtype"], _e(c.get("computes_in") or "-"),
+                          f"[{colour}]{_e(c['verdict'])}[/]{failing}{_e(note)}", _worst_cell(c), _vs_torch(c))
+        console.print(f"[bold]{_e(data['checkpoint'])}[/]: one check a runtime and dtype; worst/allowed: the worst "
+                      "error over its allowance; vs torch: the worst error over torch eager's at the same dtype "
+                      "(about 1x: rounding order; 1000x and more: a broken kernel)")
+        console.print(table)
+        for cause, number in notes.items():
+            console.print(f"[{number}] {cause}", markup=False, highlight=False)
+    bad = [c for c in cells if c["verdict"] in ("fail", "error", "adapter")]
+    ran = [c for c in cells if c["verdict"] in ("pass", "fail", "error", "adapter")]
     if bad:
         line = f"FAIL: {len(bad)} of {len(ran)} runtime checks: " + ", ".join(f"{c['runtime']} {c['dtype']}" for c in bad)
     else:
         line = f"PASS: all {len(ran)} runtime checks"
     console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def runtime_progress(cell, done: int, total: int) -> str:
+    """The stderr line of one finished cell (a terminal or a pipe alike: one plain line each)."""
+    took = "" if cell.seconds is None else f" ({cell.seconds:.1f} s)"
+    return f"[{done}/{total}] {cell.runtime} {cell.dtype}: {cell.verdict}{took}"
 
 
 def render_fused(data: dict, console) -> None:
