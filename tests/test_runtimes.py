@@ -238,6 +238,11 @@ def test_executorch_layer_norm_at_half_is_wrong_from_256_elements(ckpt):
     assert not report.passed
     # each failing row is exactly (x - m') / sqrt(v' + eps) with statistics that are not the row's
     assert [[d.code for d in layer.diagnoses] for layer in report.layers] == [["row_statistics_wrong"]]
+    # a broken kernel, not a rounding order: thousands of times torch eager's float16 error on the same probes
+    # (whole units against torch's ~1e-3 at |y| of a few units)
+    severity = report.to_dict()["candidate"]["vs_torch_same_dtype"]
+    assert severity["ratio"] > 1000 and severity["candidate_max_abs_err"] > 0.5, severity
+    assert report.layers[0].vs_torch["ratio"] > 1000
 
 
 RUNTIME_WRAPPERS = __import__("pathlib").Path(__file__).resolve().parent / "plugins" / "runtime_wrappers.py"

@@ -391,6 +391,14 @@ def captured_line(layers: list[dict]) -> str | None:
     return text
 
 
+def severity_cell(sev: dict | None) -> str:
+    """"1.9x", "9,880x, non-finite", "non-finite": check.severity's words without the dtype the
+    header already names."""
+    words = (sev or {}).get("words") or "-"
+    head, _, rest = words.partition(" torch ")
+    return head + (", non-finite" if "non-finite" in rest else "") if rest else words
+
+
 def layer_table(d: dict, width: int) -> list:
     colours = {"pass": "green", "fail": "red", "error": "magenta"}
     # "worst/allowed" is the pass rule itself (<= 1 passes): a relative error column read as the
@@ -399,6 +407,10 @@ def layer_table(d: dict, width: int) -> list:
                Column("failing strata", "fails"), Column("worst/allowed", "worst/allowed", right=True),
                Column("max abs err", "abs err", right=True, optional=True),
                Column("q/eps (failing)", "q/eps", optional=True)]
+    # a runtime candidate's error over torch eager's at the same dtype (check.severity): rounding or a broken kernel
+    severity = any(layer.get("vs_torch_same_dtype") for layer in d["layers"])
+    if severity:
+        columns.insert(5, Column("vs torch", "vs torch", right=True))
     rows = []
     for layer in d["layers"]:
         strata = layer["strata"] + layer.get("grad", [])
@@ -415,6 +427,8 @@ def layer_table(d: dict, width: int) -> list:
             fmt(worst(s["max_abs_err"] for s in finite)),  # '-' when nothing was compared, never a 0
             "-" if qmin is None else f"{fmt(qmin)}..{fmt(qmax)}",
         ])
+        if severity:
+            rows[-1].insert(5, severity_cell(layer.get("vs_torch_same_dtype")))
     return table(columns, rows, width)
 
 
@@ -645,12 +659,7 @@ def runtime_notes(cells: list) -> dict:
 def _vs_torch(c: dict) -> str:
     if c["runtime"] == "torch" and c["verdict"] in ("pass", "fail"):
         return "baseline"
-    sev = c.get("vs_torch_same_dtype") or {}
-    ratio = unjfloat(sev.get("ratio"))
-    if ratio is None:
-        return "-"
-    words = sev.get("words") or ""
-    return words.partition(" torch")[0] if "x torch" in words else fmt(ratio) + "x"
+    return severity_cell(c.get("vs_torch_same_dtype")).replace(", non-finite", "")  # worst/allowed says it
 
 
 def _worst_cell(c: dict) -> str:
