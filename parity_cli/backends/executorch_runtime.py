@@ -24,12 +24,16 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from parity_cli.backends import distribution_version
+from parity_cli.backends import Runtime, distribution_version
 from parity_cli.errors import InputError
 
 NAME = "executorch"
 INSTALL = ("pip install --no-deps executorch==1.5.1 'torchao>=0.18,<0.19' && pip install flatbuffers "
            "ruamel.yaml pyyaml tabulate (its wheel pins an older torch; --no-deps keeps yours)")
+RUNTIME = Runtime(
+    "executorch", "the family's module class exported with torch.export, lowered to the XNNPACK delegate and run by "
+    "the ExecuTorch runtime", package="executorch", install=INSTALL, needs="the ExecuTorch runtime",
+    public="torch.export + to_edge_transform_and_lower(XNNPACK), run by executorch.runtime", order=80)
 DTYPES = ("float32", "bfloat16", "float16")
 _PROGRAMS: dict = {}
 _KEEP: list = []

@@ -20,11 +20,15 @@ import importlib.util
 import os
 from pathlib import Path
 
-from parity_cli.backends import distribution_version
+from parity_cli.backends import Runtime, distribution_version
 from parity_cli.errors import InputError
 
 NAME = "llama.cpp"
 INSTALL = "pip install --no-deps xllamacpp (a prebuilt llama.cpp whose ggml symbols parity calls)"
+RUNTIME = Runtime(
+    "llama.cpp", "llama.cpp's ggml CPU kernels, the graph its build_norm makes (ggml_rms_norm or ggml_norm, ggml_mul, "
+    "ggml_add) in F32 activations", package="xllamacpp", install=INSTALL, distributions=("xllamacpp",),
+    needs="llama.cpp's ggml kernels", order=50)
 KINDS = ("rms_norm", "layer_norm")
 _LIB: list = []
 
@@ -48,6 +52,11 @@ def library() -> Path:
 
 def version() -> str | None:
     return distribution_version("xllamacpp")
+
+
+def computes_in(dtype: str, info: dict | None) -> str:
+    """float32 whatever the probe's dtype: the kernel upcasts, and rounds back once at the end."""
+    return "f32"
 
 
 def describe(device: str = "cpu") -> dict:

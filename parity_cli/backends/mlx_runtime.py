@@ -13,10 +13,15 @@ float32 accumulation inside its fast kernels."""
 
 from __future__ import annotations
 
+from parity_cli.backends import Runtime
 from parity_cli.errors import InputError
 
 NAME = "mlx"
 INSTALL = 'pip install mlx mlx-cpu (Linux; on Apple silicon: pip install mlx)'
+RUNTIME = Runtime(
+    "mlx", "MLX's kernels as mlx-lm builds the norm (mx.fast.rms_norm, mx.fast.layer_norm, mlx.nn.GroupNorm, "
+    "mlx.nn.BatchNorm; mlx[cpu] on Linux)", package="mlx", install=INSTALL, extra="mlx",
+    public="mlx.nn's norm modules", order=60)
 KINDS = ("rms_norm", "layer_norm", "group_norm", "batch_norm")
 
 

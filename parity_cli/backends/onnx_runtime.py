@@ -15,7 +15,15 @@ compute=float32 (cast in and out, for a dtype the execution provider has no kern
 
 from __future__ import annotations
 
+from parity_cli.backends import Runtime
 from parity_cli.errors import InputError
+
+RUNTIME = Runtime(
+    "onnxruntime", "the family's norm as an ONNX graph (RMSNormalization-23 or decomposed, LayerNormalization-17, "
+    "BatchNormalization, GroupNormalization) in ONNX Runtime's CPU provider; --candidate-arg op=fused|decomposed, "
+    "compute=float32", package="onnxruntime", install="pip install onnx onnxruntime", requires=("onnx", "onnxruntime"),
+    extra="onnx", args={"op": ("auto", "fused", "decomposed"), "compute": ("float32",)},
+    public="torch.onnx.export of the module, run by an InferenceSession", order=20)
 
 OPS = ("auto", "fused", "decomposed")
 _SESSIONS: dict = {}

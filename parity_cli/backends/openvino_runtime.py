@@ -26,7 +26,16 @@ from __future__ import annotations
 
 import hashlib
 
+from parity_cli.backends import Runtime
 from parity_cli.errors import InputError
+
+RUNTIME = Runtime(
+    "openvino", "the family's norm as an OpenVINO model (decomposed RMS pattern, MVN-6 for LayerNorm) compiled on its "
+    "CPU plugin; --candidate-arg precision=f32|bf16|f16, form=decomposed|mvn, eps_mode=inside_sqrt|outside_sqrt",
+    package="openvino", install="pip install openvino", extra="openvino",
+    args={"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
+          "eps_mode": ("inside_sqrt", "outside_sqrt")},
+    public="ov.convert_model of the module, compiled on the CPU plugin", header="openvino", order=30)
 from parity_cli.sources.openvino_ir import program_parts
 
 PRECISIONS = ("f32", "bf16", "f16")
@@ -135,6 +144,17 @@ def precision_note(info: dict) -> str | None:
         return (f"openvino: the {info['device']} plugin computes at {running} ({why}): every op rounds to {running}; "
                 "--candidate-arg precision=f32 checks the kernels at full precision")
     return None
+
+
+def notes(info: dict) -> list:
+    """The report's warnings of what describe() found: the precision the plugin really runs."""
+    note = precision_note(info)
+    return [note] if note else []
+
+
+def computes_in(dtype: str, info: dict | None) -> str:
+    """The plugin's inference precision: what every op rounds to, whatever the probe's dtype."""
+    return (info or {}).get("inference_precision") or {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
 
 
 def _type_name(t) -> str:

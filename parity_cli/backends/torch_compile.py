@@ -12,7 +12,14 @@ for another width in the same process); inductor's on-disk cache serves the next
 
 from __future__ import annotations
 
+from parity_cli.backends import Runtime
+
 NAME = "torch.compile"
+RUNTIME = Runtime(
+    "torch.compile", "the family's module class (else the hf transcription) compiled by torch.compile with inductor "
+    "(generated C++ on CPU, Triton on CUDA), dynamic shapes; seconds to compile each width and dtype", package="torch",
+    install="pip install torch", distributions=("torch",), public="torch.compile of the module, default options",
+    order=70)
 _COMPILED: dict = {}
 
 

