@@ -521,12 +521,16 @@ def _run_fused(checkpoint, candidate, args: dict, dtype, layers, candidate_eps, 
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the table as JSON.")
 @click.option("--markdown", "markdown_path", default=None, type=click.Path(dir_okay=False),
               help="Write the table as Markdown (a deployment review's page).")
+@click.option("--isolation", type=click.Choice(["auto", "process", "none"]), default="auto", show_default=True,
+              help="Where each runtime runs, as for `parity check`: auto (its own supervised process where it is "
+                   "not torch), process, or none (in this process).")
 @click.option("--quiet", "-q", is_flag=True, help="Only the verdict line (and the progress lines on stderr).")
-def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdown_path, quiet):
+def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdown_path, isolation, quiet):
     """One table across every installed runtime: runtime x dtype -> verdict, worst/allowed, and the
     worst error over torch eager's at the same dtype (about 1x: rounding order; 1000x: a broken
     kernel). Each cell is `parity check --candidate RUNTIME --dtype DTYPE`; a line a cell on stderr
-    as it ends; exit 1 where any cell fails, 2 where none could run."""
+    as it ends; exit 1 where any cell fails, 2 where none could run or where parity's adapter of a
+    runtime disagrees with the runtime's own public path (an `adapter` cell: parity's fault)."""
     json_path = _check_output_target(json_path, [checkpoint])
     markdown_path = _check_output_target(markdown_path, [checkpoint])
     from parity_cli.outputs import json_text, write_files
@@ -539,7 +543,7 @@ def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdo
 
     split = (lambda v: [p.strip() for p in v.split(",") if p.strip()] if v else None)
     result = table(checkpoint, split(names), split(dtypes), progress=progress, layers=layers,
-                   candidate_eps=candidate_eps)
+                   candidate_eps=candidate_eps, isolation=isolation)
     data = result.as_dict()
     outputs = {}
     if json_path:
@@ -549,6 +553,8 @@ def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdo
     if outputs:
         write_files(outputs)
     render_runtimes(data, _console(), quiet=quiet)
+    if any(c.verdict == "adapter" for c in result.cells):  # parity's own fault outranks any verdict: exit 2
+        return EXIT_INPUT
     return EXIT_PASS if result.passed else EXIT_FAIL
 
 

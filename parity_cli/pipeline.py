@@ -10,7 +10,7 @@ from pathlib import Path
 from parity_cli import __version__
 from parity_cli.check import parallel
 from parity_cli.check.parallel import resolve_jobs
-from parity_cli.errors import InputError
+from parity_cli.errors import AdapterError, InputError
 from parity_cli.model.families import family_choice
 from parity_cli.model.fingerprint import fingerprint
 from parity_cli.model.installed import installed_version
@@ -754,7 +754,74 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                     findings=pairing.report_findings if pairing else [])
     if severity_wanted(opts):
         with_severity(report, torch_baseline or _torch_twin(path, opts, cand_dtype_name), cand_dtype_name)
+        disagreement = self_check(path, opts, report)
+        if disagreement:
+            raise AdapterError(disagreement)
     return report
+
+
+SUSPECT_TIMES_ALLOWED = 1e3  # a failure this far past its allowance is checked against the runtime's own path
+
+
+def suspect(report):
+    """The first failing layer a red cell must not be trusted on without a second look: one that
+    raised, went non-finite, missed by more than 1e3x its allowance, or that no cause explains."""
+    from parity_cli.check.severity import layer_error
+
+    for layer in report.layers:
+        if layer.passed:
+            continue
+        worst = max((abs(s.worst.candidate - s.worst.reference) / s.worst.allowed for s in layer.strata
+                     if s.worst is not None and s.worst.allowed), default=0.0)
+        if (layer.error is not None or layer_error(layer)[1] or not worst < SUSPECT_TIMES_ALLOWED
+                or any(d.code == "unexplained" for d in layer.diagnoses)):
+            return layer
+    return None
+
+
+def _layer_words(layer) -> str:
+    from parity_cli.check.severity import layer_error
+
+    if layer.error is not None:
+        return f"an error ({layer.error[:120]})"
+    codes = [d.code for d in layer.diagnoses]
+    nonfinite = ", non-finite" if layer_error(layer)[1] else ""
+    return layer.status + (f" ({', '.join(codes)}{nonfinite})" if codes else nonfinite)
+
+
+def self_check(path, opts: CheckOptions, report) -> str | None:
+    """A suspect failure of a runtime candidate rerun through the runtime's own public path
+    (NAME@public: what a deployment runs, built apart from parity's adapter) on that one layer and
+    the same probes. None where the two agree (the failure is the runtime's) or there is nothing to
+    rerun; else the line that says parity's adapter is wrong."""
+    from parity_cli.backends import runtime
+    from parity_cli.backends.implementations import BUILTINS, PUBLIC
+
+    module = runtime(opts.candidate or "")
+    public = f"{opts.candidate}{PUBLIC}"
+    layer = suspect(report) if module is not None and public in BUILTINS else None
+    if layer is None:
+        return None
+    exact = "".join(f"[{c}]" if c in "*?[]" else c for c in layer.name)  # --layers is a glob: this name alone
+    try:
+        twin = check(path, dataclasses.replace(opts, candidate=public, candidate_args=None, layers=exact, jobs=1))
+    except InputError:  # the public path cannot build this layer: no second opinion to give
+        return None
+    theirs = next((t for t in twin.layers if t.name == layer.name), None)
+    if theirs is None or _agree(layer, theirs):
+        return None
+    return (f"parity's {opts.candidate} adapter disagrees with {module.RUNTIME.public} on {layer.name}: the adapter "
+            f"gives {_layer_words(layer)}, the runtime's own path {_layer_words(theirs)}; the fault is parity's, not "
+            f"{opts.candidate}'s")
+
+
+def _agree(ours, theirs) -> bool:
+    from parity_cli.check.severity import layer_error
+
+    def said(layer):
+        return (layer.status, layer.error is not None, layer_error(layer)[1], sorted(d.code for d in layer.diagnoses))
+
+    return said(ours) == said(theirs)
 
 
 def _torch_twin(path, opts: CheckOptions, dtype: str):

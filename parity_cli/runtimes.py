@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
-from parity_cli.errors import InputError
+from parity_cli.errors import AdapterError, InputError
 
 # the rows before the registered runtimes: torch eager (the baseline every other row is read against)
 # and the model's own transformers class; then every runtime file of parity_cli.backends, in its order
@@ -155,6 +155,8 @@ def cell(path, runtime: str, dtype: str, torch_baseline=None, **options) -> Cell
     try:
         report = torch_baseline if runtime == "torch" and torch_baseline is not None else pipeline.check(
             path, candidate=runtime, dtype=dtype, torch_baseline=torch_baseline, **options)
+    except AdapterError as exc:  # parity's adapter and the runtime's own path disagree: parity's fault
+        return Cell(runtime, dtype, "adapter", str(exc), runtime_version=version(runtime))
     except InputError as exc:
         return Cell(runtime, dtype, "refused", str(exc).removeprefix("--candidate ").splitlines()[0],
                     runtime_version=version(runtime))

@@ -503,11 +503,17 @@ BUILTINS = {
     "transformers": Implementation("transformers", "built-in", _transformers,
                                    "the family's own transformers module class (needs transformers)"),
 }
+PUBLIC = "@public"  # NAME@public: the runtime through its own public path (its differential twin)
 for _name, _module in registered().items():  # every runtime file under backends/, in table order
     BUILTINS[_name] = _runtime_builtin(_name, _module)
     OPTIONAL_DEPENDENCIES[_name] = (_module.RUNTIME.requires or (_module.RUNTIME.package,), _module.RUNTIME.extra)
     if _module.RUNTIME.args:
         BUILTIN_ARGS[_name] = dict(_module.RUNTIME.args)
+    if getattr(_module, "public_path", None) is not None:
+        BUILTINS[_name + PUBLIC] = Implementation(
+            _name + PUBLIC, "built-in", _module.public_path,
+            f"{_name} through its own public path, apart from parity's adapter: {_module.RUNTIME.public}")
+        OPTIONAL_DEPENDENCIES[_name + PUBLIC] = OPTIONAL_DEPENDENCIES[_name]
 
 
 # --- plugins: MODULE:ATTR or path/to/file.py:ATTR ------------------------------------------

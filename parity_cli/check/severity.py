@@ -63,6 +63,16 @@ def _went_nonfinite(s) -> bool:
         math.isinf(float(s.max_abs_err))
 
 
+def layer_error(layer) -> tuple[float, bool]:
+    """(the largest |cand - ref| of the strata where the candidate is finite, whether it went
+    non-finite in another); (nan, False) for a layer that raised."""
+    strata = [s for s in layer.strata if s.status != "error"]
+    if layer.error is not None or not strata:
+        return math.nan, False
+    finite = [float(s.max_abs_err) for s in strata if not _went_nonfinite(s)]
+    return max(finite, default=math.nan), len(finite) < len(strata)
+
+
 def compare(layer, base) -> Severity | None:
     """A layer's Severity against torch's result for the same layer: the largest |cand - ref| of
     the strata where the candidate is finite, over torch's largest on those strata. None where

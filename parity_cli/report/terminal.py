@@ -697,7 +697,11 @@ def render_runtimes(data: dict, console, quiet: bool = False) -> None:
             console.print(f"[{number}] {cause}", markup=False, highlight=False)
     bad = [c for c in cells if c["verdict"] in ("fail", "error", "adapter")]
     ran = [c for c in cells if c["verdict"] in ("pass", "fail", "error", "adapter")]
-    if bad:
+    ours = [c for c in cells if c["verdict"] == "adapter"]
+    if ours:  # parity's fault first: no runtime verdict stands on an adapter that disagrees with the runtime
+        line = (f"ERROR: parity's adapter disagrees with the runtime's own path in {len(ours)} of {len(ran)} runtime "
+                "checks: " + ", ".join(f"{c['runtime']} {c['dtype']}" for c in ours))
+    elif bad:
         line = f"FAIL: {len(bad)} of {len(ran)} runtime checks: " + ", ".join(f"{c['runtime']} {c['dtype']}" for c in bad)
     else:
         line = f"PASS: all {len(ran)} runtime checks"
