@@ -773,7 +773,8 @@ def suspect(report):
             continue
         worst = max((abs(s.worst.candidate - s.worst.reference) / s.worst.allowed for s in layer.strata
                      if s.worst is not None and s.worst.allowed), default=0.0)
-        if (layer.error is not None or layer_error(layer)[1] or not worst < SUSPECT_TIMES_ALLOWED
+        errored = layer.error is not None or any(s.status == "error" for s in layer.strata)
+        if (errored or layer_error(layer)[1] or not worst < SUSPECT_TIMES_ALLOWED
                 or any(d.code == "unexplained" for d in layer.diagnoses)):
             return layer
     return None
@@ -782,8 +783,9 @@ def suspect(report):
 def _layer_words(layer) -> str:
     from parity_cli.check.severity import layer_error
 
-    if layer.error is not None:
-        return f"an error ({layer.error[:120]})"
+    error = layer.error or next((f"{s.name}: {s.error}" for s in layer.strata if s.error), None)
+    if error is not None:
+        return f"an error ({error[:120]})"
     codes = [d.code for d in layer.diagnoses]
     nonfinite = ", non-finite" if layer_error(layer)[1] else ""
     return layer.status + (f" ({', '.join(codes)}{nonfinite})" if codes else nonfinite)
@@ -819,7 +821,8 @@ def _agree(ours, theirs) -> bool:
     from parity_cli.check.severity import layer_error
 
     def said(layer):
-        return (layer.status, layer.error is not None, layer_error(layer)[1], sorted(d.code for d in layer.diagnoses))
+        errored = layer.error is not None or any(s.status == "error" for s in layer.strata)
+        return (layer.status, errored, layer_error(layer)[1], sorted(d.code for d in layer.diagnoses))
 
     return said(ours) == said(theirs)
 

@@ -165,6 +165,15 @@ def cell(path, runtime: str, dtype: str, torch_baseline=None, **options) -> Cell
     return out
 
 
+def _cpus() -> int:
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
 def _nothing_ran(path, cells: list) -> str:
     """The one line of a table where no runtime checked anything: each refusal's reason once."""
     reasons: dict = {}
@@ -187,6 +196,60 @@ def _baseline(path, dtype: str, options: dict):
         return None
 
 
+def cells_of(send, path, runtime: str, dtypes: list, options: dict) -> None:
+    """A runtime's cells, one dtype after another, in one process (supervisor.Task): its import,
+    its compiled programs and the self-check's public path shared across its dtypes. The process is
+    the isolation: the checks inside it run in it."""
+    import torch
+
+    torch.set_num_threads(1)
+    for dtype in dtypes:
+        try:
+            found = cell(path, runtime, dtype, **{**options, "isolation": "none"})
+        except Exception as exc:  # a Python exception the check did not make a finding: the cell's error
+            found = Cell(runtime, dtype, "error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+                         runtime_version=version(runtime))
+        send(found)
+
+
+def _warm_cells(path, chosen: list, dtypes: list, options: dict, workers: int, report) -> dict:
+    """{(runtime, dtype): Cell} with one warm process a runtime (at most `workers` at once, the
+    slowest runtimes first); a process that dies or hangs leaves its remaining cells `error`."""
+    from multiprocessing.connection import wait
+
+    from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT, Task
+
+    slow = {"executorch": 0, "torch.compile": 1}
+    queue = sorted(chosen, key=lambda r: slow.get(r, 2))
+    running: dict = {}  # connection -> (task, runtime, dtypes still to come)
+    cells: dict = {}
+    per_cell = DEFAULT_TIMEOUT * 4 if options.get("timeout") is None else float(options["timeout"]) * 4
+    try:
+        while queue or running:
+            while queue and len(running) < workers:
+                runtime = queue.pop(0)
+                task = Task("parity_cli.runtimes:cells_of", str(path), runtime, list(dtypes), options)
+                running[task.conn] = (task, runtime, list(dtypes))
+            for conn in wait(list(running), per_cell):
+                task, runtime, left = running[conn]
+                got = task.receive(0)
+                if got is None:  # ended: what it did not send is an error of that process
+                    for dtype in left:
+                        cells[runtime, dtype] = Cell(runtime, dtype, "error", f"the {runtime} process {task.why()}",
+                                                     runtime_version=version(runtime))
+                        report(cells[runtime, dtype])
+                    task.close()
+                    del running[conn]
+                    continue
+                left.remove(got.dtype)
+                cells[runtime, got.dtype] = got
+                report(got)
+    finally:
+        for task, _, _ in running.values():
+            task.close()
+    return cells
+
+
 def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = None, progress=None,
           **options) -> Table:
     """Every runtime in `runtimes` (default: all known) at every dtype; the checkpoint's own
@@ -204,14 +267,35 @@ def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = No
 
     load(path)  # the checkpoint's own faults are one line before any runtime runs
     out = Table(str(path))
-    order = [(runtime, dtype) for dtype in dtypes or DTYPES for runtime in chosen]
-    baselines = {dtype: _baseline(path, dtype, options) for dtype in dtypes or DTYPES}
-    cells = {}
-    for done, (runtime, dtype) in enumerate(order, 1):
-        cells[runtime, dtype] = cell(path, runtime, dtype, baselines[dtype], **options)
+    dtypes = list(dtypes or DTYPES)
+    total, done = len(chosen) * len(dtypes), []
+
+    def report(c: Cell) -> None:
+        done.append(c)
         if progress is not None:
-            progress(cells[runtime, dtype], done, len(order))
-    out.cells = [cells[runtime, dtype] for runtime in chosen for dtype in dtypes or DTYPES]
+            progress(c, len(done), total)
+
+    cells = {}
+    if "torch" in chosen:  # the baseline, here: cheap, and every other row is read against it
+        for dtype in dtypes:
+            cells["torch", dtype] = cell(path, "torch", dtype, _baseline(path, dtype, options), **options)
+            report(cells["torch", dtype])
+    rest = [r for r in chosen if r != "torch"]
+    absent = [r for r in rest if not installed(r)]
+    for runtime in absent:
+        for dtype in dtypes:
+            cells[runtime, dtype] = cell(path, runtime, dtype, **options)
+            report(cells[runtime, dtype])
+    rest = [r for r in rest if r not in absent]
+    if options.get("isolation", "auto") == "auto" and rest:  # one warm process a runtime, two at once on 2 CPUs
+        cells.update(_warm_cells(path, rest, dtypes, options, _cpus(), report))
+    else:
+        for dtype in dtypes:
+            baseline = _baseline(path, dtype, options)
+            for runtime in rest:
+                cells[runtime, dtype] = cell(path, runtime, dtype, baseline, **options)
+                report(cells[runtime, dtype])
+    out.cells = [cells[runtime, dtype] for runtime in chosen for dtype in dtypes]
     if not any(c.ran for c in out.cells):
         raise InputError(_nothing_ran(path, out.cells))
     return out

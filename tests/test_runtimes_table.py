@@ -108,7 +108,7 @@ def test_the_table_fits_80_columns_with_each_cause_once_below_it(ckpt, tmp_path)
     assert lines[-1] == ("FAIL: 4 of 4 runtime checks: torch float32, torch bfloat16, onnxruntime float32, "
                          "onnxruntime bfloat16")
     assert [line.partition(":")[0] for line in r.stderr.splitlines()] == [
-        "[1/4] torch float32", "[2/4] onnxruntime float32", "[3/4] torch bfloat16", "[4/4] onnxruntime bfloat16"]
+        "[1/4] torch float32", "[2/4] torch bfloat16", "[3/4] onnxruntime float32", "[4/4] onnxruntime bfloat16"]
     q = run_parity(*args, "-q")
     assert q.returncode == 1 and q.stdout.splitlines() == [lines[-1]]
 
@@ -156,3 +156,27 @@ def test_a_non_finite_cell_is_shown_as_non_finite_never_as_a_ratio_below_one():
     from parity_cli.report.terminal import _worst_cell
 
     assert _worst_cell({"nonfinite": True, "worst_over_allowed": 0.0996}) == "non-finite"
+
+
+def test_a_runtime_process_that_dies_or_hangs_is_a_value_and_leaves_nothing_behind(monkeypatch):
+    """`parity runtimes` runs each runtime's cells in one warm process (isolation.supervisor.Task): its
+    death is read as a value (the cells it did not send are errors), a hang ends at its deadline."""
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    from parity_cli.isolation.supervisor import Task
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    assert str(Path(__file__).parent / "plugins") in sys.path
+    task = Task("tasks:die", 3)
+    assert task.receive(60) == "started" and task.receive(60) is None
+    assert task.why() == "exited with code 3"
+    task.close()
+    task = Task("tasks:hang")
+    pid = task.receive(60)
+    assert psutil.pid_exists(pid)
+    assert task.receive(0.2) is None and task.why() == "sent nothing before its deadline and was stopped"
+    task.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

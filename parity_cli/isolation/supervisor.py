@@ -626,6 +626,70 @@ class Supervisor:
         return f"; its last output: {lines[-1][:200]}" if lines else ""
 
 
+class Task:
+    """A child from the fork server that runs one function of parity's own, `target(send, *args)`
+    ("module:function"), and sends its results back as it goes (`receive`): a runtime's cells of
+    `parity runtimes` in one warm process. Gone with parity (lifeline, process group, kill_all), its
+    death a value the caller reads (`receive` returns None at EOF, `why` says how it ended)."""
+
+    def __init__(self, target: str, *args):
+        from parity_cli.isolation.worker import serve_task
+
+        ctx = _context()
+        self.conn, child = ctx.Pipe(duplex=False)
+        try:
+            with _mp_lock, _no_main():
+                _wake_fork_server()
+                server = ensure_fork_server()
+                self.proc = ctx.Process(target=serve_task, name="parity-task", args=(
+                    child, server or os.getpid(), lifeline(), target, args, list(sys.path), os.getcwd(),
+                    dict(os.environ)))
+                self.proc.start()
+        finally:
+            child.close()
+        with _live_lock:
+            _live.add(self)
+
+    def receive(self, timeout: float | None):
+        """The next value the task sent; None where it ended (or sent nothing for `timeout` s: then
+        it is killed)."""
+        from multiprocessing.connection import wait
+
+        if not wait([self.conn], timeout):
+            self.kill()
+            self.timed_out = True
+            return None
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            return None
+
+    def why(self) -> str:
+        if getattr(self, "timed_out", False):
+            return "sent nothing before its deadline and was stopped"
+        return _describe_exit(_exit_code(self.proc, 10) if self.proc is not None else None)
+
+    def kill(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.pid:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.kill()
+            except (OSError, ValueError):
+                pass
+        with _live_lock:
+            _live.discard(self)
+
+    def close(self) -> None:
+        self.kill()
+        if self.proc is not None:
+            _exit_code(self.proc, 10)
+        self.conn.close()
+
+
 def _error(value, allow_none: bool) -> str | None:
     """An error field from the child: None, or a non-empty one-line message."""
     if value is None and allow_none:

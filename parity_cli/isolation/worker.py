@@ -249,3 +249,42 @@ def serve(rconn, wconn, out_path: str, parent: int | None = None, lifeline=None)
                                 "dw": None if dw is None else _tensor_header(dw)}, parts)
         _send(wfd, {"type": "done"})
 
+
+
+def serve_task(conn, parent: int | None, lifeline, target: str, args: tuple, path: list, cwd: str,
+               environ: dict) -> None:
+    """A task's child (supervisor.Task): the same life as a candidate's (its own session, gone with
+    parity, Ctrl-C the parent's, no core file, its native output to /dev/null), then
+    `target(send, *args)` with `send(value)` sending a picklable value to the parent. `target` is
+    "module:function", imported here."""
+    import importlib
+
+    try:
+        os.setsid()
+    except OSError:
+        pass
+    die_with_parent(parent)
+    detach_from_fork_server()
+    _lifeline(None if lifeline is None else lifeline.fileno())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    quiet_third_party()
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    except (ImportError, ValueError, OSError):
+        pass
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:0] = [p for p in path if p not in sys.path]
+    module, _, name = target.partition(":")
+    getattr(importlib.import_module(module), name)(conn.send, *args)
+    conn.close()
