@@ -743,9 +743,14 @@ def _plain(value):
                    "`parity check REFERENCE --runtime-capture FILE` judges them).")
 @click.option("--tokens", "tokens_path", default=None, type=click.Path(dir_okay=False),
               help="Token ids to run (whitespace-separated integers) instead of --text/--prompt (--runtime only).")
+@click.option("--precision", default=None, type=click.Choice(["f32", "bf16", "f16"]),
+              help="--runtime openvino: the CPU plugin's inference precision (default: what the plugin runs on this "
+                   "CPU, bf16 where it has avx512_bf16/AMX). The precision it really ran is stated and recorded; the "
+                   "rows are judged at it.")
 @click.option("-o", "--output", "out_path", required=True, type=click.Path(dir_okay=False),
               help="The safetensors file to write.")
-def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, runtime, tokens_path, out_path):
+def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, runtime, tokens_path, precision,
+            out_path):
     """Run MODEL on real text and keep, per norm layer, a bounded sample of the rows it sees.
 
     MODEL is an HF model directory (full weights) or a llama.cpp .gguf file (F32, F16, BF16 or
@@ -770,6 +775,9 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
     if runtime != "transformers" and device != "cpu":
         raise InputError(f"parity capture --runtime {runtime}: runs the runtime's CPU backend; --device is for "
                          "transformers")
+    if precision is not None and runtime != "openvino":
+        raise InputError(f"parity capture --precision: for --runtime openvino (its CPU plugin's inference precision); "
+                         f"{runtime} computes in the model's own dtypes")
     outputs = _check_outputs({"-o": out_path}, [model] + [p for p in (text_path, tokens_path) if p])
     text = _read_text(text_path, max_tokens) if text_path else prompt
     tokens = _read_tokens(tokens_path, max_tokens) if tokens_path else None
@@ -786,7 +794,7 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
 
         def record(stage):
             return run_inside(model, runtime, text=text, tokens=tokens, max_tokens=max_tokens,
-                              rows_per_layer=rows_per_layer, seed=seed, stage=stage)
+                              rows_per_layer=rows_per_layer, seed=seed, stage=stage, precision=precision)
     with _stages() as stage:
         tensors, meta = record(stage)
         stage(f"writing {outputs['-o']}")

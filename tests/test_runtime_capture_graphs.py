@@ -83,17 +83,26 @@ def exports(tmp_path_factory):
     return made
 
 
-def _capture(model, runtime, tokens, out, cli=False):
+def _precision(runtime):
+    """OpenVINO's CPU plugin runs bf16 by default on a CPU with avx512_bf16/AMX: these tests name f32,
+    so that what they expect holds on every CPU (the precision tests below cover the others)."""
+    return "f32" if runtime == "openvino" else None
+
+
+def _capture(model, runtime, tokens, out, cli=False, precision=None):
     """A capture written by the library (the command itself once per runtime: cli=True)."""
     if cli:
-        r = run_parity("capture", model, "--runtime", runtime, "--tokens", tokens, "-o", out)
+        more = ["--precision", precision] if precision else []
+        r = run_parity("capture", model, "--runtime", runtime, "--tokens", tokens, "-o", out, *more)
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"{len(TOKENS)} tokens in {runtime}" in " ".join(r.stdout.split())
+        if precision:
+            assert f"inference precision {precision} (--precision {precision})" in " ".join(r.stdout.split())
         return out
     from parity_cli.probes import runtime_capture
 
     ids = [int(t) for t in open(tokens).read().split()]
-    tensors, meta = runtime_capture.record(model, runtime, tokens=ids)
+    tensors, meta = runtime_capture.record(model, runtime, tokens=ids, precision=precision)
     runtime_capture.write(tensors, meta, out)
     return out
 
@@ -130,7 +139,8 @@ RUNTIMES = [("onnxruntime", "onnx", "eps.onnx"), ("openvino", "xml", "eps.xml")]
 def test_a_faithful_export_passes_inside_its_runtime(exports, tmp_path, runtime, faithful, planted):
     if faithful not in exports:
         pytest.skip("openvino is not installed")
-    cap = _capture(exports[faithful], runtime, exports["tokens"], tmp_path / "cap.safetensors", cli=True)
+    cap = _capture(exports[faithful], runtime, exports["tokens"], tmp_path / "cap.safetensors", cli=True,
+                   precision=_precision(runtime))
     rep = tmp_path / "r.json"
     r = run_parity("check", exports["hf"], "--runtime-capture", cap, "--json", rep)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -157,7 +167,8 @@ def test_an_eps_planted_in_the_export_is_named_on_every_layer(exports, tmp_path,
     if planted not in exports:
         pytest.skip("openvino is not installed")
     assert exports["hits"] == 5  # one eps constant per norm: 2 blocks x 2 + the final norm
-    cap = _capture(exports[planted], runtime, exports["tokens"], tmp_path / "cap.safetensors")
+    cap = _capture(exports[planted], runtime, exports["tokens"], tmp_path / "cap.safetensors",
+                   precision=_precision(runtime))
     code, data = _check(exports["hf"], cap)
     assert code == 1
     used = float(np.float32(1e-6))
@@ -179,7 +190,7 @@ def test_openvinos_default_f16_weights_are_the_runtimes_gains(exports, tmp_path)
     import torch
     from safetensors.numpy import load_file
 
-    cap = _capture(exports["fp16.xml"], "openvino", exports["tokens"], tmp_path / "cap.safetensors")
+    cap = _capture(exports["fp16.xml"], "openvino", exports["tokens"], tmp_path / "cap.safetensors", precision="f32")
     code, data = _check(exports["hf"], cap)
     assert code == 1
     w = load_file(f"{exports['hf']}/model.safetensors")["model.norm.weight"]
@@ -190,6 +201,120 @@ def test_openvinos_default_f16_weights_are_the_runtimes_gains(exports, tmp_path)
     norm = next(layer for layer in data["layers"] if layer["name"] == "model.norm")
     assert [d["code"] for d in norm["diagnoses"]] == ["channel_gain_mismatch"]
     assert norm["diagnoses"][0]["lost_to"] == "float16"
+
+
+def _plugin_runs(precision):
+    """The inference precision OpenVINO's CPU plugin itself reports for a one-op model compiled with
+    this hint (None: none given), read from OpenVINO, not from parity."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as op
+
+    x = op.parameter([-1, 4], ov.Type.f32)
+    compiled = ov.Core().compile_model(ov.Model([op.multiply(x, op.constant(np.float32(3.0)))], [x]), "CPU",
+                                       {} if precision is None else {"INFERENCE_PRECISION_HINT": precision})
+    return compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+
+
+DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+@pytest.mark.parametrize("asked", [None, "bf16", "f16"])
+def test_an_openvino_capture_is_judged_at_the_precision_its_plugin_ran(exports, tmp_path, asked):
+    """The plugin's own precision (its default, or the one asked for: a CPU without bf16 or f16
+    support runs f32 whatever is asked) is recorded, stated, and is the dtype the rows are judged at:
+    never a refusal of parity's own capture. At f32 the faithful export passes."""
+    if "xml" not in exports:
+        pytest.skip("openvino is not installed")
+    runs = _plugin_runs(asked)
+    cap = tmp_path / "cap.safetensors"
+    more = ["--precision", asked] if asked else []
+    r = run_parity("capture", exports["xml"], "--runtime", "openvino", "--tokens", exports["tokens"], "-o", cap, *more)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = " ".join(r.stdout.split())
+    if asked and runs != asked:
+        assert f"--precision {asked} was asked; the CPU plugin ran at {runs}" in said
+    else:
+        assert f"ran at inference precision {runs} ({f'--precision {asked}' if asked else 'the plugin'}" in said
+    from safetensors import safe_open
+
+    with safe_open(str(cap), "pt") as fh:
+        meta = json.loads(fh.metadata()["parity-runtime"])
+    assert meta["precision"]["runs"] == runs and meta["precision"]["asked"] == asked
+    assert meta["computes_in"] == [DTYPES[runs]]
+    code, data = _check(exports["hf"], cap)
+    assert code != 2  # a verdict, never a refusal of parity's own capture
+    assert data["candidate"]["dtype"] == DTYPES[runs]
+    assert sorted(layer["name"] for layer in data["layers"]) == _norm_names(exports["hf"])
+    assert all(not layer["findings"] and layer["status"] in ("pass", "fail") for layer in data["layers"])
+    if runs == "f32":  # the kernels at full precision: the faithful export passes
+        assert code == 0 and all(layer["status"] == "pass" for layer in data["layers"])
+
+
+def _edited(cap, out, dtype, rows_in, y_of):
+    """The capture with every node said to compute in `dtype` (rows handed out as `rows_in`) and its
+    y rows replaced by y_of(layer, x)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(cap), "pt") as fh:
+        meta, tensors = json.loads(fh.metadata()["parity-runtime"]), {k: fh.get_tensor(k) for k in fh.keys()}
+    for name, node in meta["nodes"].items():
+        node["dtype"] = dtype
+        if rows_in:
+            node["rows_in"] = rows_in
+        tensors[f"y:{name}"] = y_of(name, tensors[f"x:{name}"].double()).float()
+    meta["computes_in"] = [dtype]
+    save_file(tensors, str(out), metadata={"parity-runtime": json.dumps(meta)})
+    return out
+
+
+def test_float32_rows_of_a_bf16_plugin_are_judged_at_bf16_not_refused(exports, tmp_path):
+    """What OpenVINO hands out at bf16 on an AMX CPU, on any CPU: a node computing in bf16 whose input
+    rows come out as float32 values (the plugin keeps some nodes at f32). With rows_in float32 the
+    rows are judged as recorded at bfloat16's tolerance; y here is a correct bf16 RMSNorm's (the
+    float64 norm of those rows with the gain rounded to bfloat16, rounded once to bfloat16). A
+    capture that says its rows are bf16 values when they are not is still refused."""
+    if "xml" not in exports:
+        pytest.skip("openvino is not installed")
+    import torch
+    from safetensors.numpy import load_file
+
+    gains = {f"m.{k.removesuffix('.weight')}": torch.from_numpy(v).double()
+             for k, v in load_file(f"{exports['hf']}/model.safetensors").items() if k.endswith("norm.weight")}
+
+    def bf16_rms_norm(name, x):
+        out = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * gains[name].to(torch.bfloat16).double()
+        return out.to(torch.bfloat16)
+
+    cap = _capture(exports["xml"], "openvino", exports["tokens"], tmp_path / "cap.safetensors", precision="f32")
+    x = load_file(str(cap))["x:m.model.norm"]
+    assert not np.array_equal(torch.from_numpy(x).bfloat16().float().numpy(), x)  # float32 rows, no bf16 values
+    judged = _edited(cap, tmp_path / "bf16.safetensors", "bfloat16", "float32", bf16_rms_norm)
+    code, data = _check(exports["hf"], judged)
+    assert code == 0 and data["candidate"]["dtype"] == "bfloat16"
+    assert len(data["layers"]) == 5 and all(layer["status"] == "pass" for layer in data["layers"])
+    lying = _edited(cap, tmp_path / "lying.safetensors", "bfloat16", None, bf16_rms_norm)
+    r = run_parity("check", exports["hf"], "--runtime-capture", lying)
+    assert r.returncode == 2 and "x rows are said to be computed in bfloat16 but hold other values" in r.stderr
+    bad = _edited(cap, tmp_path / "bad.safetensors", "bfloat16", "float16", bf16_rms_norm)
+    r = run_parity("check", exports["hf"], "--runtime-capture", bad)
+    assert r.returncode == 2 and "'rows_in' is 'float16'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_precision_is_openvinos_alone_and_one_of_its_three(exports, tmp_path):
+    out = tmp_path / "c.safetensors"
+    r = run_parity("capture", exports["onnx"], "--runtime", "onnxruntime", "--tokens", exports["tokens"], "-o", out,
+                   "--precision", "f32")
+    assert r.returncode == 2 and "--precision" in r.stderr and "openvino" in r.stderr and not out.exists()
+    r = run_parity("capture", exports["onnx"], "--runtime", "openvino", "--tokens", exports["tokens"], "-o", out,
+                   "--precision", "f64")
+    assert r.returncode == 2 and "f64" in r.stderr and "Traceback" not in r.stderr and not out.exists()
+    from parity_cli.errors import InputError
+    from parity_cli.probes import runtime_capture
+
+    with pytest.raises(InputError, match="--precision: onnxruntime has no inference precision"):
+        runtime_capture.record(exports["onnx"], "onnxruntime", tokens=TOKENS, precision="bf16")
 
 
 def test_bad_graph_captures_are_one_line(exports, tmp_path):

@@ -3,6 +3,11 @@ output tensors, sources.onnx_graph / sources.openvino_ir) made an extra output o
 model, and the copy run by the runtime itself on real tokens, with the runtime's own optimiser
 (ORT's fusions into SimplifiedLayerNormalization, OpenVINO's into RMS / MVN) and its own precision.
 
+ORT's Skip(Simplified)LayerNormalization normalises input + skip (+ bias): its inputs and its
+input_skip_bias_sum output are read too, and the row recorded is that sum as the kernel forms it.
+OpenVINO runs at the inference precision asked (`parity capture --precision`) or its plugin's
+default, and the precision the compiled model reports is the one recorded.
+
 The graph is fed as exporters write language models: input_ids, and where the graph asks for them
 an all-ones attention_mask, position_ids 0..n-1, token_type_ids of zeros and empty past key/value
 caches. The tokens are given, or the text is tokenized with the tokenizer.json beside the model."""
@@ -62,13 +67,17 @@ def feeds(inputs, tokens: list[int]) -> dict:
     return out
 
 
-def record(model, runtime: str, text: str | None, tokens: list[int] | None, max_tokens: int) -> dict:
+def record(model, runtime: str, text: str | None, tokens: list[int] | None, max_tokens: int,
+           precision: str | None = None) -> dict:
+    """`precision`: OpenVINO's inference precision (f32, bf16, f16), None for what its plugin runs."""
     if tokens is None:
         tokens = tokenize(model, text)
     tokens = tokens[:max_tokens]
     if not tokens:
         raise InputError("the text has no tokens")
-    return (_onnxruntime if runtime == "onnxruntime" else _openvino)(Path(model), tokens)
+    if runtime == "onnxruntime":
+        return _onnxruntime(Path(model), tokens)
+    return _openvino(Path(model), tokens, precision)
 
 
 def _node(norm, x, y, dtype: str, source: str) -> dict:
@@ -98,8 +107,10 @@ def _onnxruntime(path: Path, tokens: list[int]) -> dict:
         raise InputError(f"{path}: --runtime onnxruntime runs an .onnx file")
     model = load_model(path)  # the graph alone: a model's external data stays where it is
     norms = [n for n in find_norms(model, path, {}) if n.kind in KINDS and n.ends]
+    skips = _skip_ends(model, norms)
     have = {o.name for o in model.graph.output}
-    for name in dict.fromkeys(t for n in norms for t in n.ends):
+    wanted = [t for n in norms for t in n.ends] + [t for ends in skips.values() for t in ends if t]
+    for name in dict.fromkeys(wanted):
         if name not in have:
             model.graph.output.append(onnx.ValueInfoProto(name=name))
     try:
@@ -112,10 +123,96 @@ def _onnxruntime(path: Path, tokens: list[int]) -> dict:
     except Exception as exc:
         raise InputError(f"{path}: ONNX Runtime could not run it: {' '.join(str(exc).split())[:240]}") from None
     got = dict(zip([o.name for o in session.get_outputs()], values))
-    nodes = [_node(n, got[n.ends[0]], got[n.ends[1]], n.dtype, "the graph")
-             for n in norms if n.ends[0] in got and n.ends[1] in got]
+    nodes = []
+    for n in norms:
+        if n.ends[1] in skips:  # what a Skip op normalises is its input + skip (+ bias), not its first input
+            ends = skips[n.ends[1]]
+            if all(t in got for t in ends if t) and n.ends[1] in got:
+                nodes.append(_skip_node(path, n, got, ends, n.dtype))
+        elif n.ends[0] in got and n.ends[1] in got:
+            nodes.append(_node(n, got[n.ends[0]], got[n.ends[1]], n.dtype, "the graph"))
     return {"nodes": nodes, "tokens": len(tokens),
             "version": distribution_version("onnxruntime"), "backend": "CPUExecutionProvider"}
+
+
+SUM_SUFFIX = "__parity_input_skip_bias_sum"
+
+
+def _skip_ends(model, norms) -> dict:
+    """Each Skip(Simplified)LayerNormalization norm's output -> (its input, skip, bias (or ""), its
+    input_skip_bias_sum output), all made readable: the node's own inputs (after any Cast into it: the
+    op binds them to one type T) through an Identity each, and the sum output (output 3) given a name
+    where the graph leaves it out. The node itself is edited in this copy of the graph only."""
+    from onnx import helper
+
+    from parity_cli.sources.onnx_graph import SKIP_EXTRA
+
+    by_output = {node.output[0]: node for node in model.graph.node
+                 if node.op_type in SKIP_EXTRA and node.output and node.output[0]}
+    out, extra = {}, []
+    for n in norms:
+        node = by_output.get(n.ends[1])
+        if node is None or n.form != node.op_type:
+            continue
+        skip, folded = SKIP_EXTRA[node.op_type]
+        names = [node.input[0], node.input[skip], node.input[folded] if len(node.input) > folded else ""]
+        read = []
+        for k, name in enumerate(names):
+            if not name:
+                read.append("")
+                continue
+            read.append(f"{n.ends[1]}__parity_{('input', 'skip', 'bias')[k]}")
+            extra.append(helper.make_node("Identity", [name], [read[-1]], name=read[-1]))
+        if len(node.output) < 4 or not node.output[3]:
+            while len(node.output) < 3:
+                node.output.append("")
+            if len(node.output) < 4:
+                node.output.append(n.ends[1] + SUM_SUFFIX)
+            else:
+                node.output[3] = n.ends[1] + SUM_SUFFIX
+        out[n.ends[1]] = (*read, node.output[3])
+    model.graph.node.extend(extra)  # after every producer: the node list stays in topological order
+    return out
+
+
+def _ort_skip_sum(path: Path, a, skip, bias):
+    """input + skip (+ bias) as ONNX Runtime's CPU Skip(Simplified)LayerNormalization kernel forms
+    the row it normalises (contrib_ops/cpu/skip_layer_norm.cc): in float32, the skip added first and
+    then the bias, each sum rounded to float32; float16 operands are widened to float32 and added
+    there (the sum it hands on is that rounded to float16; the row it normalises is not). A skip
+    smaller than the input is read at (row offset modulo its size), as the kernel broadcasts it."""
+    import numpy as np
+
+    rows = np.asarray(a)
+    dim = rows.shape[-1]
+    rows = rows.reshape(-1, dim)
+    flat = np.asarray(skip).reshape(-1)
+    if not flat.size or flat.size % dim or rows.size % flat.size:
+        raise InputError(f"{path}: a Skip node's skip of {flat.size} values does not fit rows of width {dim}")
+    s = flat[(np.arange(rows.shape[0])[:, None] * dim) % flat.size + np.arange(dim)]
+    total = rows.astype(np.float32) + s.astype(np.float32)
+    if bias is not None:
+        total = total + np.asarray(bias).reshape(-1).astype(np.float32)
+    return total
+
+
+def _skip_node(path: Path, norm, got: dict, ends: tuple, dtype: str) -> dict:
+    """A Skip op's node: x the sum it normalises (_ort_skip_sum of the inputs it was given), y its
+    output, and `sum` the input_skip_bias_sum it handed on to the rest of the graph (the residual
+    stream), judged against x when the capture is read, so a residual that differs from the inputs'
+    sum beyond its dtype's rounding is seen even where the normalised output is right. A half
+    graph's x is the float32 sum its kernel normalises: wider than the node's dtype (`rows_in`)."""
+    import numpy as np
+
+    a, skip, bias, total = (got[t] if t else None for t in ends)
+    node = _node(norm, _ort_skip_sum(path, a, skip, bias), got[norm.ends[1]], dtype, "the graph")
+    node["sum"] = np.asarray(total, dtype=np.float32).reshape(-1, norm.dim)
+    added = ends[3] == norm.ends[1] + SUM_SUFFIX
+    node["sum_output"] = "input_skip_bias_sum (output 3, added by parity)" if added else ends[3]
+    node["chain"] = ["input + skip" + (" + bias" if bias is not None else ""), norm.form]
+    if dtype != "float32" and not _holds(node["x"], dtype):
+        node["rows_in"] = "float32"
+    return node
 
 
 def _external(model) -> list[str]:
@@ -153,21 +250,36 @@ def _numpy_type(onnx_type: str):
             "tensor(float16)": np.float16, "tensor(bool)": np.bool_}.get(onnx_type, np.float32)
 
 
-def _openvino(path: Path, tokens: list[int]) -> dict:
+# OpenVINO's element types as the dtypes a capture's rows are computed in
+OV_COMPUTES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+def _openvino(path: Path, tokens: list[int], precision: str | None = None) -> dict:
+    """The IR run by the CPU plugin at `precision` (None: the plugin's own default, bf16 on a CPU
+    with avx512_bf16/AMX). The precision the compiled model really runs at is read back from it (a
+    CPU without bf16 or f16 support runs f32 whatever was asked) and is the dtype each float32 norm
+    of the IR is judged at; rows the plugin hands out as float32 values it did not round to that
+    dtype (a node it kept at f32) say so (`rows_in`), rather than being passed off as its values."""
     import numpy as np
 
-    from parity_cli.backends.openvino_runtime import _type_name, compile_config, core
+    from parity_cli.backends.openvino_runtime import PRECISIONS, _type_name, compile_config, core
     from parity_cli.sources.openvino_ir import find_norms, is_openvino_ir, read_model
 
+    if precision is not None and precision not in PRECISIONS:
+        raise InputError(f"--precision: '{precision}' is not one of {', '.join(PRECISIONS)}")
     if not is_openvino_ir(path):
         raise InputError(f"{path}: --runtime openvino runs an OpenVINO IR (.xml beside its .bin)")
     model, ops = read_model(path)
     norms = [n for n in find_norms(model, ops, path, {}) if n.kind in KINDS]
     try:
+        default = _type_name(core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+    except Exception:
+        default = None
+    try:
         added = model.add_outputs([o for n in norms for o in n.ends])
         where = {(o.get_node().get_friendly_name(), o.get_index()): k for k, o in enumerate(model.outputs)}
         index = [where[(o.get_node().get_friendly_name(), o.get_index())] for o in added]
-        compiled = core().compile_model(model, "CPU", compile_config(None, 2))
+        compiled = core().compile_model(model, "CPU", compile_config(precision, 2))
         inputs = [(i.get_any_name(), _ov_numpy(i.get_element_type()),
                    [None if d.is_dynamic else d.get_length() for d in i.get_partial_shape()])
                   for i in compiled.inputs]
@@ -176,14 +288,57 @@ def _openvino(path: Path, tokens: list[int]) -> dict:
         raise
     except Exception as exc:
         raise InputError(f"{path}: OpenVINO could not run it: {' '.join(str(exc).split())[:240]}") from None
-    precision = _type_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
-    computes = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}.get(precision, "float32")
+    running = _type_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    computes = OV_COMPUTES.get(running, "float32")
     nodes = []
     for k, n in enumerate(norms):
         x, y = (np.asarray(result[compiled.outputs[index[2 * k + j]]]) for j in (0, 1))
-        nodes.append(_node(n, x, y, computes if n.dtype == "float32" else n.dtype, "the IR"))
+        dtype = computes if n.dtype == "float32" else n.dtype
+        node = _node(n, x, y, dtype, "the IR")
+        name = _model_name(n)
+        if name != node["layer"]:  # the IR's gain is an OpenVINO constant id: the model's own name for the norm
+            node["layer"], node["node"] = name, f"{n.form} {name}"
+        if dtype != "float32" and not all(_holds(node[part], dtype) for part in ("x", "y")):
+            node["rows_in"] = "float32"
+        nodes.append(node)
+    said = {"asked": precision, "runs": running, "plugin_default": default,
+            "source": f"--precision {precision}" if precision else "the plugin's default on this CPU"}
+    note = None
+    if running != "f32":  # what the verdict is then of
+        note = (f"openvino: every op may round to {running}; --precision f32 captures the kernels at full precision")
     return {"nodes": nodes, "tokens": len(tokens), "version": distribution_version("openvino"),
-            "backend": f"CPU plugin, inference precision {precision}"}
+            "backend": f"CPU plugin, inference precision {running}", "precision": said, "note": note}
+
+
+# a name OpenVINO makes up for a node the model did not name: its type and a counter (Constant_6245,
+# Multiply_1020, Constant_13449_compressed)
+_MADE_UP = r"[A-Z][A-Za-z0-9]*_\d+(_compressed)?"
+
+
+def _model_name(norm) -> str:
+    """The norm's name as the model gives it: what the IR says of its gain or node path (its usual
+    name); where that is only a made-up constant id (the ONNX frontend drops the name of the last
+    norm's gain, whose output is the model's output), the name the model gives the norm's output
+    (`last_hidden_state`); the constant id only where nothing else names it."""
+    import re
+
+    if not re.fullmatch(_MADE_UP, norm.name) or not norm.ends:
+        return norm.name
+    out = norm.ends[1]
+    for name in [*sorted(out.get_names()), out.get_node().get_friendly_name()]:
+        if name and not re.fullmatch(_MADE_UP, name):
+            return name
+    return norm.name
+
+
+def _holds(rows, dtype: str) -> bool:
+    """Whether every finite value of the float32 rows is a value of `dtype`."""
+    import numpy as np
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+    finite = torch.isfinite(t)
+    return bool((t.to(getattr(torch, dtype)).float() == t)[finite].all())
 
 
 def _ov_numpy(element_type):

@@ -135,7 +135,10 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
         rounded = real.to(candidate.dtype)
         finite = torch.isfinite(rounded).all(-1)  # a row past the dtype's range has no q there
         overflowed = int((~finite).sum())
-        real = rounded[finite].to(torch.float64) if overflowed else rounded.to(torch.float64)
+        # a runtime's rows wider than the dtype it computed in are what it normalised: the reference
+        # reads them as recorded (the replay looks its outputs up at the dtype)
+        kept = real if cand_layer.recorded_wide else rounded
+        real = kept[finite].to(torch.float64) if overflowed else kept.to(torch.float64)
         if real.shape[0]:
             sets.append(probe_set([Probe(stratum="captured", x=real)]))
         else:

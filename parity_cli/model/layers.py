@@ -60,6 +60,10 @@ class NormLayer:
     # a runtime capture's (probes.runtime_capture): the (x, y) rows the runtime's own node computed,
     # which the `runtime-capture` candidate replays
     recorded: tuple | None = None
+    # its x rows hold float32 values wider than the dtype the node computed in (ORT's half Skip ops
+    # normalise a float32 sum; OpenVINO at bf16 hands some rows out at f32): the reference reads
+    # them as recorded, not rounded to that dtype
+    recorded_wide: bool = False
 
     @property
     def width(self) -> int:

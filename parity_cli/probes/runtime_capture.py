@@ -10,7 +10,13 @@ upstream (attention, quantized matmuls) does not count against the norm, its nor
 The file is safetensors: `x:LAYER` and `y:LAYER` rows (float32, exact for the float32, float16 and
 bfloat16 activations runtimes compute in), `gain:LAYER` / `bias:LAYER` as the runtime held them,
 and the metadata key `parity-runtime` (FORMAT, the runtime, its version, the node each layer came
-from, the dtype it computed in)."""
+from, the dtype it computed in).
+
+A fused residual norm (ONNX Runtime's Skip(Simplified)LayerNormalization) normalises input + skip
+(+ bias): its `x` is that sum as the runtime computes it from the inputs the node was given, and
+`sum:LAYER` holds the sum the node handed on (its input_skip_bias_sum output, the residual stream
+the next layer reads). Reading the capture judges one against the other: a sum that differs from
+x beyond its dtype's rounding is a finding that fails the layer, even where the norm is right."""
 
 from __future__ import annotations
 
@@ -29,22 +35,27 @@ MAX_LAYERS = 10_000
 KINDS = {"RMS_NORM": "rms_norm", "NORM": "layer_norm"}
 
 
-def _sampled(x, y, q, rows_per_layer: int, rng):
-    """(x, y) cut to rows_per_layer pairs as `parity capture` keeps rows (sampling.RowSample); a pair
-    is kept or dropped together."""
+def _sampled(parts: list, q, rows_per_layer: int, rng) -> list:
+    """Row-aligned tensors (x, y, and a Skip op's sum output) cut to rows_per_layer rows as `parity
+    capture` keeps rows (sampling.RowSample); a row of each is kept or dropped together."""
     import torch
 
     from parity_cli.sampling import RowSample
 
     sample = RowSample.of(rows_per_layer, rng, copy=lambda row: row.clone())
-    sample.add(torch.cat([x, y], -1), q)
-    both = torch.stack(sample.kept())
-    return both[:, : x.shape[1]].contiguous(), both[:, x.shape[1]:].contiguous()
+    sample.add(torch.cat(parts, -1), q)
+    kept = torch.stack(sample.kept())
+    edges = [0]
+    for t in parts:
+        edges.append(edges[-1] + t.shape[1])
+    return [kept[:, a:b].contiguous() for a, b in zip(edges, edges[1:])]
 
 
 def record(model, runtime: str, text: str | None = None, tokens: list[int] | None = None, max_tokens: int = 512,
-           rows_per_layer: int = 96, seed: int = 0, stage=None) -> tuple[dict, dict]:
-    """(tensors, metadata) of a capture inside `runtime`; `stage(text)` hears what runs next."""
+           rows_per_layer: int = 96, seed: int = 0, stage=None, precision: str | None = None) -> tuple[dict, dict]:
+    """(tensors, metadata) of a capture inside `runtime`; `stage(text)` hears what runs next.
+    `precision` (openvino only): the CPU plugin's inference precision, f32, bf16 or f16; None runs
+    what the plugin runs by default. The precision it really ran is in the metadata either way."""
     say = stage or (lambda text: None)
     import torch
 
@@ -55,6 +66,9 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
         raise InputError(f"--runtime: '{runtime}' is not one of transformers, {', '.join(RUNTIMES)}")
     if not 3 <= rows_per_layer <= MAX_ROWS_PER_LAYER:
         raise InputError(f"--rows-per-layer must be between 3 and {MAX_ROWS_PER_LAYER}")
+    if precision is not None and runtime != "openvino":
+        raise InputError(f"--precision: {runtime} has no inference precision to choose here; it is for --runtime "
+                         "openvino")
     from parity_cli.backends.implementations import require
 
     require(runtime, "--runtime")  # an absent runtime is one line naming what to install
@@ -64,7 +78,7 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
     else:
         from parity_cli.backends.graph_capture import record as graph_record
 
-        raw = graph_record(model, runtime, text, tokens, max_tokens)
+        raw = graph_record(model, runtime, text, tokens, max_tokens, precision)
     if not raw["nodes"]:
         raise InputError(f"{model}: {runtime} ran no norm node parity reads as a checkpoint layer; nothing captured")
     rng = random.Random(seed)
@@ -83,19 +97,28 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
             import numpy as np
 
             same["x"], same["y"] = np.concatenate([same["x"], node["x"]]), np.concatenate([same["y"], node["y"]])
+            if "sum" in same and "sum" in node:
+                same["sum"] = np.concatenate([same["sum"], node["sum"]])
+            else:  # a sum output from one of the nodes only: no row-aligned residual to judge
+                same.pop("sum", None)
+                same.pop("sum_output", None)
             same["node"] += f", {node['node']}"
             same["seen"] += node["seen"]
     for node in sorted(merged.values(), key=lambda n: n["layer"]):
-        x, y = torch.from_numpy(node.pop("x")), torch.from_numpy(node.pop("y"))
+        parts = [torch.from_numpy(node.pop(k)) for k in ("x", "y", "sum") if k in node]
+        x = parts[0]
         finite = torch.isfinite(x).all(-1)
         seen = int(node.pop("seen"))  # what the runtime gave (llama.cpp's child samples as it goes)
-        x, y = x[finite], y[finite]
-        if not x.shape[0]:  # the runtime gave this norm no finite input: upstream broke, nothing to judge
+        parts = [t[finite] for t in parts]
+        if not parts[0].shape[0]:  # the runtime gave this norm no finite input: upstream broke, nothing to judge
             nonfinite.append(node["layer"])
             continue
-        x, y = _sampled(x, y, mean_square(x.double(), node["kind"]), rows_per_layer, rng)
+        parts = _sampled(parts, mean_square(parts[0].double(), node["kind"]), rows_per_layer, rng)
+        x, y = parts[:2]
         layer = node["layer"]
         tensors[f"x:{layer}"], tensors[f"y:{layer}"] = x, y
+        if len(parts) > 2:  # a Skip op's input_skip_bias_sum: the residual it handed on, judged when read
+            tensors[f"sum:{layer}"] = parts[2]
         for part in ("gain", "bias"):
             value = node.pop(part)
             if value is not None:  # float32 values, and the dtype the runtime's tensor is stored in
@@ -107,7 +130,7 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
             "sampling": f"{describe(rows_per_layer)} of each norm node's rows",
             "computes_in": sorted({n["dtype"] for n in nodes.values()}), "nodes": nodes,
             "unmapped": unmapped, "nonfinite_only": nonfinite,
-            **{k: raw[k] for k in ("backend", "note") if raw.get(k)}}
+            **{k: raw[k] for k in ("backend", "note", "precision") if raw.get(k)}}
     return tensors, meta
 
 
@@ -148,6 +171,13 @@ def summary(out, tensors: dict, meta: dict) -> list[str]:
         f"{meta['runtime']} ({version})")
     lines = [f"{out}: {sum(rows):,} (input, output) row pairs from {meta['tokens']:,} tokens in {who}, {len(rows)} "
              f"norm nodes ({', '.join(meta['computes_in'])}; eps {', '.join(f'{e:.6g}' for e in eps) or 'not recorded'})"]
+    said = meta.get("precision")
+    if said and said.get("asked") and said["asked"] != said["runs"]:
+        lines.append(f"{meta['runtime']}: --precision {said['asked']} was asked; the CPU plugin ran at {said['runs']} "
+                     f"(this CPU has no {said['asked']} support): the rows are {said['runs']}'s and judged at it")
+    elif said:
+        lines.append(f"{meta['runtime']}: the CPU plugin ran at inference precision {said['runs']} ({said['source']}); "
+                     "the rows are judged at it")
     if meta.get("note"):
         lines.append(meta["note"])
     if meta.get("nonfinite_only"):
@@ -213,7 +243,8 @@ _TEXT = (str, type(None))
 _FIELDS = {"runtime": (str, "the runtime's name"), "version": (_TEXT, "its version"), "model": (_TEXT, "the model"),
            "tokens": (int, "a token count"), "backend": (_TEXT, "the backend"), "note": (_TEXT, "a note")}
 _NODE_FIELDS = {"node": _TEXT, "op": _TEXT, "gain_tensor": _TEXT, "bias_tensor": _TEXT, "eps_source": _TEXT,
-                "dtype": str, "gain_dtype": _TEXT, "bias_dtype": _TEXT, "rows_seen": int, "rows": int}
+                "dtype": str, "gain_dtype": _TEXT, "bias_dtype": _TEXT, "rows_seen": int, "rows": int,
+                "sum_output": _TEXT, "rows_in": _TEXT}
 COMPUTES = ("float32", "float16", "bfloat16")
 
 
@@ -226,6 +257,10 @@ def _check_fields(path, meta: dict) -> None:
     for key, (types, what) in _FIELDS.items():
         if key in meta and (not isinstance(meta[key], types) or isinstance(meta[key], bool)):
             bad(f"'{key}' is not {what}")
+    said = meta.get("precision")
+    if said is not None and not (isinstance(said, dict) and isinstance(said.get("runs"), str)
+                                 and all(isinstance(v, _TEXT) for v in said.values())):
+        bad("'precision' is not the plugin's precision (runs, asked, source)")
     computes = meta.get("computes_in", [])
     if not (isinstance(computes, list) and computes and all(c in COMPUTES for c in computes)):
         bad(f"'computes_in' is not a list of {', '.join(COMPUTES)}")
@@ -240,6 +275,8 @@ def _check_fields(path, meta: dict) -> None:
                 bad(f"node {name!r}: '{key}' has the wrong type")
         if node.get("dtype") not in COMPUTES:
             bad(f"node {name!r}: dtype {node.get('dtype')!r} is not one of {', '.join(COMPUTES)}")
+        if node.get("rows_in") not in (None, "float32"):  # rows wider than the dtype the node computed in
+            bad(f"node {name!r}: 'rows_in' is {node['rows_in']!r}; only float32 rows may hold more than their dtype")
         chain = node.get("chain", [])
         if not (isinstance(chain, list) and all(isinstance(c, str) for c in chain)):
             bad(f"node {name!r}: 'chain' is not a list of ops")
@@ -274,8 +311,11 @@ def _named(layers: list, reference_layers: list, meta: dict, path) -> list:
         if view.name != layer.name:
             meta["nodes"][view.name] = node
         node["paired_by"] = view.paired_by
-        out.append(dataclasses.replace(layer, name=view.name, family=ref.family if ref else layer.family,
-                                       tower=ref.tower if ref else layer.tower))
+        same = dataclasses.replace(layer, name=view.name, family=ref.family if ref else layer.family,
+                                   tower=ref.tower if ref else layer.tower)
+        if getattr(layer, "graph_findings", None):  # what the runtime's node itself did wrong (pairing reports it)
+            same.graph_findings = layer.graph_findings
+        out.append(same)
     return out
 
 
@@ -310,13 +350,19 @@ def _layer(path, fh, keys, name, node, runtime: str, NormLayer, Eps, torch):
         raise InputError(f"{path}: {name}: eps {eps!r} is not a finite number >= 0")
     x, y = tensor(f"x:{name}"), tensor(f"y:{name}")
     gain, bias = tensor(f"gain:{name}", False), tensor(f"bias:{name}", False)
+    total = tensor(f"sum:{name}", False)
     if x.dim() != 2 or x.shape != y.shape or not x.shape[0] or not x.shape[1]:
         raise InputError(f"{path}: {name}: rows of shapes {list(x.shape)} and {list(y.shape)}; not (n, width) pairs")
+    if total is not None and total.shape != x.shape:
+        raise InputError(f"{path}: {name}: sum rows of shape {list(total.shape)} for x rows of {list(x.shape)}")
     if not bool(torch.isfinite(x).all()):  # `parity capture` keeps only rows with a q
         raise InputError(f"{path}: {name}: an input row holds NaN or inf; a capture keeps only finite inputs")
-    computes = getattr(torch, node["dtype"])
-    for part, t in (("x", x), ("y", y)):
-        if computes != torch.float32 and not bool((t.to(computes).float() == t)[torch.isfinite(t)].all()):
+    # the rows hold values of the dtype the node computed in, unless the capture says the runtime
+    # handed them out wider (rows_in: OpenVINO at bf16 keeps some nodes at f32)
+    held = node.get("rows_in") or node["dtype"]
+    computes = getattr(torch, held)
+    for part, t in (("x", x), ("y", y), ("sum", total)):
+        if t is not None and computes != torch.float32 and not bool((t.to(computes).float() == t)[torch.isfinite(t)].all()):
             raise InputError(f"{path}: {name}: {part} rows are said to be computed in {node['dtype']} but hold other "
                              "values")
     dim = x.shape[1]
@@ -327,7 +373,41 @@ def _layer(path, fh, keys, name, node, runtime: str, NormLayer, Eps, torch):
                   for part, t in (("gain", gain), ("bias", bias)))
     source = node.get("eps_source") or f"{runtime}'s node"
     weightless = gain is None
-    return NormLayer(name=name, kind=node["kind"], dim=dim, order="native", gain_offset=0.0,
-                     eps=Eps(float(eps), source), weight=torch.ones(dim) if weightless else gain, bias=bias,
-                     family="runtime", tensor=str(node.get("gain_tensor") or ""), weightless=weightless,
-                     recorded=(x, y))
+    layer = NormLayer(name=name, kind=node["kind"], dim=dim, order="native", gain_offset=0.0,
+                      eps=Eps(float(eps), source), weight=torch.ones(dim) if weightless else gain, bias=bias,
+                      family="runtime", tensor=str(node.get("gain_tensor") or ""), weightless=weightless,
+                      recorded=(x, y), recorded_wide=held != node["dtype"])
+    if total is not None:
+        found = residual_finding(x, total, node, runtime)
+        if found is not None:
+            layer.graph_findings = [found]
+    return layer
+
+
+def residual_finding(x, total, node: dict, runtime: str) -> dict | None:
+    """The sum a fused residual norm handed on (`sum` rows) against the sum it normalised (`x`): equal
+    within two units in the last place, at the node's dtype, of the row's largest |x| (the same three
+    operands added in another order differ by less). Anything more (a bias left out, the skip added
+    twice, another tensor) is a finding: the residual stream after this norm is not the one it
+    normalised. None where every element is within."""
+    import torch
+
+    computes = getattr(torch, node["dtype"])
+    x64, s64 = x.double(), total.double()
+    allowed = 2 * torch.finfo(computes).eps * x64.abs().amax(-1, keepdim=True)
+    err = (s64 - x64).abs()
+    bad = ~(err <= allowed)  # a NaN sum is bad too
+    if not bool(bad.any()):
+        return None
+    worst = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))
+    k = int(torch.argmax(torch.where(bad, worst, torch.full_like(worst, -1.0))))
+    row, col = divmod(k, x.shape[1])
+    op = node.get("op") or "norm"
+    tensor = node.get("sum_output") or "its sum output"
+    return {"code": "residual_sum_mismatch",
+            "message": f"{runtime}'s {op} node hands on a residual sum ({tensor}) that differs from the sum of "
+                       f"its inputs in {int(bad.sum()):,} of {bad.numel():,} elements (worst row {row} "
+                       f"[{col}]: sum {float(s64[row, col]):.6g}, inputs' sum {float(x64[row, col]):.6g}; "
+                       f"{node['dtype']} rounding allows {float(allowed[row, 0]):.3g}): the residual the next "
+                       "layer reads is not the one this norm normalised",
+            "elements": int(bad.sum()), "max_abs_err": float(worst.amax()), "tensor": tensor, "read_from_copy": True}
