@@ -377,7 +377,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
 
 RUNTIME_CAPTURE = "runtime-capture"
 _NODE_KEYS = ("node", "op", "chain", "gain_tensor", "bias_tensor", "rows_seen", "rows", "dtype", "recorded_as",
-              "paired_by")
+              "paired_by", "sum_output", "rows_in")
 
 
 def _runtime_copy(opts: CheckOptions, reference_layers) -> tuple:
@@ -393,7 +393,7 @@ def _runtime_copy(opts: CheckOptions, reference_layers) -> tuple:
     computes = sorted({meta["nodes"][layer.name]["dtype"] for layer in layers}) or ["float32"]
     runtime = {"name": meta.get("runtime"), "version": meta.get("version"), "model": meta.get("model"),
                "tokens": meta.get("tokens"), "computes_in": meta.get("computes_in"), "backend": meta.get("backend"),
-               "unmapped": meta.get("unmapped", []), "nonfinite_only": meta.get("nonfinite_only", []),
+               "precision": meta.get("precision"), "unmapped": meta.get("unmapped", []), "nonfinite_only": meta.get("nonfinite_only", []),
                "nodes": {layer.name: {k: meta["nodes"][layer.name].get(k) for k in _NODE_KEYS} for layer in layers}}
     if len(computes) > 1:
         runtime["mixed_dtypes"] = (f"the runtime's nodes computed in {', '.join(computes)}: all are checked at "

@@ -50,6 +50,7 @@ def _offset_words(item: dict) -> str:
 # (worst ulp, channel lists) stay out, so that they do not split a group.
 SHORT = {
     "bias_mismatch": lambda d: "the bias differs",
+    "residual_sum_mismatch": lambda d: "the residual sum it hands on is not its inputs' sum",
     "eps_mismatch": lambda d: (f"uses eps {sci(d.get('estimated_eps'))} (read, not estimated)" if d.get("read_from_copy")
                                else f"behaves as eps ≈ {sci(d.get('estimated_eps'))}")
     + f", configured {g(d.get('configured_eps', 0))}",
