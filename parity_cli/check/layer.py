@@ -70,6 +70,98 @@ def first_head(layer, strata, gain, bias):
     return first, gain.reshape(-1, layer.dim)[0], None if bias is None else bias.reshape(-1, layer.dim)[0]
 
 
+def _probe_sets(layer, cand_layer, strata, eps: float, dtype, opts) -> tuple:
+    """(the layer's probe sets, its captured real rows in float64 or None, how many captured rows
+    overflow `dtype` and were left out): the kind's strata at the candidate dtype, and --activations'
+    or a runtime capture's rows as one more set."""
+    import torch
+
+    from parity_cli.probes.strata import Probe, build_probe_set, probe_set
+
+    if layer.kind == "gated_rms_norm":
+        from parity_cli.probes.strata import gated_probe_set
+
+        sets = [gated_probe_set(strata, layer.dim, eps, dtype, opts.seed)]
+    elif layer.kind == "group_norm":
+        from parity_cli.probes.strata import group_norm_probe_set
+
+        sets = [group_norm_probe_set(strata, layer.dim, layer.groups, layer.spatial, eps, dtype, opts.seed)]
+    elif layer.kind == "batch_norm":
+        from parity_cli.probes.strata import batch_norm_probe_set
+
+        sets = [batch_norm_probe_set(strata, layer.running_mean, layer.running_var,
+                                     layer.gain_offset + layer.weight.to(torch.float64), eps, dtype,
+                                     opts.seed)]
+    elif strata:
+        sets = [build_probe_set(strata, layer.dim, eps, dtype, opts.seed)]
+    else:  # --runtime-capture: the rows the runtime saw are the only probes
+        sets = []
+    real = (getattr(opts, "captured", None) or {}).get(layer.name)
+    overflowed = 0
+    if real is not None:  # --activations: real rows, rounded to the candidate dtype like every probe
+        rounded = real.to(dtype)
+        finite = torch.isfinite(rounded).all(-1)  # a row past the dtype's range has no q there
+        overflowed = int((~finite).sum())
+        # a runtime's rows wider than the dtype it computed in are what it normalised: the reference
+        # reads them as recorded (the replay looks its outputs up at the dtype)
+        kept = real if cand_layer.recorded_wide else rounded
+        real = kept[finite].to(torch.float64) if overflowed else kept.to(torch.float64)
+        if real.shape[0]:
+            sets.append(probe_set([Probe(stratum="captured", x=real)]))
+        else:
+            real = None
+    return sets, real, overflowed
+
+
+def _layer_notes(layer, stats: dict, summed: list, summed_over: int, overflowed: int, returned_dtypes: set,
+                 dtype, eps: float) -> tuple[list, list]:
+    """(the layer's warnings, its weight's findings): what the comparison alone does not say."""
+    warnings = list(layer.warnings)
+    if summed:
+        from parity_cli.comparison import summation_units
+
+        n = summed_over
+        warnings.append(f"{', '.join(dict.fromkeys(summed))}: rows so ill-conditioned (max|x| / sqrt(var + eps) up to "
+                        f"1/sqrt({eps:g})) that the candidate's float32 mean shows its summation order: within the "
+                        f"{summation_units(n):g} u a sum of {n} terms may lose, beyond the 4 u of an exact sum")
+    if overflowed:
+        warnings.append(f"{overflowed} captured row(s) overflow {str(dtype).removeprefix('torch.')} "
+                        "and were left out of the captured stratum")
+    weight_findings = []
+    if stats["nonfinite"]:
+        # Both sides then output NaN and "agree": the checkpoint itself is broken, and that fails.
+        weight_findings.append({"code": "nonfinite_weight",
+                                "message": f"{stats['nonfinite']} non-finite value(s) in the stored weight "
+                                           f"{layer.tensor or layer.name}: every output of this layer is NaN or inf",
+                                "count": stats["nonfinite"]})
+    wrong_dtype = sorted(returned_dtypes - {str(dtype).removeprefix("torch.")})
+    if wrong_dtype:
+        warnings.append(f"candidate returned {', '.join(wrong_dtype)} for {str(dtype).removeprefix('torch.')} "
+                        "input (compared after upcasting to float64)")
+    return warnings, weight_findings
+
+
+def _diagnoses(layer, results, strata_d, gain_d, bias_d, eps: float, tol, dtype, exact: bool) -> list:
+    """The causes of a layer's failures, by its kind's own diagnosis (a bitwise check's in ulps)."""
+    from parity_cli.diagnose.causes import bitwise_diagnosis, diagnose
+
+    if layer.kind == "gated_rms_norm":
+        from parity_cli.diagnose.gated import diagnose_gated
+
+        return diagnose_gated(layer, results, gain_d, eps, tol, dtype, exact=exact)
+    if layer.kind == "group_norm":
+        from parity_cli.diagnose.group_norm import diagnose_group_norm
+
+        return diagnose_group_norm(layer, results, gain_d, bias_d, eps, tol, dtype, exact=exact)
+    if layer.kind == "batch_norm":
+        from parity_cli.diagnose.batch_norm import diagnose_batch_norm
+
+        return diagnose_batch_norm(layer, results, gain_d, bias_d, eps, tol, dtype, exact=exact)
+    if exact:  # bitwise mode: the question is how many ulps, not which semantics
+        return bitwise_diagnosis(strata_d, dtype, layer, gain_d, tol, bias_d)
+    return diagnose(layer, strata_d, gain_d, tol, dtype, bias_d)
+
+
 def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand_layer=None, grad_tol=None,
                 keep_tensors=False, diagnose_failures=True):
     """Probes one layer through both sides. A fault in the reference is the user's input
@@ -82,8 +174,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     from parity_cli.check.gradients import grad_strata, upstream_for
     from parity_cli.check.results import LayerResult
     from parity_cli.comparison import compare_batch, errored, workspace
-    from parity_cli.diagnose.causes import bitwise_diagnosis, diagnose, diagnose_grad
-    from parity_cli.probes.strata import Probe, build_probe_set, probe_set
+    from parity_cli.diagnose.causes import diagnose_grad
 
     if layer.kind == "batch_norm":  # both sides read the statistics as the candidate's dtype stores them
         layer = _statistics_at(layer, candidate.dtype)
@@ -111,38 +202,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     def rows(y):
         return y if y is None or not heads else y.reshape(-1, y.shape[-1])
 
-    if layer.kind == "gated_rms_norm":
-        from parity_cli.probes.strata import gated_probe_set
-
-        sets = [gated_probe_set(strata, layer.dim, eps, candidate.dtype, opts.seed)]
-    elif layer.kind == "group_norm":
-        from parity_cli.probes.strata import group_norm_probe_set
-
-        sets = [group_norm_probe_set(strata, layer.dim, layer.groups, layer.spatial, eps, candidate.dtype, opts.seed)]
-    elif layer.kind == "batch_norm":
-        from parity_cli.probes.strata import batch_norm_probe_set
-
-        sets = [batch_norm_probe_set(strata, layer.running_mean, layer.running_var,
-                                     layer.gain_offset + layer.weight.to(torch.float64), eps, candidate.dtype,
-                                     opts.seed)]
-    elif strata:
-        sets = [build_probe_set(strata, layer.dim, eps, candidate.dtype, opts.seed)]
-    else:  # --runtime-capture: the rows the runtime saw are the only probes
-        sets = []
-    real = (getattr(opts, "captured", None) or {}).get(layer.name)
-    overflowed = 0
-    if real is not None:  # --activations: real rows, rounded to the candidate dtype like every probe
-        rounded = real.to(candidate.dtype)
-        finite = torch.isfinite(rounded).all(-1)  # a row past the dtype's range has no q there
-        overflowed = int((~finite).sum())
-        # a runtime's rows wider than the dtype it computed in are what it normalised: the reference
-        # reads them as recorded (the replay looks its outputs up at the dtype)
-        kept = real if cand_layer.recorded_wide else rounded
-        real = kept[finite].to(torch.float64) if overflowed else kept.to(torch.float64)
-        if real.shape[0]:
-            sets.append(probe_set([Probe(stratum="captured", x=real)]))
-        else:
-            real = None
+    sets, real, overflowed = _probe_sets(layer, cand_layer, strata, eps, candidate.dtype, opts)
     probes = [p for ps in sets for p in ps.probes]
     xs = [spread(probe.x) for probe in probes]
     upstream = [upstream_for(opts.seed, probe.stratum, layer.dim, x) for probe, x in zip(probes, xs)] \
@@ -258,28 +318,8 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
             grads.extend(grad_strata(probe, x, upstream[k], rows, layer, reference, w_ref, b_ref, eps, grad_tol,
                                      run.grad(k), layer_error or run.output(k).error,
                                      ref_grad=None if ref_grads is None else ref_grads[k]))
-    warnings = list(layer.warnings)
-    if summed:
-        from parity_cli.comparison import summation_units
-
-        n = summed_over
-        warnings.append(f"{', '.join(dict.fromkeys(summed))}: rows so ill-conditioned (max|x| / sqrt(var + eps) up to "
-                        f"1/sqrt({eps:g})) that the candidate's float32 mean shows its summation order: within the "
-                        f"{summation_units(n):g} u a sum of {n} terms may lose, beyond the 4 u of an exact sum")
-    if overflowed:
-        warnings.append(f"{overflowed} captured row(s) overflow {str(candidate.dtype).removeprefix('torch.')} "
-                        "and were left out of the captured stratum")
-    weight_findings = []
-    if stats["nonfinite"]:
-        # Both sides then output NaN and "agree": the checkpoint itself is broken, and that fails.
-        weight_findings.append({"code": "nonfinite_weight",
-                                "message": f"{stats['nonfinite']} non-finite value(s) in the stored weight "
-                                           f"{layer.tensor or layer.name}: every output of this layer is NaN or inf",
-                                "count": stats["nonfinite"]})
-    wrong_dtype = sorted(returned_dtypes - {str(candidate.dtype).removeprefix("torch.")})
-    if wrong_dtype:
-        warnings.append(f"candidate returned {', '.join(wrong_dtype)} for {str(candidate.dtype).removeprefix('torch.')} "
-                        "input (compared after upcasting to float64)")
+    warnings, weight_findings = _layer_notes(layer, stats, summed, summed_over, overflowed, returned_dtypes,
+                                             candidate.dtype, eps)
     result = LayerResult(
         name=layer.name, kind=layer.kind, dim=layer.dim,
         eps={"value": eps, "source": layer.eps.source},
@@ -294,26 +334,8 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     strata_d, gain_d, bias_d = first_head(layer, results, gain, bias)
     if layer.kind == "batch_norm":
         result.statistics = running_summary(layer, eps)
-    if not diagnose_failures:  # the explain ladder's rungs: only their figures are read
-        pass
-    elif layer.kind == "gated_rms_norm":
-        from parity_cli.diagnose.gated import diagnose_gated
-
-        result.diagnoses = diagnose_gated(layer, results, gain_d, eps, tol, candidate.dtype, exact=opts.exact)
-    elif layer.kind == "group_norm":
-        from parity_cli.diagnose.group_norm import diagnose_group_norm
-
-        result.diagnoses = diagnose_group_norm(layer, results, gain_d, bias_d, eps, tol, candidate.dtype,
-                                               exact=opts.exact)
-    elif layer.kind == "batch_norm":
-        from parity_cli.diagnose.batch_norm import diagnose_batch_norm
-
-        result.diagnoses = diagnose_batch_norm(layer, results, gain_d, bias_d, eps, tol, candidate.dtype,
-                                               exact=opts.exact)
-    elif opts.exact:  # bitwise mode: the question is how many ulps, not which semantics
-        result.diagnoses = bitwise_diagnosis(strata_d, candidate.dtype, layer, gain_d, tol, bias_d)
-    else:
-        result.diagnoses = diagnose(layer, strata_d, gain_d, tol, candidate.dtype, bias_d)
+    if diagnose_failures:  # not for the explain ladder's rungs: only their figures are read
+        result.diagnoses = _diagnoses(layer, results, strata_d, gain_d, bias_d, eps, tol, candidate.dtype, opts.exact)
     if opts.grad and diagnose_failures:
         result.diagnoses.extend(diagnose_grad(layer, grads, gain if not heads else None, eps))
     if real is not None:
