@@ -178,3 +178,55 @@ def prepare(layer, weight, bias, eps: float, eager):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return run
+
+
+_PUBLIC: dict = {}
+
+
+def public_path(layer, weight, bias, eps: float):
+    """The same norm through ExecuTorch's public path, as a deployment takes it, written apart from
+    prepare (issue 46's differential truth): the model's own module with its tensors as parameters
+    (backends.deployed), `torch.export.export` of it, `to_edge_transform_and_lower` with the
+    XnnpackPartitioner, `.to_executorch()`, and the program loaded and run by
+    `executorch.runtime.Runtime`. One program per layer, its tensors baked in as the exported
+    module's own (prepare feeds them as program inputs to share one program between layers); the
+    rows dynamic up to the same memory-plan bound, more run in pieces. Built once per layer, dtype
+    and eps (parity prepares a candidate once per probe set)."""
+    import torch
+
+    from parity_cli.backends.deployed import Built, fingerprint
+
+    rows = max(2, min(4096, _PLAN_BYTES // (4 * max(1, layer.width))))
+    built = _PUBLIC.setdefault("built", Built())
+    method = built.get(fingerprint(layer, weight, bias, eps), lambda: _public_program(layer, weight, bias, eps, rows))
+
+    def run(x):
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = [method.execute([flat[i:i + rows].contiguous()])[0] for i in range(0, flat.shape[0], rows)]
+        y = torch.cat(out) if out else flat.clone()
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    return run
+
+
+def _public_program(layer, weight, bias, eps: float, rows: int):
+    import torch
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from parity_cli.backends.deployed import norm_module
+
+    module = norm_module(layer, weight, bias, eps)
+    example = (torch.zeros(2, layer.width, dtype=weight.dtype, device=weight.device),)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        exported = torch.export.export(module, example, dynamic_shapes=({0: torch.export.Dim("rows", min=1, max=rows)},))
+        program = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()]).to_executorch()
+    buffer = program.buffer
+    with _native_stderr_muted():
+        loaded = Runtime.get().load_program(buffer)
+        method = loaded.load_method("forward")
+    _KEEP.append((buffer, loaded))  # a method outlives neither its program nor the bytes it was read from
+    return method

@@ -105,3 +105,79 @@ def _kernel(layer, mx, w, b, eps: float, dtype):
     module.running_var = _mx(layer.running_var, mx, dtype)
     module.eval()
     return module
+
+
+def public_path(layer, weight, bias, eps: float):
+    """The same norm through MLX's public path, as a deployment builds it, written apart from prepare
+    (issue 46's differential truth): an `mlx.nn` module of the kind, its parameters set at the
+    candidate dtype and called as a module: mlx.nn.RMSNorm, mlx.nn.LayerNorm, mlx.nn.GroupNorm
+    (pytorch_compatible, channels-last maps) and mlx.nn.BatchNorm (eval, the running statistics).
+    A gain offset (Gemma's 1 + w) is mlx-lm's own module, `mx.fast.rms_norm(x, 1.0 + self.weight,
+    eps)`: mlx_lm.models.gemma.RMSNorm where mlx-lm is installed, else that one line transcribed
+    (mlx-lm is not a dependency here). Tensors cross as numpy arrays, as prepare's do."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    import torch
+
+    check_layer(layer, str(weight.dtype).removeprefix("torch."))
+    types = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16, torch.float16: mx.float16}
+    dtype = types[weight.dtype]
+
+    def tensor(t):
+        return mx.array(t.detach().to(device="cpu", dtype=torch.float32).numpy()).astype(dtype)
+
+    w, b = tensor(weight), None if bias is None else tensor(bias)
+    if layer.kind == "rms_norm":
+        module = _offset_rms_norm(nn, mx, layer.dim, eps, layer.gain_offset) if layer.gain_offset \
+            else nn.RMSNorm(layer.dim, eps=eps)
+        module.weight = w
+    elif layer.kind == "layer_norm":
+        module = nn.LayerNorm(layer.dim, eps=eps, affine=True, bias=b is not None)
+        module.weight = w + layer.gain_offset if layer.gain_offset else w
+        if b is not None:
+            module.bias = b
+    elif layer.kind == "group_norm":
+        module = nn.GroupNorm(layer.groups, layer.dim, eps=eps, affine=True, pytorch_compatible=True)
+        module.weight = w
+        module.bias = b if b is not None else mx.zeros_like(w)
+    else:  # batch_norm (check_layer refuses the rest)
+        module = nn.BatchNorm(layer.dim, eps=eps, affine=True, track_running_stats=True)
+        module.weight = w
+        module.bias = b if b is not None else mx.zeros_like(w)
+        module.running_mean, module.running_var = tensor(layer.running_mean), tensor(layer.running_var)
+    module.eval()
+
+    def run(x):
+        h = mx.array(x.detach().to(device="cpu", dtype=torch.float32).numpy()).astype(dtype)
+        if layer.kind == "group_norm":  # rows (N, C*S), channel-major -> maps (N, S, C), channels last
+            y = module(h.reshape(h.shape[0], layer.dim, -1).transpose(0, 2, 1)).transpose(0, 2, 1)
+        else:
+            y = module(h)
+        mx.eval(y)
+        out = torch.from_numpy(np.array(y.astype(mx.float32), copy=True))
+        return out.reshape(x.shape).to(dtype=x.dtype, device=x.device)
+
+    return run
+
+
+def _offset_rms_norm(nn, mx, dim: int, eps: float, offset: float):
+    """mlx-lm's Gemma RMSNorm (mlx_lm/models/gemma.py): the gain 1.0 + weight, at the weight's dtype."""
+    if offset == 1.0:
+        try:
+            from mlx_lm.models.gemma import RMSNorm
+
+            return RMSNorm(dim, eps=eps)
+        except ImportError:
+            pass
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = mx.ones((dim,))
+            self.eps = eps
+
+        def __call__(self, x):
+            return mx.fast.rms_norm(x, offset + self.weight, self.eps)
+
+    return RMSNorm()

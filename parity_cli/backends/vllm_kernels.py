@@ -143,3 +143,36 @@ def prepare(layer, weight, bias, eps: float):
         return out.reshape(shape)
 
     return run
+
+
+def public_path(layer, weight, bias, eps: float):
+    """The same norm as vLLM's own RMSNorm layer computes it in its native path, written apart from
+    prepare (issue 46's differential truth): `RMSNorm.forward_native` and `GemmaRMSNorm.forward_native`
+    (vllm/model_executor/layers/layernorm.py) both call vLLM's IR op `rms_norm` (vllm/ir/ops/layernorm.py:
+    x32 * rsqrt(mean(x32^2) + eps), cast to the weight's dtype, times the weight, cast to x's dtype).
+
+    The layer module itself cannot be imported from the --no-deps install (vllm.model_executor pulls
+    in vllm.distributed, which needs zmq, and the rest of vLLM's server); the IR op's module can, and
+    its registered native implementation (`rms_norm.impls["native"].impl_fn`, vLLM's own code) is
+    what runs here; calling the op object instead would dispatch through vllm.platforms, which
+    needs those dependencies too. The two lines of the layers around it are transcribed:
+    RMSNorm passes its weight as loaded (the model's dtype); GemmaRMSNorm passes
+    `self.weight.float() + 1.0`, a float32 gain. The kernel's own limits (a width that is a multiple
+    of 8) are not the native path's: only what the layer is not (another kind, a per-head gain) is
+    refused."""
+    if layer.kind not in KINDS or (layer.weight is not None and layer.weight.dim() > 1):
+        check_layer(layer)  # its one line
+    if _package_dir() is None:
+        raise InputError(f"vLLM's native path needs vLLM's python package: {INSTALL}")
+    from vllm.ir.ops.layernorm import rms_norm
+
+    native = rms_norm.impls["native"].impl_fn
+    if layer.gain_offset:
+        gain = weight.float() + layer.gain_offset  # GemmaRMSNorm.forward_native
+    else:
+        gain = weight  # RMSNorm.forward_native: self.weight.data
+
+    def run(x):
+        return native(x, gain.to(x.device), float(eps))
+
+    return run
