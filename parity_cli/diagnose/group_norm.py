@@ -47,6 +47,38 @@ def _estimate_eps(strata, groups: int, gain, bias) -> float | None:
     return median(estimates)
 
 
+def _affine_in_dtype(strata, groups: int, gain, bias, eps: float, dtype) -> Diagnosis | None:
+    """A half-precision GroupNorm that rounds h, then w * h, then + b, each to its dtype (mlx.nn.GroupNorm
+    at bfloat16/float16), where torch rounds once at the end: said where that form reproduces every
+    compared element within a unit of the dtype at the size of its terms, and one rounding does not
+    (as diagnose.causes.affine_in_dtype_diagnosis for a LayerNorm, per group and per position)."""
+    import torch
+
+    from parity_cli.backends.implementations import group_normalize
+
+    if dtype not in (torch.float16, torch.bfloat16) or not strata:
+        return None
+    unit = torch.finfo(dtype).eps
+    w, b = gain.double(), 0.0 if bias is None else bias.double()
+    three = one = True
+    for s in strata:
+        h = group_normalize(s.x.double(), groups, eps)
+        y3 = ((h.to(dtype).double() * w).to(dtype).double() + b).to(dtype).double()
+        y1 = (h * w + b).to(dtype).double()
+        size = (h * w).abs() + (b.abs() if torch.is_tensor(b) else abs(b))
+        cand = s.cand.double()
+        ok = torch.isfinite(cand)
+        three &= bool(((cand - y3).abs()[ok] <= (unit * size)[ok]).all())
+        one &= bool((cand[ok] == y1[ok]).all())
+    if not three or one:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return Diagnosis("affine_in_input_dtype",
+                     f"the candidate rounds the normalised value, then w * h, then + b, each to {name} (three "
+                     f"roundings where torch rounds once): where w h nearly cancels b the output keeps only "
+                     f"|w h| x 2^-{int(-math.log2(unit))}, past the allowance", {"dtype": name, "roundings": 3})
+
+
 def diagnose_group_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact: bool = False) -> list[Diagnosis]:
     from parity_cli.backends.implementations import group_normalize, per_position
     from parity_cli.comparison import mean_rounding_allowance
@@ -119,6 +151,9 @@ def diagnose_group_norm(layer, strata, gain, bias, eps: float, tol, dtype, exact
                               "shows it first",
                               {"estimated_eps": value, "configured_eps": eps, "eps_source": layer.eps.source,
                                "raw_estimate": estimate})]
+    rounded = _affine_in_dtype(compared, layer.groups, full_gain, full_bias, eps, dtype)
+    if rounded is not None:
+        return [rounded]
     names = sorted(s.name for s in failing)
     ranges = [s.failing_q_over_eps for s in failing if s.failing_q_over_eps]
     where = (f"failing groups at variance / eps {min(r[0] for r in ranges):.3g} to {max(r[1] for r in ranges):.3g}"
