@@ -686,3 +686,63 @@ def test_norms_sharing_one_statistic_are_each_a_norm(irs, tmp_path):
     assert ops.count("ReduceMean") == 1 and ops.count("Add") == 2  # the mean square still shared, two eps
     report = api.check(irs["llama"], candidate_checkpoint=str(path), isolation="none")
     assert [l.name for l in report.layers if not l.passed] == [odd]
+
+
+# --- issue 46: the kinds OpenVINO has ops for, built; check_layer and describe as every runtime's ----------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_batch_group_and_gated_norms_are_built_and_pass(tmp_path, dtype):
+    """BatchNormInference-5 (ResNet's BatchNorm2d), GroupNormalization-12 (Mask2Former's GroupNorm(32)),
+    Mamba2's gated RMSNorm decomposed: a correct model passes at every dtype (f32 inference)."""
+    expected = {"resnet": {"batch_norm"}, "mask2former": {"group_norm"}, "mamba2": {"gated_rms_norm", "rms_norm"}}
+    for model_type, kinds in expected.items():
+        path = write_checkpoint(tmp_path / model_type, model_type, layers=1, hidden=64, heads=4, eps=1e-5,
+                                dtype="float32")
+        report = api.check(path, candidate="openvino", candidate_args={"precision": "f32"}, dtype=dtype,
+                           isolation="none")
+        assert {l.kind for l in report.layers} == kinds
+        assert report.passed, _fails(report)
+
+
+def test_the_ops_each_kind_is_built_from():
+    import torch
+
+    from parity_cli.backends.openvino_runtime import build_batch_norm_model, build_group_norm_model
+
+    w, b = torch.rand(8) + 0.5, torch.rand(8) - 0.5
+    bn = build_batch_norm_model(8, "float32", 1e-5, 0.0, w, b, torch.zeros(8), torch.ones(8))
+    (op,) = [n for n in bn.get_ordered_ops() if n.get_type_name() == "BatchNormInference"]
+    assert op.get_type_info().version_id == "opset5" and op.get_attributes()["epsilon"] == pytest.approx(1e-5)
+    gn = build_group_norm_model(8, 4, 3, "bfloat16", 1e-6, 0.0, w, b)
+    (op,) = [n for n in gn.get_ordered_ops() if n.get_type_name() == "GroupNormalization"]
+    attrs = op.get_attributes()
+    assert attrs["num_groups"] == 4 and attrs["epsilon"] == pytest.approx(1e-6)
+    assert {str(n.get_element_type()) for n in gn.get_ordered_ops() if n.get_type_name() == "Constant"} == \
+        {"<Type: 'bfloat16'>"}
+
+
+def test_check_layer_refuses_in_one_line_and_describe_says_what_runs():
+    import torch
+
+    from parity_cli.backends import openvino_runtime
+    from parity_cli.errors import InputError
+    from parity_cli.model.layers import NormLayer
+    from parity_cli.sources.tensors import Eps
+
+    def layer(kind, dim=8, groups=1):
+        return NormLayer(name=f"t.{kind}", kind=kind, dim=dim, order="llama", gain_offset=0.0, eps=Eps(1e-5, "test"),
+                         weight=torch.ones(dim), groups=groups)
+
+    assert openvino_runtime.KINDS == ("rms_norm", "layer_norm", "batch_norm", "group_norm", "gated_rms_norm")
+    for kind in openvino_runtime.KINDS:
+        openvino_runtime.check_layer(layer(kind, groups=2), "bfloat16")
+    for bad, words in ((layer("instance_norm"), "is a instance_norm"), (layer("group_norm", groups=3),
+                                                                          "8 channels in 3 groups")):
+        with pytest.raises(InputError, match=words) as err:
+            openvino_runtime.check_layer(bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(InputError, match="no float64 model"):
+        openvino_runtime.check_layer(layer("rms_norm"), "float64")
+    info = openvino_runtime.describe("cpu", "f32")
+    assert info["runtime"].startswith("openvino ") and info["computes_in"].startswith("f32 (the CPU plugin's")

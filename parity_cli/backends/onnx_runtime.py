@@ -6,7 +6,12 @@ Gemma's `1 + w` as an `Add` on the scale, casts where the family's Hugging Face 
 an inference BatchNorm as `BatchNormalization` (opset 15 semantics, training_mode 0) on (N, C)
 rows with the layer's running statistics, or decomposed as (x - mean) / Sqrt(var + eps) * w + b;
 a GroupNorm as `GroupNormalization` (opset 21: per-channel scale and bias) on its (N, C*S) rows
-reshaped to (N, C, S) maps, or decomposed (a LayerNorm over each (N, group, C/groups*S) slice).
+reshaped to (N, C, S) maps, or decomposed (a LayerNorm over each (N, group, C/groups*S) slice);
+a gated RMSNorm (Mamba2's, Qwen3-Next's: ONNX has no op for it) decomposed as its module's export
+is: x and the gate z (the probe row [x | z] split) cast to float32, act(z) (Sigmoid, times z for
+SiLU) multiplied into x before the per-group statistic or into the result after it, the statistic
+as the RMSNorm pattern above over a (N, groups, C/groups) reshape, the gain cast-then-multiplied
+(llama order) or in float32 (gemma order).
 The weight, bias and statistics are graph inputs, so one session serves every layer of a shape
 and eps.
 
@@ -25,6 +30,10 @@ RUNTIME = Runtime(
     extra="onnx", args={"op": ("auto", "fused", "decomposed"), "compute": ("float32",)},
     public="torch.onnx.export of the module, run by an InferenceSession", order=20)
 
+NAME = "onnxruntime"
+INSTALL = "pip install onnx onnxruntime"
+KINDS = ("rms_norm", "layer_norm", "batch_norm", "group_norm", "gated_rms_norm")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 OPS = ("auto", "fused", "decomposed")
 _SESSIONS: dict = {}
 _ONNX_TYPES = {"float32": 1, "float16": 10, "float64": 11, "bfloat16": 16}  # TensorProto enum
@@ -34,6 +43,40 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def check_layer(layer, dtype: str | None = None) -> None:
+    """The kinds and dtypes an ONNX graph is built for here; anything else is one line before a layer
+    runs. An exported graph's own subgraph (layer.program) runs as it is."""
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(f"onnxruntime: no ONNX graph is built at {dtype}; use --dtype {', '.join(DTYPES)}")
+    if getattr(layer, "program", None):
+        return
+    if layer.kind not in KINDS:
+        raise InputError(f"onnxruntime: has no {layer.kind} graph here ({', '.join(KINDS)} are built); {layer.name} "
+                         f"is a {layer.kind}")
+    if layer.kind in ("batch_norm", "group_norm", "gated_rms_norm") and layer.weight is not None \
+            and layer.weight.dim() > 1:
+        raise InputError(f"onnxruntime: {layer.name} is a {layer.kind} with a {layer.weight.dim()}-D gain; its graph "
+                         "takes one value a channel")
+    if layer.kind in ("group_norm", "gated_rms_norm") and (layer.groups < 1 or layer.dim % layer.groups):
+        raise InputError(f"onnxruntime: {layer.name} has {layer.dim} channels in {layer.groups} groups; the graph's "
+                         "grouping takes equal groups")
+
+
+def describe(device: str = "cpu", op: str = "auto", compute: str | None = None, **_args) -> dict:
+    """What the report states: the runtime's version, its execution provider, the ops and what they
+    compute in. Nothing is run here."""
+    from parity_cli.backends import distribution_version
+
+    provider = "CUDAExecutionProvider" if str(device).startswith("cuda") else "CPUExecutionProvider"
+    return {"runtime": distribution_version("onnxruntime", "onnxruntime-gpu"), "provider": provider, "op": op,
+            "kernel": "RMSNormalization-23 (or its decomposition), LayerNormalization-17, BatchNormalization, "
+                      "GroupNormalization-21; a gated RMSNorm decomposed",
+            "computes_in": "float32 (x, the gain, bias and statistics cast to float32 in the graph, float64 at "
+                           "float64 for BatchNorm/GroupNorm; the llama order's gain product at the probe dtype), the "
+                           "result cast back to the probe dtype" + (" (compute=float32: fed and read as float32)"
+                                                                    if compute == "float32" else "")}
+
+
 def build_graph(kind: str, order: str, dim: int, per_head: tuple, dtype: str, eps: float, offset: float,
                 op: str, bias: bool):
     """The norm of one layer shape as an ONNX model: inputs x (and scale, bias), output y."""
@@ -41,6 +84,8 @@ def build_graph(kind: str, order: str, dim: int, per_head: tuple, dtype: str, ep
 
     if kind == "batch_norm":
         return _batch_norm_graph(dim, dtype, eps, offset, op, bias)
+    if kind == "gated_rms_norm":
+        raise ValueError("a gated RMSNorm's graph is _gated_graph (its groups, gate and activation)")
 
     t = _ONNX_TYPES[dtype]
     f32 = TensorProto.FLOAT
@@ -228,6 +273,75 @@ def _group_norm_graph(channels: int, groups: int, spatial: int, dtype: str, eps:
     return model
 
 
+def _gated_graph(dim: int, groups: int, gate: str, activation: str, order: str, dtype: str, eps: float,
+                 offset: float):
+    """A gated RMSNorm on x and its gate z (each (N, C)), as the module's export computes it: both cast
+    to float32, a = act(z) (Sigmoid; SiLU is z * Sigmoid(z)); h = x * a where the gate comes before
+    the statistic; over (N, groups, C/groups): h * Reciprocal(Sqrt(ReduceMean(h^2) + eps)), back to
+    (N, C); the gain cast-then-multiplied at the dtype (llama order) or in float32 (gemma order);
+    times a where the gate comes after; the output at x's dtype."""
+    from onnx import TensorProto, helper
+
+    t = _ONNX_TYPES[dtype]
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info("x", t, ["n", dim]), helper.make_tensor_value_info("z", t, ["n", dim]),
+              helper.make_tensor_value_info("scale", t, [dim])]
+    inits = [helper.make_tensor("group_shape", i64, [3], [0, groups, dim // groups]),
+             helper.make_tensor("row_shape", i64, [2], [0, dim]), helper.make_tensor("axes", i64, [1], [-1]),
+             helper.make_tensor("two", f32, [], [2.0]), helper.make_tensor("eps", f32, [], [float(eps)])]
+    nodes = [helper.make_node("Cast", ["x"], ["x32"], to=f32), helper.make_node("Cast", ["z"], ["z32"], to=f32),
+             helper.make_node("Cast", ["scale"], ["scale32"], to=f32), helper.make_node("Sigmoid", ["z32"], ["sig"])]
+    act = "sig"
+    if activation == "silu":
+        nodes.append(helper.make_node("Mul", ["z32", "sig"], ["silu"]))
+        act = "silu"
+    gain = "scale32"
+    if offset:
+        inits.append(helper.make_tensor("offset", f32, [], [float(offset)]))
+        nodes.append(helper.make_node("Add", ["scale32", "offset"], ["gain32"]))
+        gain = "gain32"
+    h = "x32"
+    if gate == "before":
+        nodes.append(helper.make_node("Mul", ["x32", act], ["gated"]))
+        h = "gated"
+    nodes += [helper.make_node("Reshape", [h, "group_shape"], ["grouped"]),
+              helper.make_node("Pow", ["grouped", "two"], ["sq"]),
+              helper.make_node("ReduceMean", ["sq", "axes"], ["q"], keepdims=1),
+              helper.make_node("Add", ["q", "eps"], ["q_eps"]),
+              helper.make_node("Sqrt", ["q_eps"], ["rms"]),
+              helper.make_node("Reciprocal", ["rms"], ["inv"]),
+              helper.make_node("Mul", ["grouped", "inv"], ["normed_groups"]),
+              helper.make_node("Reshape", ["normed_groups", "row_shape"], ["normed"])]
+    if order == "llama":  # weight * h.to(dtype): h and the gain rounded to the dtype, their product rounded to it
+        # (a product of two half values is exact in float32, so Mul there and one Cast is the dtype's own
+        # product, which the CPU provider has no bfloat16 kernel for)
+        nodes += [helper.make_node("Cast", ["normed"], ["normed_t"], to=t),
+                  helper.make_node("Cast", [gain], ["gain_t"], to=t),
+                  helper.make_node("Cast", ["normed_t"], ["normed_t32"], to=f32),
+                  helper.make_node("Cast", ["gain_t"], ["gain_t32"], to=f32),
+                  helper.make_node("Mul", ["gain_t32", "normed_t32"], ["product32"]),
+                  helper.make_node("Cast", ["product32"], ["y_t"], to=t),
+                  helper.make_node("Cast", ["y_t"], ["y32"], to=f32)]
+        y = "y32"
+        if gate == "after":  # y * act(z.float()): promoted to float32
+            nodes.append(helper.make_node("Mul", ["y32", act], ["y32g"]))
+            y = "y32g"
+    else:
+        nodes.append(helper.make_node("Mul", [gain, "normed"], ["y32"]))
+        y = "y32"
+        if gate == "after":
+            nodes.append(helper.make_node("Mul", ["y32", act], ["y32g"]))
+            y = "y32g"
+    out_type = TensorProto.FLOAT if dtype == "bfloat16" else t  # numpy has no bfloat16: its values as float32
+    nodes.append(helper.make_node("Cast", [y], ["y_dtype"], to=t))
+    nodes.append(helper.make_node("Cast", ["y_dtype"], ["y"], to=out_type))
+    graph = helper.make_graph(nodes, "gated_rms_norm", inputs, [helper.make_tensor_value_info("y", out_type, ["n", dim])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="parity-cli")
+    model.ir_version = 10
+    return model
+
+
 def _session(model, device: str):
     import onnxruntime as ort
 
@@ -334,6 +448,7 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
     if getattr(layer, "program", None):
         return _program(layer, str(weight.device))
 
+    check_layer(layer, _name(weight.dtype))
     if op not in OPS:
         raise InputError(f"onnxruntime: op={op!r}; use one of {', '.join(OPS)}")
     if compute not in (None, "float32"):
@@ -347,10 +462,15 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
     per_head = tuple(weight.shape[:-1])
     device = str(weight.device)
     grouping = (layer.groups, layer.spatial) if layer.kind == "group_norm" else None
+    if layer.kind == "gated_rms_norm":
+        grouping = (layer.groups, layer.gate, layer.activation)
     key = (layer.kind, layer.order, layer.dim, per_head, run_dtype, float(eps), float(layer.gain_offset), op,
            bias is not None, device, grouping)
     if key not in _SESSIONS:
-        if grouping:
+        if layer.kind == "gated_rms_norm":
+            model = _gated_graph(layer.dim, layer.groups, layer.gate, layer.activation, layer.order, run_dtype, eps,
+                                 layer.gain_offset)
+        elif grouping:
             model = _group_norm_graph(layer.dim, layer.groups, layer.spatial, run_dtype, eps, layer.gain_offset, op,
                                       bias is not None)
         else:
@@ -376,7 +496,10 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
         feeds["var"] = _to_ort(layer.running_var.to(weight.dtype).to(cast))
 
     def run(x):
-        feeds["x"] = _to_ort(x.to(cast))
+        if layer.kind == "gated_rms_norm":  # a probe row is [x | z]: the graph takes each
+            feeds["x"], feeds["z"] = (_to_ort(part.to(cast)) for part in (x[..., :layer.dim], x[..., layer.dim:]))
+        else:
+            feeds["x"] = _to_ort(x.to(cast))
         try:
             (out,) = session.run_with_ort_values(["y"], feeds)
         except Exception as exc:
@@ -384,6 +507,7 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
             hint = "" if run_dtype == "float32" else (f" (no {run_dtype} kernel? --candidate-arg compute=float32 "
                                                       "or --dtype float32)")
             raise RuntimeError(f"onnxruntime {op} {layer.kind} at {run_dtype}: {text[:240]}{hint}") from None
-        return _from_ort(out, cast, x.device).to(x.dtype)
+        y = _from_ort(out, cast, x.device).to(x.dtype)
+        return y if layer.kind != "gated_rms_norm" else y.reshape(*x.shape[:-1], layer.dim)
 
     return run

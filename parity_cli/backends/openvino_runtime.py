@@ -11,6 +11,16 @@ What a model converted to OpenVINO computes, built from opset ops as its fronten
 - the family's casts (Convert): Llama casts the normalised value to the input type before the
   gain, Gemma/OLMo 2/Cohere compute in f32 with the gain and cast last, T5 casts to a half
   weight's type; Gemma's `1 + w` is an Add on the f32 scale.
+- an inference BatchNorm as BatchNormInference-5 (the running statistics, the gain and bias as
+  Constants at the model's type; the frontend translates aten::batch_norm so, and its own
+  transformations then fold it into a Multiply and an Add), on (N, C) rows;
+- a GroupNorm as GroupNormalization-12 (scale and bias per channel, num_groups, epsilon), on the
+  (N, C*S) probe rows given as (N, C, S) maps, as the frontend translates aten::group_norm.
+- a gated RMSNorm ([x | z] probe rows; no OpenVINO op) decomposed as the frontend translates its
+  module (Mamba2's, Qwen3-Next's): x and z Sliced and converted to f32, Swish(z) (aten::silu) or
+  Sigmoid(z), multiplied into x before the per-group statistic (gate before) or into the result
+  (gate after), the statistic as the RMSNorm pattern over a [n, groups, C/groups] Reshape, the gain
+  at the input type after a Convert (llama order) or in f32 (gemma order).
 The gain and bias are Constants, as in a converted model (the plugin folds and fuses them as it
 would there): one compiled model per layer. A bfloat16 probe enters as f32 and is converted
 inside the model (exact: the values are bfloat16 already); a bfloat16 result leaves as f32, exactly.
@@ -26,9 +36,12 @@ from __future__ import annotations
 
 import hashlib
 
-from parity_cli.backends import Runtime
+from parity_cli.backends import Runtime, distribution_version
 from parity_cli.errors import InputError
+from parity_cli.sources.openvino_ir import program_parts
 
+NAME = "openvino"
+INSTALL = "pip install openvino"
 RUNTIME = Runtime(
     "openvino", "the family's norm as an OpenVINO model (decomposed RMS pattern, MVN-6 for LayerNorm) compiled on its "
     "CPU plugin; --candidate-arg precision=f32|bf16|f16, form=decomposed|mvn, eps_mode=inside_sqrt|outside_sqrt",
@@ -36,8 +49,8 @@ RUNTIME = Runtime(
     args={"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
           "eps_mode": ("inside_sqrt", "outside_sqrt")},
     public="ov.convert_model of the module, compiled on the CPU plugin", header="openvino", order=30)
-from parity_cli.sources.openvino_ir import program_parts
-
+KINDS = ("rms_norm", "layer_norm", "batch_norm", "group_norm", "gated_rms_norm")
+DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = ("f32", "bf16", "f16")
 FORMS = ("auto", "decomposed", "mvn")
 EPS_MODES = ("inside_sqrt", "outside_sqrt")
@@ -99,7 +112,27 @@ def _check_precision(precision: str | None) -> None:
         raise InputError(f"openvino: precision={precision!r}; use one of {', '.join(PRECISIONS)}")
 
 
-def describe(device: str, precision: str | None = None) -> dict:
+def check_layer(layer, dtype: str | None = None) -> None:
+    """The kinds and dtypes an OpenVINO model is built for here; anything else is one line before a
+    layer runs. An exported IR's own subgraph (layer.program) runs as it is, whatever its kind."""
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(f"openvino: no {dtype} model is built (the CPU plugin computes float64 as f32); "
+                         f"use --dtype {', '.join(DTYPES)}")
+    if program_parts(getattr(layer, "program", None) or b""):
+        return
+    if layer.kind not in KINDS:
+        raise InputError(f"openvino: has no {layer.kind} op here ({', '.join(KINDS)} are built); {layer.name} is a "
+                         f"{layer.kind}")
+    if layer.kind in ("batch_norm", "group_norm", "gated_rms_norm") and layer.weight is not None \
+            and layer.weight.dim() > 1:
+        raise InputError(f"openvino: {layer.name} is a {layer.kind} with a {layer.weight.dim()}-D gain; its model "
+                         "takes one value a channel")
+    if layer.kind in ("group_norm", "gated_rms_norm") and (layer.groups < 1 or layer.dim % layer.groups):
+        raise InputError(f"openvino: {layer.name} has {layer.dim} channels in {layer.groups} groups; its model "
+                         "splits the channels evenly")
+
+
+def describe(device: str, precision: str | None = None, **_args) -> dict:
     """What the report states of the runtime: its version, the device, and the inference precision
     the plugin runs at (asked for, or its own default), read off a compiled one-op model, so a
     hint the CPU cannot honour (bf16 without avx512_bf16) shows as what runs. Refuses an absent
@@ -127,7 +160,13 @@ def describe(device: str, precision: str | None = None) -> dict:
         device_name = str(c.get_property(name, "FULL_DEVICE_NAME"))
     except Exception:
         device_name = name
-    return {"version": ov.get_version(), "device": name, "device_name": device_name,
+    return {"runtime": distribution_version("openvino") or f"openvino {ov.get_version()}",
+            "version": ov.get_version(), "device": name, "device_name": device_name,
+            "kernel": "the family's norm from opset ops (decomposed RMSNorm, MVN-6, BatchNormInference-5, "
+                      "GroupNormalization-12, a decomposed gated RMSNorm), compiled on the plugin",
+            "computes_in": f"{running} (the {name} plugin's inference precision, "
+                           f"{'asked' if precision else 'its default'}); a half model's Converts as the frontend "
+                           "emits them",
             "inference_precision": running, "plugin_default": default,
             "precision_source": f"--candidate-arg precision={precision}" if precision else "the plugin's default",
             "precision_asked": precision}
@@ -272,6 +311,123 @@ def build_model(kind: str, order: str, dim: int, per_head: tuple, dtype: str, ep
     return ov.Model([y], [x_in], "norm")
 
 
+def _typed(dtype: str):
+    """(the model's element type, its input's) for a probe dtype: bfloat16 enters as f32 (numpy has no
+    bfloat16) and is converted inside, exactly."""
+    import openvino as ov
+
+    t = _OV_TYPES[dtype]
+    T = {"f32": ov.Type.f32, "f16": ov.Type.f16, "bf16": ov.Type.bf16}[t]
+    return t, T, ov.Type.f32 if t == "bf16" else T
+
+
+def _channel_gain(weight, offset: float, t: str):
+    """The gain a channel op takes, at the model's type: the stored w, or offset + w computed in f32
+    (the family's 1.0 + w.float()) and converted."""
+    import openvino as ov
+    import openvino.opset13 as op
+
+    w = _constant(weight, t)
+    if not offset:
+        return w
+    gain = op.add(w if t == "f32" else op.convert(w, ov.Type.f32), op.constant(_np_f32(offset)))
+    return gain if t == "f32" else op.convert(gain, w.get_element_type())
+
+
+def _np_f32(v):
+    import numpy as np
+
+    return np.float32(v)
+
+
+def build_batch_norm_model(dim: int, dtype: str, eps: float, offset: float, weight, bias, mean, var):
+    """An inference BatchNorm as the PyTorch frontend translates aten::batch_norm (training False):
+    BatchNormInference-5 on x [n, C], its gain, bias, running mean and variance Constants at the
+    model's type (as a model cast to that dtype holds its buffers), eps its attribute."""
+    import openvino as ov
+    import openvino.opset5 as op5
+    import openvino.opset13 as op
+    import torch
+
+    t, T, takes = _typed(dtype)
+    x_in = op.parameter([-1, dim], takes, name="x")
+    x = op.convert(x_in, T) if t == "bf16" else x_in
+    beta = _constant(bias if bias is not None else torch.zeros_like(weight), t)
+    y = op5.batch_norm_inference(x, _channel_gain(weight, offset, t), beta, _constant(mean, t), _constant(var, t),
+                                 float(eps))
+    if t == "bf16":
+        y = op.convert(y, ov.Type.f32)
+    return ov.Model([y], [x_in], "batch_norm")
+
+
+def build_group_norm_model(channels: int, groups: int, spatial: int, dtype: str, eps: float, offset: float, weight,
+                           bias):
+    """A GroupNorm as the PyTorch frontend translates aten::group_norm: GroupNormalization-12 on x
+    [n, C, S] (num_groups, epsilon), scale and bias per channel as Constants at the model's type."""
+    import openvino as ov
+    import openvino.opset12 as op12
+    import openvino.opset13 as op
+    import torch
+
+    t, T, takes = _typed(dtype)
+    x_in = op.parameter([-1, channels, spatial], takes, name="x")
+    x = op.convert(x_in, T) if t == "bf16" else x_in
+    beta = _constant(bias if bias is not None else torch.zeros_like(weight), t)
+    y = op12.group_normalization(x, _channel_gain(weight, offset, t), beta, int(groups), float(eps))
+    if t == "bf16":
+        y = op.convert(y, ov.Type.f32)
+    return ov.Model([y], [x_in], "group_norm")
+
+
+def build_gated_model(dim: int, groups: int, gate: str, activation: str, order: str, dtype: str, eps: float,
+                      offset: float, inverse_sqrt: str, weight):
+    """A gated RMSNorm on [x | z] rows [n, 2C] as the PyTorch frontend translates its module: x and z
+    Sliced and converted to f32, act(z) = Swish(z) (aten::silu) or Sigmoid(z); before: the statistic
+    of x * act(z), after: the result times act(z); the statistic per group over a [n, groups, C/groups]
+    Reshape (Power, ReduceMean, Add eps, Sqrt, Divide 1 by it, Multiply); the gain cast-then-multiplied
+    at the type (llama order) or in f32 (gemma order); the output [n, C] at the type."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset8 as op8
+    import openvino.opset13 as op
+
+    t, T, takes = _typed(dtype)
+    f32 = ov.Type.f32
+    x_in = op.parameter([-1, 2 * dim], takes, name="x2")
+    both = op.convert(x_in, T) if t == "bf16" else x_in
+
+    def i64(*values):
+        return op.constant(np.array(values, dtype=np.int64))
+
+    def up(v):
+        return v if t == "f32" else op.convert(v, f32)
+
+    x = up(op8.slice(both, i64(0), i64(dim), i64(1), i64(-1)))
+    z = up(op8.slice(both, i64(dim), i64(2 * dim), i64(1), i64(-1)))
+    act = op.swish(z) if activation == "silu" else op.sigmoid(z)
+    h = op.multiply(x, act) if gate == "before" else x
+    grouped = op.reshape(h, i64(0, groups, dim // groups), True)
+    q_eps = op.add(op.reduce_mean(op.power(grouped, op.constant(_np_f32(2.0))), i64(-1), True),
+                   op.constant(_np_f32(eps)))
+    inv = op.power(q_eps, op.constant(_np_f32(-0.5))) if inverse_sqrt == "pow" else \
+        op.divide(op.constant(_np_f32(1.0)), op.sqrt(q_eps))
+    normed = op.reshape(op.multiply(grouped, inv), i64(0, dim), True)
+    if order == "llama":  # weight * h.to(dtype), at the type
+        y = op.multiply(_channel_gain(weight, offset, t), normed if t == "f32" else op.convert(normed, T))
+        y = up(y)
+    else:
+        w = _constant(weight, t)
+        gain32 = up(w) if not offset else op.add(up(w), op.constant(_np_f32(offset)))
+        y = op.multiply(normed, gain32)
+    if gate != "before":  # y * act(z.float()): promoted to f32
+        y = op.multiply(y, act)
+    if t != "f32":
+        y = op.convert(y, T)
+    if t == "bf16":
+        y = op.convert(y, f32)
+    return ov.Model([y], [x_in], "gated_rms_norm")
+
+
 def _compile(model, device: str, precision: str | None):
     import torch
 
@@ -320,7 +476,8 @@ def _runner(compiled, dtype, kind: str, rank: int | None, maps: tuple | None = N
             out = torch.from_numpy(bits).view(torch.bfloat16)
         else:
             out = torch.from_numpy(np.array(result.data, copy=True))
-        return out.reshape(x.shape).to(device=x.device, dtype=x.dtype)
+        out = out.reshape(x.shape) if out.numel() == x.numel() else out.reshape(*x.shape[:-1], -1)  # gated: [x | z] -> y
+        return out.to(device=x.device, dtype=x.dtype)
 
     return run
 
@@ -366,8 +523,12 @@ def prepare(layer, weight, bias, eps: float, precision: str | None = None, form:
         raise InputError(f"openvino: form={form!r}; use one of {', '.join(FORMS)}")
     if eps_mode not in EPS_MODES:
         raise InputError(f"openvino: eps_mode={eps_mode!r}; use one of {', '.join(EPS_MODES)}")
-    if layer.kind not in ("rms_norm", "layer_norm"):
-        raise InputError(f"openvino: builds RMSNorm and LayerNorm layers; {layer.name} is a {layer.kind}")
+    check_layer(layer, str(weight.dtype).removeprefix("torch."))
+    if layer.kind in ("batch_norm", "group_norm", "gated_rms_norm"):
+        if form != "auto" or eps_mode != "inside_sqrt":
+            raise InputError(f"openvino: form and eps_mode choose an RMSNorm's or LayerNorm's ops; {layer.name} is a "
+                             f"{layer.kind}, built as its one op")
+        return _channel_norm(layer, weight, bias, eps, device, precision)
     if form == "auto":
         form = "mvn" if layer.kind == "layer_norm" else "decomposed"
     if form == "mvn" and layer.kind != "layer_norm":
@@ -377,13 +538,8 @@ def prepare(layer, weight, bias, eps: float, precision: str | None = None, form:
         raise InputError(f"openvino: eps_mode is MVN's (form=mvn, a LayerNorm layer); {layer.name} is built "
                          f"{form}")
     dtype = str(weight.dtype).removeprefix("torch.")
-    if dtype not in _OV_TYPES:
-        raise InputError(f"openvino: no {dtype} model is built (the CPU plugin computes float64 as f32); "
-                         "use --dtype float32, float16 or bfloat16")
     per_head = tuple(weight.shape[:-1])
-    digest = hashlib.sha256(weight.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    if bias is not None:
-        digest.update(bias.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digest = _digest(weight, bias)
     key = (layer.kind, layer.order, layer.dim, per_head, dtype, float(eps), float(layer.gain_offset), form, eps_mode,
            layer.inverse_sqrt, digest.hexdigest(), bias is not None, device, precision, torch.get_num_threads())
     if key not in _MODELS:
@@ -395,7 +551,57 @@ def prepare(layer, weight, bias, eps: float, precision: str | None = None, form:
         except Exception as exc:
             raise InputError(f"openvino: cannot build the {form} {layer.kind} model at {dtype}: "
                              f"{' '.join(str(exc).split())[:240]}") from None
-        if len(_MODELS) > 4:  # one compiled model per layer (each holds its own executor): the last few
-            _MODELS.pop(next(iter(_MODELS)))
-        _MODELS[key] = _compile(model, device, precision)
+        _remember(key, _compile(model, device, precision))
     return _runner(_MODELS[key], weight.dtype, f"{form} {layer.kind}", None)
+
+
+def _digest(*tensors):
+    """What a model's Constants hold, as a cache key: the bytes of each tensor (None: nothing)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(b"|")
+    return digest
+
+
+def _remember(key, compiled) -> None:
+    """One compiled model per layer (each holds its own executor): the last few kept."""
+    if len(_MODELS) > 4:
+        _MODELS.pop(next(iter(_MODELS)))
+    _MODELS[key] = compiled
+
+
+def _channel_norm(layer, weight, bias, eps: float, device: str, precision: str | None):
+    """A BatchNorm (rows (N, C), its running statistics at the candidate's dtype, as a model cast to
+    it holds them) or a GroupNorm (rows (N, C*S) as (N, C, S) maps) through its OpenVINO op, or a
+    gated RMSNorm ([x | z] rows) decomposed."""
+    import torch
+
+    dtype = str(weight.dtype).removeprefix("torch.")
+    stats = ()
+    if layer.kind == "batch_norm":
+        stats = tuple(t.to(dtype=weight.dtype, copy=True) for t in (layer.running_mean, layer.running_var))
+    key = (layer.kind, layer.dim, layer.groups, layer.spatial, layer.gate, layer.activation, layer.order,
+           layer.inverse_sqrt, dtype, float(eps), float(layer.gain_offset), _digest(weight, bias, *stats).hexdigest(),
+           device, precision, torch.get_num_threads())
+    if key not in _MODELS:
+        try:
+            if layer.kind == "gated_rms_norm":
+                model = build_gated_model(layer.dim, layer.groups, layer.gate, layer.activation, layer.order, dtype,
+                                          eps, layer.gain_offset, layer.inverse_sqrt, weight)
+            elif layer.kind == "batch_norm":
+                model = build_batch_norm_model(layer.dim, dtype, eps, layer.gain_offset, weight, bias, *stats)
+            else:
+                model = build_group_norm_model(layer.dim, layer.groups, layer.spatial, dtype, eps, layer.gain_offset,
+                                               weight, bias)
+        except InputError:
+            raise
+        except Exception as exc:
+            raise InputError(f"openvino: cannot build the {layer.kind} model at {dtype}: "
+                             f"{' '.join(str(exc).split())[:240]}") from None
+        _remember(key, _compile(model, device, precision))
+    maps = (layer.dim, layer.spatial) if layer.kind == "group_norm" else None
+    return _runner(_MODELS[key], weight.dtype, layer.kind, 3 if maps else None, maps)
