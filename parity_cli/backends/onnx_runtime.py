@@ -15,6 +15,11 @@ as the RMSNorm pattern above over a (N, groups, C/groups) reshape, the gain cast
 The weight, bias and statistics are graph inputs, so one session serves every layer of a shape
 and eps.
 
+At bfloat16 the CPU provider has no kernel for Mul, BatchNormalization or InstanceNormalization
+(onnxruntime 1.32): a bfloat16 export of a norm that multiplies its gain at the input dtype (Llama's
+and T5's order, Mamba2's gated norm), of a BatchNorm or of a GroupNorm cannot run there, so that cell
+is refused in one line (check_layer) rather than computed in float32 as no deployment would.
+
 --candidate-arg: op=auto|fused|decomposed (auto: fused where the runtime has the op),
 compute=float32 (cast in and out, for a dtype the execution provider has no kernel for)."""
 
@@ -43,13 +48,35 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_layer(layer, dtype: str | None = None) -> None:
+def _bfloat16_gap(layer) -> str | None:
+    """The op a bfloat16 export of the layer's module needs and ONNX Runtime's CPU provider has no
+    bfloat16 kernel for (measured on onnxruntime 1.32 with torch.onnx.export, both exporters): the
+    gain product of a family that multiplies at the input dtype (`weight * h.to(dtype)`: Llama's and
+    T5's order), BatchNormalization, GroupNorm's InstanceNormalization. None: the export runs (Gemma's
+    and OLMo 2's float32 arithmetic with one cast, LayerNormalization, torch.nn.RMSNorm's export)."""
+    if layer.kind == "batch_norm":
+        return "BatchNormalization kernel"
+    if layer.kind == "group_norm":
+        return "InstanceNormalization kernel (the exported GroupNorm's)"
+    if layer.order in ("llama", "t5"):
+        return "Mul kernel (the family multiplies the gain at the input dtype)"
+    return None
+
+
+def check_layer(layer, dtype: str | None = None, compute: str | None = None, device: str | None = None) -> None:
     """The kinds and dtypes an ONNX graph is built for here; anything else is one line before a layer
-    runs. An exported graph's own subgraph (layer.program) runs as it is."""
+    runs. At bfloat16 on the CPU provider, a form whose export needs a kernel the provider lacks is
+    refused (the model cannot run there), unless compute=float32 feeds it float32. An exported graph's
+    own subgraph (layer.program) runs as it is."""
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"onnxruntime: no ONNX graph is built at {dtype}; use --dtype {', '.join(DTYPES)}")
     if getattr(layer, "program", None):
         return
+    gap = _bfloat16_gap(layer) if dtype == "bfloat16" and compute != "float32" else None
+    if gap and not str(device or "cpu").startswith("cuda"):
+        raise InputError(f"onnxruntime: the CPU provider has no bfloat16 {gap}: a bfloat16 export of "
+                         f"{layer.name} ({layer.kind}) cannot run there; --candidate-arg compute=float32 feeds it "
+                         "float32, or --dtype float16")
     if layer.kind not in KINDS:
         raise InputError(f"onnxruntime: has no {layer.kind} graph here ({', '.join(KINDS)} are built); {layer.name} "
                          f"is a {layer.kind}")
@@ -448,7 +475,7 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
     if getattr(layer, "program", None):
         return _program(layer, str(weight.device))
 
-    check_layer(layer, _name(weight.dtype))
+    check_layer(layer, _name(weight.dtype), compute, str(weight.device))
     if op not in OPS:
         raise InputError(f"onnxruntime: op={op!r}; use one of {', '.join(OPS)}")
     if compute not in (None, "float32"):
@@ -511,3 +538,102 @@ def prepare(layer, weight, bias, eps: float, op: str = "auto", compute: str | No
         return y if layer.kind != "gated_rms_norm" else y.reshape(*x.shape[:-1], layer.dim)
 
     return run
+
+
+def public_path(layer, weight, bias, eps: float, dynamo: bool = False):
+    """The same norm through ONNX Runtime's public path, as a deployment takes it (issue 46's
+    differential truth, written apart from prepare): the family's torch module (backends.deployed: its
+    transformers class, else the plain torch module of its kind) at the candidate dtype, exported by
+    `torch.onnx.export` (the TorchScript exporter, opset 18, the row axis dynamic; dynamo=True: the
+    dynamo exporter, which gives the same ops here and takes seconds longer), run by an
+    InferenceSession on the CPU provider. A graph the provider has no kernel for is one line: the
+    export cannot run there."""
+    import torch
+
+    dtype = _name(weight.dtype)
+    if dtype not in _ONNX_TYPES:
+        raise InputError(f"onnxruntime: no ONNX type for {dtype}")
+    key = ("public", _public_key(layer, weight, bias, eps), dynamo)
+    if key not in _SESSIONS:  # parity prepares a layer once a probe set, each time with a fresh copy of its weight
+        if len([k for k in _SESSIONS if k[0] == "public"]) > 4:
+            _SESSIONS.pop(next(k for k in _SESSIONS if k[0] == "public"))
+        _SESSIONS[key] = _exported_session(layer, weight, bias, eps, dynamo)
+    session = _SESSIONS[key]
+    inp, result = session.get_inputs()[0].name, session.get_outputs()[0].name
+
+    def run(x):
+        try:
+            (y,) = session.run_with_ort_values([result], {inp: _to_ort(x.to(weight.dtype))})
+        except Exception as exc:
+            raise RuntimeError(f"onnxruntime export of {layer.kind}: {' '.join(str(exc).split())[:240]}") from None
+        return _from_ort(y, torch.float32, x.device).to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    return run
+
+
+def _public_key(layer, weight, bias, eps: float) -> tuple:
+    """Everything a deployed module of the layer is built from: its class and kind's parameters, the
+    dtype, eps and device, and the bytes of its tensors."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    stats = (layer.running_mean, layer.running_var) if layer.kind == "batch_norm" else ()
+    for t in (weight, bias, *stats):
+        if t is not None:
+            digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(b"|")
+    return (layer.kind, layer.order, layer.hf_class, layer.dim, tuple(weight.shape), layer.groups, layer.spatial,
+            layer.gate, layer.activation, layer.layout, float(layer.gain_offset), layer.semantic_offset,
+            str(weight.dtype), float(eps), str(weight.device), digest.hexdigest())
+
+
+def _exported_session(layer, weight, bias, eps: float, dynamo: bool):
+    """torch.onnx.export of the layer's deployed module, in an InferenceSession (bfloat16 output read
+    as float32, exactly: numpy has no bfloat16)."""
+    import contextlib
+    import io
+    import warnings
+
+    import onnx
+    import torch
+
+    from parity_cli.backends.deployed import norm_module
+
+    dtype = _name(weight.dtype)
+    module = norm_module(layer, weight, bias, eps)
+    row = tuple(weight.shape) if weight.dim() > 1 else (layer.width,)
+    example = torch.zeros(2, *row, dtype=weight.dtype, device="cpu")
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            if dynamo:
+                exported = torch.onnx.export(module.cpu(), (example,), dynamo=True, input_names=["x"],
+                                             output_names=["y"], dynamic_shapes=({0: torch.export.Dim("n")},))
+                model = exported.model_proto
+            else:
+                buffer = io.BytesIO()
+                torch.onnx.export(module.cpu(), (example,), buffer, dynamo=False, opset_version=18,
+                                  input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "n"}, "y": {0: "n"}})
+                model = onnx.load_from_string(buffer.getvalue())
+    except Exception as exc:
+        raise InputError(f"onnxruntime: torch.onnx.export cannot export {layer.name}'s module: "
+                         f"{' '.join(str(exc).split())[:240]}") from None
+    out = model.graph.output[0]
+    if out.type.tensor_type.elem_type == _ONNX_TYPES["bfloat16"]:  # numpy has no bfloat16: read its values as float32
+        from onnx import TensorProto, helper
+
+        model.graph.node.append(helper.make_node("Cast", [out.name], [out.name + "__f32"], to=TensorProto.FLOAT))
+        del model.graph.output[:]
+        model.graph.output.append(helper.make_tensor_value_info(out.name + "__f32", TensorProto.FLOAT, None))
+    try:
+        session = _session(model, str(weight.device))
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"onnxruntime: the torch.onnx.export of {layer.name} at {dtype} cannot run in ONNX "
+                         f"Runtime: {' '.join(str(exc).split())[:240]}") from None
+    return session
+

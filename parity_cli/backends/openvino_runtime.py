@@ -605,3 +605,50 @@ def _channel_norm(layer, weight, bias, eps: float, device: str, precision: str |
         _remember(key, _compile(model, device, precision))
     maps = (layer.dim, layer.spatial) if layer.kind == "group_norm" else None
     return _runner(_MODELS[key], weight.dtype, layer.kind, 3 if maps else None, maps)
+
+
+def public_path(layer, weight, bias, eps: float, precision: str | None = None):
+    """The same norm through OpenVINO's public path, as a deployment takes it (issue 46's differential
+    truth, written apart from prepare): the family's torch module (backends.deployed: its transformers
+    class, else the plain torch module of its kind) at the candidate dtype, `ov.convert_model` with an
+    example input of its rows (the PyTorch frontend: its own ops, Constants and Converts), compiled on
+    the plugin (its default precision unless asked). x -> y as prepare's, at x's dtype."""
+    import contextlib
+    import io
+    import warnings
+
+    import openvino as ov
+    import torch
+
+    from parity_cli.backends.deployed import norm_module
+
+    _check_precision(precision)
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise InputError(f"openvino: ov.convert_model of a {dtype} module is not run here; use --dtype "
+                         f"{', '.join(DTYPES)}")
+    key = ("public", _public_key(layer, weight, bias, eps), precision, torch.get_num_threads())
+    if key not in _MODELS:  # parity prepares a layer once a probe set, each time with a fresh copy of its weight
+        module = norm_module(layer, weight, bias, eps)
+        row = tuple(weight.shape) if weight.dim() > 1 else (layer.width,)
+        example = torch.zeros(2, *row, dtype=weight.dtype, device=weight.device)
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):
+                warnings.simplefilter("ignore")
+                converted = ov.convert_model(module, example_input=example)
+        except Exception as exc:
+            raise InputError(f"openvino: ov.convert_model cannot convert {layer.name}'s module: "
+                             f"{' '.join(str(exc).split())[:240]}") from None
+        _remember(key, _compile(converted, str(weight.device), precision))
+    return _runner(_MODELS[key], weight.dtype, f"ov.convert_model {layer.kind}", None)
+
+
+def _public_key(layer, weight, bias, eps: float) -> tuple:
+    """Everything a deployed module of the layer is built from: its class and kind's parameters, the
+    dtype, eps and device, and the bytes of its tensors."""
+    stats = (layer.running_mean, layer.running_var) if layer.kind == "batch_norm" else ()
+    return (layer.kind, layer.order, layer.hf_class, layer.dim, tuple(weight.shape), layer.groups, layer.spatial,
+            layer.gate, layer.activation, layer.layout, float(layer.gain_offset), layer.semantic_offset,
+            str(weight.dtype), float(eps), str(weight.device), _digest(weight, bias, *stats).hexdigest())
+
