@@ -17,6 +17,8 @@ a PASS, each shown again below with ONNX Runtime alone:
 import pytest
 from truth_cells import Cells, fails, passes
 
+from parity_cli import api
+
 pytest.importorskip("onnxruntime", reason="needs ONNX Runtime: pip install onnx onnxruntime")
 pytest.importorskip("onnx", reason="needs onnx: pip install onnx onnxruntime")
 
@@ -66,8 +68,6 @@ def test_the_failing_gated_cells_fail_where_x_is_large_on_both_paths(cells):
     huge channels among normal ones) and nowhere else, on both paths alike."""
     from truth_cells import LAYERS
 
-    from parity_cli import api
-
     for dtype in ("float32", "float16"):
         failing = []
         for candidate in ("onnxruntime", "onnxruntime@public"):
@@ -81,8 +81,6 @@ def test_compute_float32_runs_a_refused_bfloat16_cell(cells):
     """--candidate-arg compute=float32 feeds the graph float32 (bfloat16 values, exactly): it runs. The
     checkpoint is stored in bfloat16 (the candidate's dtype when --dtype is not given)."""
     from truth_cells import LAYERS
-
-    from parity_cli import api
 
     report = api.check(cells.checkpoint("batch_norm"), candidate="onnxruntime", candidate_args={"compute": "float32"},
                        layers=LAYERS["batch_norm"][1], isolation="none")
@@ -156,3 +154,23 @@ def test_the_cpu_provider_has_no_bfloat16_kernel_for(op):
                                                                       for n in "sbmv"]
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.NotImplemented, match=f"{op}"):
         _session(nodes, inputs, [helper.make_tensor_value_info("y", b, [None, 4])])
+
+
+def test_a_layer_without_a_class_is_exported_by_dynamo(cells):
+    """A layer that names no class is deployed as torch.nn.RMSNorm, whose aten::rms_norm the TorchScript
+    exporter cannot export at opset 18: the public path takes the dynamo exporter. Its output is the
+    definition x / sqrt(mean(x^2) + eps) * w, to float32's rounding."""
+    import dataclasses
+
+    import torch
+
+    from parity_cli.backends.onnx_runtime import public_path
+    from parity_cli.model.layers import discover_layers
+
+    ckpt, fam, eps = api.load(cells.checkpoint("rms_norm/llama"))
+    layer = dataclasses.replace(discover_layers(ckpt, fam, eps).layers[0], hf_class=None)
+    w = layer.weight.float()
+    x = torch.linspace(-3, 3, 5 * layer.dim).reshape(5, layer.dim)
+    y = public_path(layer, w, None, 1e-6)(x)
+    exact = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert y.dtype == torch.float32 and (y.double() - exact).abs().max() < 4 * 2.0 ** -24 * exact.abs().max()

@@ -544,8 +544,9 @@ def public_path(layer, weight, bias, eps: float, dynamo: bool = False):
     """The same norm through ONNX Runtime's public path, as a deployment takes it (issue 46's
     differential truth, written apart from prepare): the family's torch module (backends.deployed: its
     transformers class, else the plain torch module of its kind) at the candidate dtype, exported by
-    `torch.onnx.export` (the TorchScript exporter, opset 18, the row axis dynamic; dynamo=True: the
-    dynamo exporter, which gives the same ops here and takes seconds longer), run by an
+    `torch.onnx.export` (the TorchScript exporter, opset 18, the row axis dynamic, and the dynamo exporter
+    where that one has no symbolic, as for torch.nn.RMSNorm's aten::rms_norm; dynamo=True: the dynamo
+    exporter throughout, which gives the same ops here and takes seconds longer), run by an
     InferenceSession on the CPU provider. A graph the provider has no kernel for is one line: the
     export cannot run there."""
     import torch
@@ -605,19 +606,28 @@ def _exported_session(layer, weight, bias, eps: float, dynamo: bool):
     module = norm_module(layer, weight, bias, eps)
     row = tuple(weight.shape) if weight.dim() > 1 else (layer.width,)
     example = torch.zeros(2, *row, dtype=weight.dtype, device="cpu")
-    try:
+    def export(with_dynamo: bool):
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            if dynamo:
+            if with_dynamo:
                 exported = torch.onnx.export(module.cpu(), (example,), dynamo=True, input_names=["x"],
                                              output_names=["y"], dynamic_shapes=({0: torch.export.Dim("n")},))
-                model = exported.model_proto
-            else:
-                buffer = io.BytesIO()
-                torch.onnx.export(module.cpu(), (example,), buffer, dynamo=False, opset_version=18,
-                                  input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "n"}, "y": {0: "n"}})
-                model = onnx.load_from_string(buffer.getvalue())
+                return exported.model_proto
+            buffer = io.BytesIO()
+            torch.onnx.export(module.cpu(), (example,), buffer, dynamo=False, opset_version=18, input_names=["x"],
+                              output_names=["y"], dynamic_axes={"x": {0: "n"}, "y": {0: "n"}})
+            return onnx.load_from_string(buffer.getvalue())
+
+    # the TorchScript exporter has no opset-18 symbolic for aten::rms_norm (torch.nn.RMSNorm): dynamo's then
+    dynamo = dynamo or any(isinstance(m, getattr(torch.nn, "RMSNorm", ())) for m in module.modules())
+    try:
+        try:
+            model = export(dynamo)
+        except Exception:
+            if dynamo:
+                raise
+            model = export(True)  # another op the TorchScript exporter has no symbolic for
     except Exception as exc:
         raise InputError(f"onnxruntime: torch.onnx.export cannot export {layer.name}'s module: "
                          f"{' '.join(str(exc).split())[:240]}") from None
