@@ -271,7 +271,7 @@ def effective(opts: CheckOptions) -> CheckOptions:
 MAX_REPORT_LAYERS = 10_000  # the schema's maxItems for a report's layers
 
 
-def _runtime_info(opts, layers, device: str, cand_args: dict, warnings: list) -> tuple:
+def _runtime_info(opts, layers, device: str, dtype: str, cand_args: dict, warnings: list) -> tuple:
     """A registered runtime (parity_cli.backends.registered): every layer's kind, width and dtype
     checked against what it builds before anything runs (one line, exit 2), and (the report's key,
     what it states of itself); its notes (OpenVINO's precision) join the warnings."""
@@ -282,10 +282,9 @@ def _runtime_info(opts, layers, device: str, cand_args: dict, warnings: list) ->
     if module is None:
         return None, None
     impls.precheck(opts.candidate, cand_args)  # its arguments first, in their words
-    dtype = dtype_name(opts.dtype) if opts.dtype else None
     check_layer = getattr(module, "check_layer", None)
-    for layer in layers if check_layer else ():
-        check_layer(layer, dtype)
+    for layer in layers if check_layer else ():  # at the dtype the probes will have, with its arguments
+        call_with(check_layer, layer, dtype, device=device, **cand_args)
     describe = getattr(module, "describe", None)
     info = call_with(describe, device, **cand_args) if describe else None
     notes = getattr(module, "notes", None)
@@ -679,7 +678,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
                         f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
 
-    runtime_key, runtime_info = _runtime_info(opts, found.layers, device, cand_args, warnings)
+    runtime_key, runtime_info = _runtime_info(opts, found.layers, device, cand_dtype_name, cand_args, warnings)
     workers = max(1, min(resolve_jobs(opts.jobs), len(found.layers)))
     if not (isinstance(opts.threads, int) and opts.threads >= 1):
         raise InputError(f"--threads must be a whole number >= 1, got {opts.threads}")
@@ -797,16 +796,26 @@ def self_check(path, opts: CheckOptions, report) -> str | None:
     the same probes. None where the two agree (the failure is the runtime's) or there is nothing to
     rerun; else the line that says parity's adapter is wrong."""
     from parity_cli.backends import runtime
-    from parity_cli.backends.implementations import BUILTINS, PUBLIC
+    from parity_cli.backends.implementations import BUILTIN_ARGS, BUILTINS, PUBLIC
 
     module = runtime(opts.candidate or "")
     public = f"{opts.candidate}{PUBLIC}"
-    layer = suspect(report) if module is not None and public in BUILTINS else None
+    args = candidate_args(opts)
+    if module is None or public not in BUILTINS:
+        return None
+    # a deviation the user asked the adapter to simulate (OpenVINO's eps_mode=outside_sqrt) fails as asked:
+    # the public path has no such knob, and no twin to compare with
+    if any(args.get(k, choices[0]) != choices[0] for k, choices in module.RUNTIME.args.items()
+           if k in module.RUNTIME.deviations):
+        return None
+    layer = suspect(report)
     if layer is None:
         return None
+    shared = {k: v for k, v in args.items() if k in BUILTIN_ARGS.get(public, {})}  # OpenVINO's precision
     exact = "".join(f"[{c}]" if c in "*?[]" else c for c in layer.name)  # --layers is a glob: this name alone
     try:
-        twin = check(path, dataclasses.replace(opts, candidate=public, candidate_args=None, layers=exact, jobs=1))
+        twin = check(path, dataclasses.replace(opts, candidate=public, candidate_args=shared or None, layers=exact,
+                                               jobs=1))
     except InputError:  # the public path cannot build this layer: no second opinion to give
         return None
     theirs = next((t for t in twin.layers if t.name == layer.name), None)

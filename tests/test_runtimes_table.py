@@ -15,12 +15,12 @@ VLLM = importlib.util.find_spec("vllm") is not None
 def test_a_correct_model_passes_on_every_runtime_asked(ckpt, tmp_path):
     src = ckpt("llama", layers=1, eps=1e-6)
     asked = ["torch", "onnxruntime"] + (["vllm"] if VLLM else [])
-    r = run_parity("runtimes", src, "--runtimes", ",".join(asked), "--dtypes", "float32,bfloat16",
+    r = run_parity("runtimes", src, "--runtimes", ",".join(asked), "--dtypes", "float32,float16",
                    "--json", tmp_path / "t.json", "--markdown", tmp_path / "t.md", env={"COLUMNS": "120"})
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "t.json").read_text())
     cells = {(c["runtime"], c["dtype"]): c for c in data["cells"]}
-    assert sorted(cells) == sorted((rt, dt) for rt in asked for dt in ("float32", "bfloat16"))
+    assert sorted(cells) == sorted((rt, dt) for rt in asked for dt in ("float32", "float16"))
     for c in cells.values():
         assert c["verdict"] == "pass" and c["layers"] == 3 and c["failed"] == 0
         assert 0 < c["worst_over_allowed"] <= 1  # within the allowance, and something was compared
@@ -93,7 +93,7 @@ def test_the_table_fits_80_columns_with_each_cause_once_below_it(ckpt, tmp_path)
     """Issue 46: readable at 80 columns, no token split, the long cause below the table, a progress
     line a cell on stderr, and -q leaves the verdict line alone."""
     src = ckpt("llama", layers=1, eps=1e-6)
-    args = ("runtimes", src, "--runtimes", "torch,onnxruntime", "--dtypes", "float32,bfloat16", "--candidate-eps",
+    args = ("runtimes", src, "--runtimes", "torch,onnxruntime", "--dtypes", "float32,float16", "--candidate-eps",
             "1e-5")
     r = run_parity(*args, env={"COLUMNS": "80"})
     assert r.returncode == 1, r.stdout + r.stderr
@@ -105,10 +105,10 @@ def test_the_table_fits_80_columns_with_each_cause_once_below_it(ckpt, tmp_path)
     # the one cause, whole, once, numbered below the table; the verdict last
     notes = [line for line in lines if line.startswith("[1] ")]
     assert len(notes) == 1 and notes[0].startswith("[1] 3 of 3 layers: eps_mismatch"), lines
-    assert lines[-1] == ("FAIL: 4 of 4 runtime checks: torch float32, torch bfloat16, onnxruntime float32, "
-                         "onnxruntime bfloat16")
+    assert lines[-1] == ("FAIL: 4 of 4 runtime checks: torch float32, torch float16, onnxruntime float32, "
+                         "onnxruntime float16")
     assert [line.partition(":")[0] for line in r.stderr.splitlines()] == [
-        "[1/4] torch float32", "[2/4] torch bfloat16", "[3/4] onnxruntime float32", "[4/4] onnxruntime bfloat16"]
+        "[1/4] torch float32", "[2/4] torch float16", "[3/4] onnxruntime float32", "[4/4] onnxruntime float16"]
     q = run_parity(*args, "-q")
     assert q.returncode == 1 and q.stdout.splitlines() == [lines[-1]]
 

@@ -40,7 +40,8 @@ class Runtime:
     requires: tuple = ()  # the modules --candidate NAME needs (default: the package)
     extra: str | None = None  # pyproject's extra that installs it, where it has one
     needs: str = ""  # "vLLM's kernels": how a missing install is said
-    args: dict = field(default_factory=dict)  # --candidate-arg KEY -> the values it takes
+    args: dict = field(default_factory=dict)  # --candidate-arg KEY -> the values it takes, the default first
+    deviations: tuple = ()  # args that simulate a deployment's deviation: its failure is asked for, not checked
     public: str = ""  # its public path, in its own words ("ov.convert_model of the module")
     header: str = "runtime"  # the report's candidate key for describe()'s dict
     order: int = 50  # where its row sits in `parity runtimes`

@@ -514,6 +514,9 @@ for _name, _module in registered().items():  # every runtime file under backends
             _name + PUBLIC, "built-in", _module.public_path,
             f"{_name} through its own public path, apart from parity's adapter: {_module.RUNTIME.public}")
         OPTIONAL_DEPENDENCIES[_name + PUBLIC] = OPTIONAL_DEPENDENCIES[_name]
+        _takes = inspect.signature(_module.public_path).parameters  # the runtime's arguments its public path takes
+        if any(k in _takes for k in _module.RUNTIME.args):
+            BUILTIN_ARGS[_name + PUBLIC] = {k: v for k, v in _module.RUNTIME.args.items() if k in _takes}
 
 
 # --- plugins: MODULE:ATTR or path/to/file.py:ATTR ------------------------------------------

@@ -48,7 +48,8 @@ RUNTIME = Runtime(
     package="openvino", install="pip install openvino", extra="openvino",
     args={"precision": ("f32", "bf16", "f16"), "form": ("auto", "decomposed", "mvn"),
           "eps_mode": ("inside_sqrt", "outside_sqrt")},
-    public="ov.convert_model of the module, compiled on the CPU plugin", header="openvino", order=30)
+    public="ov.convert_model of the module, compiled on the CPU plugin", header="openvino", deviations=("eps_mode",),
+    order=30)
 KINDS = ("rms_norm", "layer_norm", "batch_norm", "group_norm", "gated_rms_norm")
 DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = ("f32", "bf16", "f16")
