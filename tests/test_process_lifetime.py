@@ -231,15 +231,15 @@ def test_a_plugin_reference_runs_outside_this_process(ckpt, tmp_path):
 # --- a setup error is not a parity failure ----------------------------------------------------------
 
 def test_the_same_setup_error_on_every_layer_is_exit_2(ckpt):
-    """ONNX Runtime's CPU provider has no bfloat16 Mul: the decomposed graph cannot be built for
-    any layer, so no output exists. That is one line naming the fix, not "3 of 3 layers" failing."""
-    pytest.importorskip("onnxruntime")
-    path = ckpt("llama", layers=1, dtype="bfloat16")
+    """OpenVINO's MVN form asked of an RMSNorm model: no layer's model can be built, so no output
+    exists. That is one line naming the fix, not "3 of 3 layers" failing."""
+    pytest.importorskip("openvino")
+    path = ckpt("llama", layers=1, dtype="float32")
     with pytest.raises(InputError) as info:
-        api.check(path, candidate="onnxruntime", candidate_args={"op": "decomposed"}, isolation="none")
+        api.check(path, candidate="openvino", candidate_args={"form": "mvn"}, isolation="none")
     line = str(info.value)
-    assert "\n" not in line and "compute=float32" in line and "all 3 layers" in line
-    assert line.startswith("--candidate onnxruntime: cannot build the decomposed rms_norm graph at bfloat16")
+    assert "\n" not in line and "use form=decomposed" in line and "all 3 layers" in line
+    assert line.startswith("--candidate openvino: form=mvn subtracts the mean (a LayerNorm)")
 
 
 def test_a_candidate_that_raises_on_every_layer_is_still_a_finding(ckpt, tmp_path):

@@ -158,7 +158,7 @@ def prepare(layer, weight, bias, eps: float, eager):
     if module is not None:  # its tensors become inputs: one program for every layer like it
         named = [(n, t.detach()) for n, t in (*module.named_parameters(), *module.named_buffers())
                  if t.is_floating_point()]
-        key = _key(module, layer, weight.dtype, eps, named)
+        key = (*_key(module, layer, weight.dtype, eps, named), rows)  # rows: the plan's largest batch
         if key not in _PROGRAMS:
             names = [n for n, _ in named]
             holder = _holder(module, eager)
