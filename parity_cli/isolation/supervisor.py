@@ -254,6 +254,18 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _kill_group(proc) -> None:
+    """The child and whatever it forked: it leads its own group (worker._child_life's setsid)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.kill()  # in case it had not reached setsid yet
+    except (OSError, ValueError):
+        pass
+
+
 class Supervisor:
     """One supervised child for one candidate spec; `run(job)` is one layer."""
 
@@ -374,14 +386,7 @@ class Supervisor:
         if proc is None:
             return
         if proc.pid:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own group: this also stops its forks
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.kill()  # in case it had not reached setsid yet
-            except (OSError, ValueError):
-                pass
+            _kill_group(proc)
             _exit_code(proc, 10)
         for conn in self._conns:
             conn.close()
@@ -670,16 +675,8 @@ class Task:
         return _describe_exit(_exit_code(self.proc, 10) if self.proc is not None else None)
 
     def kill(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.pid:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.kill()
-            except (OSError, ValueError):
-                pass
+        if self.proc is not None and self.proc.pid:
+            _kill_group(self.proc)
         with _live_lock:
             _live.discard(self)
 

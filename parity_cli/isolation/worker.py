@@ -161,12 +161,10 @@ def _lifeline(fd: int | None) -> None:
     threading.Thread(target=watch, daemon=True, name="parity-lifeline").start()
 
 
-def serve(rconn, wconn, out_path: str, parent: int | None = None, lifeline=None) -> None:
-    """The child's life: its own session (the terminal's Ctrl-C is the parent's; a kill of the
-    group also stops what the candidate forks), output captured, then load and run jobs.
-    `parent` is the fork server's pid; `lifeline` a pipe whose EOF says parity is gone."""
-    global _PID, _CWD
-    _PID = os.getpid()
+def _child_life(parent: int | None, lifeline) -> None:
+    """A supervised child's life: its own session (the terminal's Ctrl-C is the parent's; a kill of
+    the group also stops what it forks), gone with parity (the fork server's pid, the lifeline's
+    EOF), SIGTERM's default, and no core file."""
     try:
         os.setsid()
     except OSError:
@@ -185,6 +183,15 @@ def serve(rconn, wconn, out_path: str, parent: int | None = None, lifeline=None)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a segfaulting candidate leaves no core file
     except (ImportError, ValueError, OSError):
         pass
+
+
+def serve(rconn, wconn, out_path: str, parent: int | None = None, lifeline=None) -> None:
+    """The child's life: its own session (the terminal's Ctrl-C is the parent's; a kill of the
+    group also stops what the candidate forks), output captured, then load and run jobs.
+    `parent` is the fork server's pid; `lifeline` a pipe whose EOF says parity is gone."""
+    global _PID, _CWD
+    _PID = os.getpid()
+    _child_life(parent, lifeline)
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -259,24 +266,7 @@ def serve_task(conn, parent: int | None, lifeline, target: str, args: tuple, pat
     "module:function", imported here."""
     import importlib
 
-    try:
-        os.setsid()
-    except OSError:
-        pass
-    die_with_parent(parent)
-    detach_from_fork_server()
-    _lifeline(None if lifeline is None else lifeline.fileno())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    quiet_third_party()
-    try:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    except (ImportError, ValueError, OSError):
-        pass
+    _child_life(parent, lifeline)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)
