@@ -626,14 +626,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     from parity_cli.model.layers import discover_layers
     from parity_cli.probes.strata import select_strata
 
-    if not 0.0 <= opts.max_violation_fraction <= 1.0:
-        raise InputError("--max-violation-fraction must be between 0 and 1")
-    for flag, value in (("--eps", opts.eps), ("--candidate-eps", opts.candidate_eps),
-                        ("--atol", opts.atol), ("--rtol", opts.rtol)):
-        if value is not None and not (value >= 0 and value != float("inf")):
-            raise InputError(f"{flag} must be a finite number >= 0, got {value}")
-    if opts.timeout is not None and not opts.timeout > 0:
-        raise InputError(f"--timeout must be > 0 seconds (inf: no limit), got {opts.timeout}")
+    _check_numbers(opts)
     strata = [] if opts.runtime_capture else select_strata(opts.strata)  # a capture's rows are its probes
     device = check_device(opts.device)
     ref_device = reference_device(opts.reference_device, device, is_oracle(opts))
@@ -668,20 +661,10 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     ref_dtype_name, ref_dtype_source = reference_dtype_for(opts, cand_dtype_name)
     opts = dataclasses.replace(opts, reference_dtype=ref_dtype_name)
 
-    warnings = list(found.warnings)
-    if eps.source == "family-default":
-        warnings.append(
-            f"eps is not in {_config_name(ckpt)} (looked for {_eps_keys(ckpt, fam)}); "
-            f"using the family default {_g(eps.value)}"
-        )
-    if found.unmatched:
-        warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
-                        f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
+    warnings = _read_warnings(ckpt, fam, eps, found)
 
     runtime_key, runtime_info = _runtime_info(opts, found.layers, device, cand_dtype_name, cand_args, warnings)
     workers = max(1, min(resolve_jobs(opts.jobs), len(found.layers)))
-    if not (isinstance(opts.threads, int) and opts.threads >= 1):
-        raise InputError(f"--threads must be a whole number >= 1, got {opts.threads}")
     timeout = supervisor.timeout_of(opts)
     if opts.candidate_memory is None and memory is not None:
         memory //= workers * (2 if ref_plugin else 1)  # the default is half of RAM for all the children together
@@ -737,11 +720,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
                       "dtype_source": ref_dtype_source,
                       "device": ref_device, "eps": eps.value},
         "candidate": {"impl": recorded_spec(cand_impl.name), "source": cand_impl.source, "dtype": cand_dtype_name,
-                      "device": device, "args": cand_args,
-                      "eps": opts.candidate_eps if opts.candidate_eps is not None else (
-                          conversion["eps"]["value"] if conversion else eps.value),
-                      "eps_source": "option:--candidate-eps" if opts.candidate_eps is not None else (
-                          conversion["eps"]["source"] if conversion else eps.source),
+                      "device": device, "args": cand_args, **_candidate_eps(opts, conversion, eps),
                       "checkpoint": conversion,
                       "timeout": timeout, "isolation": opts.isolation, "isolated": isolated,
                       "memory_cap": memory if isolated else None, "workers": workers,
@@ -751,12 +730,47 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     }
     report = Report(header=header, layers=results, warnings=warnings,
                     findings=pairing.report_findings if pairing else [])
-    if severity_wanted(opts):
+    if severity_wanted(opts):  # a runtime's red is read against torch, and a suspect one against its own path
         with_severity(report, torch_baseline or _torch_twin(path, opts, cand_dtype_name), cand_dtype_name)
         disagreement = self_check(path, opts, report)
         if disagreement:
             raise AdapterError(disagreement)
     return report
+
+
+def _check_numbers(opts: CheckOptions) -> None:
+    """The numeric options, each refused in one line before anything is read."""
+    if not 0.0 <= opts.max_violation_fraction <= 1.0:
+        raise InputError("--max-violation-fraction must be between 0 and 1")
+    for flag, value in (("--eps", opts.eps), ("--candidate-eps", opts.candidate_eps),
+                        ("--atol", opts.atol), ("--rtol", opts.rtol)):
+        if value is not None and not (value >= 0 and value != float("inf")):
+            raise InputError(f"{flag} must be a finite number >= 0, got {value}")
+    if opts.timeout is not None and not opts.timeout > 0:
+        raise InputError(f"--timeout must be > 0 seconds (inf: no limit), got {opts.timeout}")
+    if not (isinstance(opts.threads, int) and opts.threads >= 1):
+        raise InputError(f"--threads must be a whole number >= 1, got {opts.threads}")
+
+
+def _read_warnings(ckpt, fam, eps, found) -> list:
+    """What reading the checkpoint found worth saying: a defaulted eps, tensors no pattern claims."""
+    warnings = list(found.warnings)
+    if eps.source == "family-default":
+        warnings.append(f"eps is not in {_config_name(ckpt)} (looked for {_eps_keys(ckpt, fam)}); "
+                        f"using the family default {_g(eps.value)}")
+    if found.unmatched:
+        warnings.append(f"{len(found.unmatched)} norm-like tensor(s) match no pattern of family "
+                        f"'{fam.name}' and were not checked: {', '.join(found.unmatched[:10])}")
+    return warnings
+
+
+def _candidate_eps(opts: CheckOptions, conversion, eps) -> dict:
+    """The candidate's eps and where it came from: the option, the converted copy, or the checkpoint."""
+    if opts.candidate_eps is not None:
+        return {"eps": opts.candidate_eps, "eps_source": "option:--candidate-eps"}
+    if conversion:
+        return {"eps": conversion["eps"]["value"], "eps_source": conversion["eps"]["source"]}
+    return {"eps": eps.value, "eps_source": eps.source}
 
 
 SUSPECT_TIMES_ALLOWED = 1e3  # a failure this far past its allowance is checked against the runtime's own path
