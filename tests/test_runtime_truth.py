@@ -67,3 +67,26 @@ def test_the_table_names_an_adapter_cell_and_exits_2(ckpt, corrupt_gain):
     assert r.stdout.splitlines()[-1] == ("ERROR: parity's adapter disagrees with the runtime's own path in 1 of 2 "
                                          "runtime checks: mlx float32")
     assert "[1] parity's mlx adapter disagrees with mlx.nn's norm modules" in r.stdout
+
+
+@needs_mlx
+def test_a_rounding_order_reads_as_a_few_times_torch_in_every_output(ckpt):
+    """MLX's LayerNorm at bfloat16 rounds h, w*h and +b each (three roundings where torch rounds once):
+    a red cell of rounding order, whose worst error is a few times torch's on the same probes, never
+    the thousands a broken kernel shows. The JSON, the terminal table and the Markdown all say so."""
+    from parity_cli.report.formats import to_markdown
+
+    src = ckpt("bert", layers=1, hidden=64, heads=4, eps=1e-12, dtype="float32")
+    report = api.check(src, candidate="mlx", dtype="bfloat16", isolation="none")
+    assert not report.passed and {d.code for layer in report.layers for d in layer.diagnoses} == {
+        "affine_in_input_dtype"}
+    data = report.to_dict()
+    severity = data["candidate"]["vs_torch_same_dtype"]
+    assert 1 < severity["ratio"] < 10 and not severity["nonfinite"], severity
+    assert severity["words"].endswith("x torch bf16")
+    assert all(1 <= layer["vs_torch_same_dtype"]["ratio"] < 10 for layer in data["layers"])
+    assert f"- vs torch: the worst error over torch eager's at bfloat16 on the same probes: {severity['words']}" \
+        in to_markdown(data)
+    r = run_parity("check", src, "--candidate", "mlx", "--dtype", "bfloat16", "--isolation", "none",
+                   env={"COLUMNS": "200"})
+    assert r.returncode == 1 and "vs torch" in r.stdout

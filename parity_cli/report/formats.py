@@ -188,6 +188,9 @@ def to_markdown(report: dict) -> str:
         f"- eps: {grouping.g(report['eps']['value'])} ({_text(report['eps']['source'])})",
         f"- candidate: {_code(cand['impl'])} {_text(cand['dtype'])} on {_text(cand['device'])}, eps {grouping.g(cand['eps'])}",
         f"- reference: {_code(ref['impl'])} {_text(ref['dtype'])} on {_text(ref['device'])}, eps {grouping.g(ref['eps'])}",
+        *([f"- vs torch: the worst error over torch eager's at {_text(cand['dtype'])} on the same probes: "
+           f"{_text(cand['vs_torch_same_dtype']['words'])} (about 1x: a rounding order; 1000x and more: a kernel "
+           "that computes something else)"] if (cand.get("vs_torch_same_dtype") or {}).get("words") else []),
         ("- pass rule: bitwise, cand == ref" if tol.get("exact") else
          f"- pass rule: \\|cand − ref\\| ≤ atol + rtol·\\|ref\\|, atol {fmt(tol['atol'])}, rtol {fmt(tol['rtol'])}")
         + (" + gradients" if report["probes"].get("grad") else ""),
@@ -243,14 +246,15 @@ def to_markdown(report: dict) -> str:
                 lines.append(f"- **real rows** ({len(g.layers)} layer(s)): {_cell(real)}")
         bad = [layer for layer in report["layers"] if layer["status"] != "pass"]
         lines += ["", f"<details><summary>Per layer ({len(bad)} not passing)</summary>", "",
-                  "| layer | status | failing strata | max abs err | max rel err | q/eps | codes |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| layer | status | failing strata | max abs err | max rel err | vs torch | q/eps | codes |",
+                  "|---|---|---|---|---|---|---|---|"]
         for layer in bad:
             sm = layer_summary(layer)
             lo, hi = sm["q_over_eps"]
             lines.append("| " + " | ".join([_code(layer["name"])] + [_cell(c) for c in (
                 layer["status"], ", ".join(sm["failing"]),
                 fmt(sm["max_abs_err"]), fmt(sm["max_rel_err"]),
+                (layer.get("vs_torch_same_dtype") or {}).get("words") or "",
                 "" if lo is None else f"{fmt(lo)}..{fmt(hi)}",
                 ", ".join(sm["diagnoses"] + [f["code"] for f in layer.get("findings", [])])
                 or ("error" if layer.get("error") else ""))]) + " |")
