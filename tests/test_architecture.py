@@ -81,3 +81,58 @@ def test_every_stage_has_one_folder():
     for stage in ("sources", "model", "probes", "backends", "isolation", "check", "diagnose", "report"):
         module = importlib.import_module(f"parity_cli.{stage}")
         assert (module.__doc__ or "").strip(), stage
+
+
+TOY_RUNTIME = '''
+"""A runtime written as one file, to show that adding one touches no other file."""
+
+from parity_cli.backends import Runtime
+
+RUNTIME = Runtime("toy", "torch's rms_norm, as a runtime file", package="torch", install="pip install torch",
+                  distributions=("torch",), order=99)
+
+
+def check_layer(layer, dtype=None):
+    from parity_cli.errors import InputError
+
+    if layer.kind != "rms_norm":
+        raise InputError(f"toy: builds RMSNorm only; {layer.name} is a {layer.kind}")
+
+
+def computes_in(dtype, described):
+    return "toy-" + dtype
+
+
+def prepare(layer, weight, bias, eps):
+    import torch.nn.functional as F
+
+    return lambda x: F.rms_norm(x, (layer.dim,), weight, eps)
+'''
+
+
+def test_a_runtime_is_one_file_found_by_the_registry(tmp_path, ckpt):
+    """Issue 46: a copy of the package with one more file under backends/ has one more runtime in
+    --candidate, `parity implementations` and `parity runtimes`, and its refusals are cells."""
+    import shutil
+
+    copy = tmp_path / "src"
+    shutil.copytree(ROOT / "parity_cli", copy / "parity_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "configs", copy / "configs")
+    (copy / "parity_cli" / "backends" / "toy_runtime.py").write_text(TOY_RUNTIME)
+    env = {**__import__("os").environ, "PYTHONPATH": str(copy), "COLUMNS": "200"}
+
+    def parity(*args):
+        return subprocess.run([sys.executable, "-m", "parity_cli", *map(str, args)], capture_output=True, text=True,
+                              env=env, cwd=tmp_path)
+
+    listed = parity("implementations")
+    assert listed.returncode == 0 and "torch's rms_norm, as a runtime file" in listed.stdout, listed.stderr
+    llama = ckpt("llama", layers=1, eps=1e-6, dtype="float32")
+    r = parity("check", llama, "--candidate", "toy", "-q")
+    assert r.returncode == 0 and r.stdout.startswith("PASS"), r.stdout + r.stderr
+    table = parity("runtimes", ckpt("bert", layers=1, eps=1e-12, dtype="float32"), "--runtimes", "torch,toy",
+                   "--dtypes", "float32")
+    assert table.returncode == 0, table.stdout + table.stderr
+    rows = [line for line in table.stdout.splitlines() if line.startswith("toy ")]
+    assert len(rows) == 1 and " refused [1]" in rows[0], table.stdout
+    assert "[1] toy: builds RMSNorm only; bert.embeddings.LayerNorm is a layer_norm" in table.stdout
