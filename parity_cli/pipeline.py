@@ -906,6 +906,7 @@ class FusedReport:
     candidate: dict
     layers: list
     form: str = "add"  # add | quant
+    unchecked: list = dataclasses.field(default_factory=list)  # the checkpoint's norms no layer here checks
 
     @property
     def passed(self) -> bool:
@@ -918,8 +919,9 @@ class FusedReport:
     def to_dict(self) -> dict:
         failed = [layer.name for layer in self.layers if not layer.passed]
         return {"tool": "parity-cli", "version": __version__, "fused": self.form, "checkpoint": self.checkpoint,
-                "candidate": self.candidate, "verdict": "pass" if self.passed else "fail",
-                "summary": {"layers": len(self.layers), "failed": len(failed)},
+                "unchecked": list(self.unchecked), "candidate": self.candidate,
+                "verdict": "pass" if self.passed else "fail",
+                "summary": {"layers": len(self.layers), "failed": len(failed), "unchecked": len(self.unchecked)},
                 "layers": [layer.as_dict() for layer in self.layers]}
 
 
@@ -935,6 +937,7 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
 
     from parity_cli.backends import fused as fused_backends
     from parity_cli.backends.implementations import BUILTINS
+    from parity_cli.check.results import weight_faults
     from parity_cli.comparison import tolerance_for
     from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT, close_runners, open_runners
     from parity_cli.model.layers import discover_layers
@@ -955,8 +958,8 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
     name = dtype_name(dtype or "bfloat16")
     device = check_device(device)
     ckpt, fam, resolved = load(path, family, eps)
-    found = [layer for layer in discover_layers(ckpt, fam, resolved, layers).layers
-             if layer.kind in ("rms_norm", "layer_norm") and layer.weight.dim() == 1]
+    discovery = discover_layers(ckpt, fam, resolved, layers)
+    found = [layer for layer in discovery.layers if layer.kind in ("rms_norm", "layer_norm") and layer.weight.dim() == 1]
     hidden = max((layer.dim for layer in found), default=0)
     found = [layer for layer in found if layer.dim == hidden]  # a q/k norm of a head's width never meets the residual
     copies = {}
@@ -981,9 +984,11 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
                                   candidate_eps))
     finally:
         close_runners(runners)
+    for layer, result in zip(found, out):  # a stored gain's own faults fail the layer, as in check
+        result.findings = weight_faults(layer, int((~torch.isfinite(layer.weight)).sum()))
     cand = {"impl": impl.name, "source": impl.source, "dtype": name, "device": device,
             "eps": None if candidate_eps is None else candidate_eps, "args": dict(candidate_args or {})}
-    return FusedReport(str(path), cand, out, "quant" if quant else "add")
+    return FusedReport(str(path), cand, out, "quant" if quant else "add", unchecked(ckpt, discovery, fam))
 
 
 def _skip_nodes(path: str, layers, candidate: str, quant) -> dict:

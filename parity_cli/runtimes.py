@@ -52,6 +52,7 @@ class Cell:
     vs_torch_same_dtype: dict | None = None  # check.severity: the worst error over torch eager's
     computes_in: str | None = None  # what the runtime really computes in (llama.cpp: f32; OpenVINO: its plugin's)
     seconds: float | None = None
+    unchecked: list = field(default_factory=list)  # the checkpoint's norms this check did not cover
 
     @property
     def ran(self) -> bool:
@@ -75,9 +76,14 @@ class Table:
     def passed(self) -> bool:
         return not any(c.verdict in ("fail", "error", "adapter") for c in self.cells)
 
+    @property
+    def unchecked(self) -> list:
+        """The checkpoint's norms no cell checked (the same for every cell that ran): a verdict says it."""
+        return next((c.unchecked for c in self.cells if c.ran and c.unchecked), [])
+
     def as_dict(self) -> dict:
         return {"checkpoint": self.checkpoint, "verdict": "pass" if self.passed else "fail",
-                "cells": [c.as_dict() for c in self.cells]}
+                "unchecked": self.unchecked, "cells": [c.as_dict() for c in self.cells]}
 
 
 def installed(runtime: str) -> bool:
@@ -139,7 +145,8 @@ def _ran(runtime: str, dtype: str, report) -> Cell:
     return Cell(runtime, dtype, "pass" if report.passed else "fail",
                 "" if report.passed else line.partition(": ")[2] or line, worst, summary.get("layers", 0),
                 summary.get("failed", 0) + summary.get("errors", 0), version(runtime), nonfinite,
-                data["candidate"].get("vs_torch_same_dtype"), computes_in(runtime, dtype, data["candidate"]))
+                data["candidate"].get("vs_torch_same_dtype"), computes_in(runtime, dtype, data["candidate"]),
+                unchecked=list(data["checkpoint"].get("unchecked") or []))
 
 
 def cell(path, runtime: str, dtype: str, torch_baseline=None, **options) -> Cell:
@@ -275,10 +282,16 @@ def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = No
         if progress is not None:
             progress(c, len(done), total)
 
+    from parity_cli import pipeline
+
+    # torch at the first dtype, before any runtime: a checkpoint check refuses (an int8 gain, no norm at
+    # all) is one line here, not a table of refusals; it is also that dtype's baseline
+    first = pipeline.check(path, candidate="torch", dtype=dtypes[0], **options)
     cells = {}
     if "torch" in chosen:  # the baseline, here: cheap, and every other row is read against it
         for dtype in dtypes:
-            cells["torch", dtype] = cell(path, "torch", dtype, _baseline(path, dtype, options), **options)
+            cells["torch", dtype] = cell(path, "torch", dtype, first if dtype == dtypes[0] else
+                                         _baseline(path, dtype, options), **options)
             report(cells["torch", dtype])
     rest = [r for r in chosen if r != "torch"]
     absent = [r for r in rest if not installed(r)]

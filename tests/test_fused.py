@@ -296,7 +296,7 @@ def test_the_fused_report_is_what_its_schema_says(ckpt, tmp_path, kernel, extra)
     assert r.returncode == 1, r.stderr
     data = json.loads((tmp_path / "f.json").read_text())
     jsonschema.validate(data, schema)
-    assert data["summary"] == {"layers": 3, "failed": 3}
+    assert data["summary"] == {"layers": 3, "failed": 3, "unchecked": 0} and data["unchecked"] == []
 
 
 # --- hostile candidates ---------------------------------------------------------------------------------

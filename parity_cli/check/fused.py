@@ -44,7 +44,7 @@ class _Verdict:
 
     @property
     def passed(self) -> bool:
-        return self.error is None and all(s.passed for s in self.strata)
+        return self.error is None and not self.findings and all(s.passed for s in self.strata)
 
     def _diagnoses(self) -> list:
         return [{"code": d.code, "message": d.message, "evidence": d.evidence} for d in self.diagnoses]
@@ -63,6 +63,7 @@ class FusedResult(_Verdict):
     strata: list = field(default_factory=list)
     diagnoses: list = field(default_factory=list)
     error: str | None = None
+    findings: list = field(default_factory=list)  # what the stored weight says on its own (results.weight_faults)
 
     def as_dict(self) -> dict:
         def one(r):
@@ -73,7 +74,7 @@ class FusedResult(_Verdict):
         return {"name": self.name, "kind": self.kind, "dim": self.dim, "dtype": self.dtype, "fused": ADD,
                 "verdict": "pass" if self.passed else "fail", "error": self.error,
                 "strata": [{"name": s.name, "normed": one(s.normed), "residual": one(s.residual)} for s in self.strata],
-                "diagnoses": self._diagnoses()}
+                "diagnoses": self._diagnoses(), "findings": list(self.findings)}
 
 
 def probe_pairs(dim: int, eps: float, dtype, seed: int) -> list[tuple[str, object, object]]:
@@ -282,6 +283,7 @@ class QuantResult(_Verdict):
     saturated: dict = field(default_factory=dict)  # stratum -> elements past the int8 range at that scale
     diagnoses: list = field(default_factory=list)
     error: str | None = None
+    findings: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "dim": self.dim, "dtype": self.dtype, "fused": "quant",
@@ -289,7 +291,7 @@ class QuantResult(_Verdict):
                 "error": self.error, "saturated": dict(self.saturated),
                 "strata": [{"name": s.name, "status": s.status, "violations": s.violations, "elements": s.elements,
                             "max_abs_err": _num(s.max_abs_err)} for s in self.strata],
-                "diagnoses": self._diagnoses()}
+                "diagnoses": self._diagnoses(), "findings": list(self.findings)}
 
 
 def static_scale(layer, dtype, seed: int) -> float:

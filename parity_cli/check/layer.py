@@ -116,6 +116,8 @@ def _probe_sets(layer, cand_layer, strata, eps: float, dtype, opts) -> tuple:
 def _layer_notes(layer, stats: dict, summed: list, summed_over: int, overflowed: int, returned_dtypes: set,
                  dtype, eps: float) -> tuple[list, list]:
     """(the layer's warnings, its weight's findings): what the comparison alone does not say."""
+    from parity_cli.check.results import weight_faults
+
     warnings = list(layer.warnings)
     if summed:
         from parity_cli.comparison import summation_units
@@ -127,13 +129,7 @@ def _layer_notes(layer, stats: dict, summed: list, summed_over: int, overflowed:
     if overflowed:
         warnings.append(f"{overflowed} captured row(s) overflow {str(dtype).removeprefix('torch.')} "
                         "and were left out of the captured stratum")
-    weight_findings = []
-    if stats["nonfinite"]:
-        # Both sides then output NaN and "agree": the checkpoint itself is broken, and that fails.
-        weight_findings.append({"code": "nonfinite_weight",
-                                "message": f"{stats['nonfinite']} non-finite value(s) in the stored weight "
-                                           f"{layer.tensor or layer.name}: every output of this layer is NaN or inf",
-                                "count": stats["nonfinite"]})
+    weight_findings = weight_faults(layer, stats["nonfinite"])
     wrong_dtype = sorted(returned_dtypes - {str(dtype).removeprefix("torch.")})
     if wrong_dtype:
         warnings.append(f"candidate returned {', '.join(wrong_dtype)} for {str(dtype).removeprefix('torch.')} "

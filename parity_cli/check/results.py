@@ -44,6 +44,17 @@ def least(values, default=None):
     return min(nums) if nums else default
 
 
+def weight_faults(layer, nonfinite: int) -> list[dict]:
+    """The findings a stored weight makes on its own, whatever the candidate does: every command's
+    (check, fused, runtimes through check). A non-finite gain makes both sides output NaN and
+    "agree": the checkpoint itself is broken, and that fails."""
+    if not nonfinite:
+        return []
+    return [{"code": "nonfinite_weight",
+             "message": f"{nonfinite} non-finite value(s) in the stored weight {layer.tensor or layer.name}: every "
+                        "output of this layer is NaN or inf", "count": nonfinite}]
+
+
 @dataclass
 class LayerResult:
     name: str

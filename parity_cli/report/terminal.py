@@ -78,13 +78,16 @@ def _verdict(d: dict) -> tuple[bool, str]:
 def unchecked_words(d: dict) -> str:
     """What the verdict did not cover: `; 4 of 6 norms not checked (name: why, +3)`. A PASS over 2 of
     6 norms is not a PASS over the model."""
-    missed = (d.get("checkpoint") or {}).get("unchecked") or []
+    return not_checked((d.get("checkpoint") or {}).get("unchecked") or [], d["summary"]["layers"])
+
+
+def not_checked(missed: list, checked: int) -> str:
+    """`; 1 of 5 norms not checked (name: why)`, or nothing: every command's verdict line says it."""
     if not missed:
         return ""
-    total = d["summary"]["layers"] + len(missed)
     first = missed[0]
     more = f", +{len(missed) - 1} more" if len(missed) > 1 else ""
-    return f"; {len(missed)} of {total} norms not checked ({first['name']}: {first['why']}{more})"
+    return f"; {len(missed)} of {checked + len(missed)} norms not checked ({first['name']}: {first['why']}{more})"
 
 
 def _compared(d: dict) -> tuple[bool, str]:
@@ -705,6 +708,8 @@ def render_runtimes(data: dict, console, quiet: bool = False) -> None:
         line = f"FAIL: {len(bad)} of {len(ran)} runtime checks: " + ", ".join(f"{c['runtime']} {c['dtype']}" for c in bad)
     else:
         line = f"PASS: all {len(ran)} runtime checks"
+    layers = next((c["layers"] for c in ran if c.get("layers")), 0)
+    line += not_checked(data.get("unchecked") or [], layers)
     console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
@@ -747,13 +752,14 @@ def _fused_verdict(data: dict, console, holds: str) -> None:
     """Each cause once with its words, then the verdict, last (what a CI log shows)."""
     causes = {}
     for layer in data["layers"]:
-        for d in layer["diagnoses"]:
+        for d in layer.get("findings", []) + layer["diagnoses"]:  # the stored weight's own fault first
             causes.setdefault(d["code"], d["message"])
     for code, message in causes.items():
         console.print(f"{code}: {message}", soft_wrap=True, markup=False, highlight=False)
     bad = [layer["name"] for layer in data["layers"] if layer["verdict"] != "pass"]
     line = (f"FAIL: {len(bad)} of {len(data['layers'])} layers: {', '.join(causes) or 'error'}" if bad
             else f"PASS: all {len(data['layers'])} layers, {holds}")
+    line += not_checked(data.get("unchecked") or [], len(data["layers"]))
     console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
