@@ -298,7 +298,8 @@ def test_a_capture_that_claims_this_model_over_another_s_norms_is_refused(llama,
 
 def test_hostile_rows_are_refused_or_left_out(llama, tmp_path):
     """NaN rows have no q: refused in one line. Rows past float16's range (6.55e4) become inf
-    when rounded for a float16 candidate: left out with a warning. A capture holding no checked
+    when rounded for a float16 candidate: the layer cannot run at float16 on its own traffic, which
+    fails it (activation_overflow, issue 47); the rows that fit are still compared. A capture holding no checked
     layer is refused rather than a silent pass; the file's metadata cannot rename its path."""
     import torch
 
@@ -317,8 +318,15 @@ def test_hostile_rows_are_refused_or_left_out(llama, tmp_path):
     lying = _capture_file(llama, tmp_path, "big.st", {"model.norm": big}, path="/etc/evil", junk="x" * 1000)
     report = api.check(llama, candidate="torch", dtype="float16", activations=lying, layers="model.norm")
     (layer,) = report.layers
-    assert any("2 captured row(s) overflow float16" in w for w in layer.warnings)
+    assert not report.passed and [f["code"] for f in layer.findings] == ["activation_overflow"]
+    (found,) = layer.findings
+    # the largest |x| is the largest element of the two scaled rows, float16's limit is (2 - 2^-10) 2^15
+    assert found["rows"] == 2 and found["largest"] == float(big[:2].abs().max()) and found["limit"] == 65504.0
+    assert "2 of 4 real row(s) of model.norm reach |x|" in found["message"]
     assert next(s for s in layer.strata if s.name == "captured").vectors == 2
+    r = run_parity("check", llama, "--dtype", "float16", "--activations", lying, "--layers", "model.norm", "-q")
+    assert r.returncode == 1 and r.stdout.startswith("FAIL: 1 of 1 layer: activation_overflow (real rows up to |x|"), \
+        r.stdout + r.stderr
     acts = report.header["probes"]["activations"]
     assert acts["path"].endswith("big.st") and "junk" not in acts
 

@@ -8,6 +8,7 @@ hands back values; nothing it does can reach what this module reads."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from parity_cli.errors import InputError
@@ -71,9 +72,9 @@ def first_head(layer, strata, gain, bias):
 
 
 def _probe_sets(layer, cand_layer, strata, eps: float, dtype, opts) -> tuple:
-    """(the layer's probe sets, its captured real rows in float64 or None, how many captured rows
-    overflow `dtype` and were left out): the kind's strata at the candidate dtype, and --activations'
-    or a runtime capture's rows as one more set."""
+    """(the layer's probe sets, its captured real rows in float64 or None, the activation_overflow
+    finding where real rows cannot be held in `dtype`): the kind's strata at the candidate dtype, and
+    --activations' or a runtime capture's rows as one more set (the rows that overflow left out)."""
     import torch
 
     from parity_cli.probes.strata import Probe, build_probe_set, probe_set
@@ -97,23 +98,40 @@ def _probe_sets(layer, cand_layer, strata, eps: float, dtype, opts) -> tuple:
     else:  # --runtime-capture: the rows the runtime saw are the only probes
         sets = []
     real = (getattr(opts, "captured", None) or {}).get(layer.name)
-    overflowed = 0
+    overflow = None
     if real is not None:  # --activations: real rows, rounded to the candidate dtype like every probe
-        rounded = real.to(dtype)
-        finite = torch.isfinite(rounded).all(-1)  # a row past the dtype's range has no q there
-        overflowed = int((~finite).sum())
         # a runtime's rows wider than the dtype it computed in are what it normalised: the reference
         # reads them as recorded (the replay looks its outputs up at the dtype)
-        kept = real if cand_layer.recorded_wide else rounded
-        real = kept[finite].to(torch.float64) if overflowed else kept.to(torch.float64)
+        kept = real if cand_layer.recorded_wide else real.to(dtype)
+        finite = torch.isfinite(kept).all(-1)  # a row past the dtype's range has no q there
+        if not bool(finite.all()):
+            overflow = _overflow(layer, real, finite, dtype)
+        real = kept[finite].to(torch.float64) if overflow else kept.to(torch.float64)
         if real.shape[0]:
             sets.append(probe_set([Probe(stratum="captured", x=real)]))
         else:
             real = None
-    return sets, real, overflowed
+    return sets, real, overflow
 
 
-def _layer_notes(layer, stats: dict, summed: list, summed_over: int, overflowed: int, returned_dtypes: set,
+def _overflow(layer, real, finite, dtype) -> dict:
+    """activation_overflow: real rows of the model that the candidate dtype cannot hold. The layer
+    cannot run at that dtype on its own traffic: a failure, not rows to leave out."""
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    finite_real = real[torch.isfinite(real)]
+    largest = float(finite_real.abs().max()) if finite_real.numel() else math.inf
+    limit = float(torch.finfo(dtype).max)
+    rows = int((~finite).sum())
+    return {"code": "activation_overflow",
+            "message": f"{rows} of {real.shape[0]} real row(s) of {layer.name} reach |x| = {largest:.4g}, past "
+                       f"{name}'s largest finite value {limit:g}: the model's own activations at this layer cannot "
+                       f"be represented in {name}, so it cannot run there as it is",
+            "rows": rows, "largest": largest, "limit": limit, "dtype": name}
+
+
+def _layer_notes(layer, stats: dict, summed: list, summed_over: int, overflow: dict | None, returned_dtypes: set,
                  dtype, eps: float) -> tuple[list, list]:
     """(the layer's warnings, its weight's findings): what the comparison alone does not say."""
     from parity_cli.check.results import weight_faults
@@ -126,10 +144,7 @@ def _layer_notes(layer, stats: dict, summed: list, summed_over: int, overflowed:
         warnings.append(f"{', '.join(dict.fromkeys(summed))}: rows so ill-conditioned (max|x| / sqrt(var + eps) up to "
                         f"1/sqrt({eps:g})) that the candidate's float32 mean shows its summation order: within the "
                         f"{summation_units(n):g} u a sum of {n} terms may lose, beyond the 4 u of an exact sum")
-    if overflowed:
-        warnings.append(f"{overflowed} captured row(s) overflow {str(dtype).removeprefix('torch.')} "
-                        "and were left out of the captured stratum")
-    weight_findings = weight_faults(layer, stats["nonfinite"])
+    weight_findings = weight_faults(layer, stats["nonfinite"]) + ([overflow] if overflow else [])
     wrong_dtype = sorted(returned_dtypes - {str(dtype).removeprefix("torch.")})
     if wrong_dtype:
         warnings.append(f"candidate returned {', '.join(wrong_dtype)} for {str(dtype).removeprefix('torch.')} "
@@ -198,7 +213,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
     def rows(y):
         return y if y is None or not heads else y.reshape(-1, y.shape[-1])
 
-    sets, real, overflowed = _probe_sets(layer, cand_layer, strata, eps, candidate.dtype, opts)
+    sets, real, overflow = _probe_sets(layer, cand_layer, strata, eps, candidate.dtype, opts)
     probes = [p for ps in sets for p in ps.probes]
     xs = [spread(probe.x) for probe in probes]
     upstream = [upstream_for(opts.seed, probe.stratum, layer.dim, x) for probe, x in zip(probes, xs)] \
@@ -314,7 +329,7 @@ def check_layer(layer, reference: Side, candidate: Side, strata, tol, opts, cand
             grads.extend(grad_strata(probe, x, upstream[k], rows, layer, reference, w_ref, b_ref, eps, grad_tol,
                                      run.grad(k), layer_error or run.output(k).error,
                                      ref_grad=None if ref_grads is None else ref_grads[k]))
-    warnings, weight_findings = _layer_notes(layer, stats, summed, summed_over, overflowed, returned_dtypes,
+    warnings, weight_findings = _layer_notes(layer, stats, summed, summed_over, overflow, returned_dtypes,
                                              candidate.dtype, eps)
     result = LayerResult(
         name=layer.name, kind=layer.kind, dim=layer.dim,

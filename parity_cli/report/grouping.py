@@ -82,6 +82,7 @@ SHORT = {
     "grad_mismatch": lambda d: "backward differs: " + ", ".join(sorted(d.get("parts", {}))),
     "grad_error": lambda d: "backward failed",
     "nonfinite_weight": lambda d: "non-finite values in the stored weight",
+    "activation_overflow": lambda d: f"real rows up to |x| {sci(d.get('largest'))}, past {d.get('dtype')}'s range",
     "checkpoint_eps_mismatch": lambda d: (f"the copy's eps is {g(d['candidate']['value'])}, "
                                           f"the reference's {g(d['reference']['value'])}"),
     "checkpoint_weight_mismatch": lambda d: (
