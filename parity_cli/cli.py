@@ -219,7 +219,10 @@ def cli():
 @click.option("--device", default="cpu", show_default=True, help="Candidate device: cpu, cuda, cuda:N.")
 @click.option("--family", default=None,
               help="Force a model family instead of the checkpoint's model_type: a family's name (layer_norm) or a "
-                   "model type, read as the family that lists it (bert: layer_norm) or its derived family.")
+                   "model type, read as the family that lists it (bert: layer_norm) or its derived family. One whose "
+                   "norm kind, gain offset or eps the model type contradicts is refused without --family-force.")
+@click.option("--family-force", is_flag=True,
+              help="Check with a --family the checkpoint's own model type contradicts (kept as a warning).")
 @click.option("--eps", type=float, default=None, help="Override the checkpoint's eps (both sides).")
 @click.option("--candidate-eps", type=float, default=None, help="eps the candidate is built with (simulates a deployment config).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the dtype's profile).")
@@ -253,7 +256,8 @@ def cli():
 @click.option("--quiet", "-q", is_flag=True, help="One line: the verdict, the counts and, on failure, the largest group.")
 @click.option("--verbose", "-v", is_flag=True, help="Every layer: the table, each diagnosis and every group.")
 def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference, reference_dtype, reference_device,
-          exact, grad, timeout, candidate_memory, isolation, jobs, threads, explain, dtype, device, family, eps, candidate_eps, atol, rtol, strata,
+          exact, grad, timeout, candidate_memory, isolation, jobs, threads, explain, dtype, device, family, family_force,
+          eps, candidate_eps, atol, rtol, strata,
           seed, layers_glob, max_violation_fraction, json_path, junit_path, markdown_path, baseline_path, baseline_any,
           fail_on, plot_path, activations, runtime_capture, quiet, verbose):
     """Replay stratified probes through the reference and the candidate, layer by layer."""
@@ -305,8 +309,8 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
 
     baseline = load_baseline(baseline_path) if baseline_path else None
     options = CheckOptions(
-        candidate=candidate, reference=reference, dtype=dtype, device=device, family=family, eps=eps,
-        candidate_eps=candidate_eps, atol=atol, rtol=rtol,
+        candidate=candidate, reference=reference, dtype=dtype, device=device, family=family,
+        family_force=family_force, eps=eps, candidate_eps=candidate_eps, atol=atol, rtol=rtol,
         strata=[s.strip() for s in strata.split(",") if s.strip()] if strata else None,
         seed=seed, layers=layers_glob, max_violation_fraction=max_violation_fraction,
         reference_dtype=reference_dtype, reference_device=reference_device, exact=exact,

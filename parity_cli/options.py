@@ -25,6 +25,7 @@ class CheckOptions:
     dtype: str | None = None  # candidate input/weight dtype; None: the checkpoint's stored dtype
     device: str = "cpu"
     family: str | None = None
+    family_force: bool = False  # --family-force: check with a --family whose semantics the model type contradicts
     eps: float | None = None  # overrides the checkpoint's eps for both sides
     candidate_eps: float | None = None  # the candidate alone (simulates a deployment config)
     atol: float | None = None

@@ -640,6 +640,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
 
     _say(progress, f"reading {path}")
     ckpt, fam, eps = load(path, opts.family, opts.eps, classes=uses_transformers(opts))
+    forced = _forced_family(opts, ckpt, fam, eps)
     found = discover_layers(ckpt, fam, eps, opts.layers)
     _say(progress, f"{len(found.layers)} norm layers read; preparing the candidate")
     if not found.layers:
@@ -661,7 +662,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     ref_dtype_name, ref_dtype_source = reference_dtype_for(opts, cand_dtype_name)
     opts = dataclasses.replace(opts, reference_dtype=ref_dtype_name)
 
-    warnings = _read_warnings(ckpt, fam, eps, found)
+    warnings = _read_warnings(ckpt, fam, eps, found) + ([forced] if forced else [])
 
     runtime_key, runtime_info = _runtime_info(opts, found.layers, device, cand_dtype_name, cand_args, warnings)
     workers = max(1, min(resolve_jobs(opts.jobs), len(found.layers)))
@@ -714,7 +715,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     header = {
         "tool": {"name": "parity-cli", "version": __version__},
         "environment": environment(device, threads=opts.threads, jobs=workers),
-        "checkpoint": _checkpoint_header(opts, ckpt, found, fam, conversion),
+        "checkpoint": {**_checkpoint_header(opts, ckpt, found, fam, conversion),
+                       **({"family_contradiction": forced} if forced else {})},
         "eps": _eps_dict(eps),
         "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,
                       "dtype_source": ref_dtype_source,
@@ -736,6 +738,20 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         if disagreement:
             raise AdapterError(disagreement)
     return report
+
+
+def _forced_family(opts: CheckOptions, ckpt, fam, eps) -> str | None:
+    """A --family the checkpoint's own model type contradicts is refused in one line unless
+    --family-force confirms it; confirmed, the contradiction is a warning the report keeps."""
+    if not opts.family:
+        return None
+    from parity_cli.model.load import forced_contradiction
+
+    said = forced_contradiction(ckpt, fam, eps, opts.family)
+    if said and not opts.family_force:
+        raise InputError(f"{said}: both sides would compute {fam.name}'s norm, so a PASS would say nothing about "
+                         "this model; --family-force checks it so anyway")
+    return None if not said else f"{said} (forced: --family-force)"
 
 
 def _check_numbers(opts: CheckOptions) -> None:
@@ -929,7 +945,7 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
                 candidate_args: dict | None = None, isolation: str = "auto", device: str = "cpu", seed: int = 0,
                 timeout: float | None = None, eps: float | None = None, candidate_eps: float | None = None,
                 family: str | None = None, quant: str | None = None,
-                candidate_checkpoint: str | None = None) -> FusedReport:
+                candidate_checkpoint: str | None = None, family_force: bool = False) -> FusedReport:
     """The fused form of every RMSNorm and LayerNorm layer, run supervised like every candidate: a
     probe row is [x | residual] and the candidate's rows [normed | new residual]; with `quant`
     (static | dynamic) the norm + int8 quantize instead, rows x -> [q | scale]."""
@@ -958,6 +974,7 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
     name = dtype_name(dtype or "bfloat16")
     device = check_device(device)
     ckpt, fam, resolved = load(path, family, eps)
+    _forced_family(CheckOptions(family=family, family_force=family_force), ckpt, fam, resolved)  # as check refuses it
     discovery = discover_layers(ckpt, fam, resolved, layers)
     found = [layer for layer in discovery.layers if layer.kind in ("rms_norm", "layer_norm") and layer.weight.dim() == 1]
     hidden = max((layer.dim for layer in found), default=0)

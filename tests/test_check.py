@@ -3,7 +3,7 @@ on the strata where it shows."""
 
 import pytest
 import torch
-from conftest import plugin
+from conftest import plugin, run_parity
 
 from parity_cli import api
 
@@ -197,9 +197,28 @@ def test_family_forced_over_model_type(ckpt):
     """A Gemma-layout checkpoint read as llama: the +1 is no longer expected, so hf (llama) passes
     and a Gemma module fails with the offset named."""
     path = ckpt("gemma", layers=1, dtype="float32")
-    assert api.check(path, candidate="hf", family="llama").exit_code == 0
-    report = api.check(path, candidate=plugin("GemmaRMSNorm"), family="llama")
+    assert api.check(path, candidate="hf", family="llama", family_force=True).exit_code == 0
+    report = api.check(path, candidate=plugin("GemmaRMSNorm"), family="llama", family_force=True)
     assert {d.code for l in report.layers for d in l.diagnoses} == {"weight_offset_mismatch"}
+
+
+def test_a_forced_family_the_model_type_contradicts_is_never_silent(ckpt):
+    """Issue 47: Llama read as Gemma makes the oracle and the candidate both compute 1 + w, so a PASS
+    would say nothing of the model. Refused in one line unless --family-force confirms it; confirmed,
+    the verdict line says it. A --family that agrees with the model type (bert as layer_norm) is not."""
+    from parity_cli.errors import InputError
+
+    path = ckpt("llama", layers=1, dtype="float32")
+    with pytest.raises(InputError) as found:
+        api.check(path, family="gemma")
+    assert str(found.value).startswith("--family gemma contradicts model_type 'llama' in config.json (family llama): "
+                                       "gemma's gain is 1 + w, llama's 0 + w")
+    r = run_parity("check", path, "--family", "gemma", "-q")
+    assert r.returncode == 2 and r.stdout == "" and "--family-force checks it so anyway" in r.stderr
+    r = run_parity("check", path, "--family", "gemma", "--family-force", "-q")
+    assert r.returncode == 0 and r.stdout.strip().endswith(
+        "(family gemma forced over model_type 'llama', which it contradicts)"), r.stdout
+    assert api.check(ckpt("bert", layers=1, eps=1e-12, dtype="float32"), family="layer_norm").passed
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -89,9 +89,13 @@ def test_inspect_takes_a_model_type_and_says_so(bert, tmp_path):
 
 def test_a_forced_model_type_on_another_layout(ckpt, tmp_path):
     """A LLaMA checkpoint forced to bert's family is read with layer_norm's semantics (its
-    `model.norm` pattern), the config's own type recorded beside it."""
+    `model.norm` pattern), the config's own type recorded beside it; the contradiction (a LayerNorm
+    where llama's are RMSNorms) needs --family-force (issue 47)."""
     out = tmp_path / "r.json"
-    r = run_parity("check", ckpt("llama", layers=1, hidden=16, heads=2), "--family", "bert", *FAST, "--json", out)
+    path = ckpt("llama", layers=1, hidden=16, heads=2)
+    refused = run_parity("check", path, "--family", "bert", *FAST)
+    assert refused.returncode == 2 and "layer_norm normalises as a layer_norm, llama as a rms_norm" in refused.stderr
+    r = run_parity("check", path, "--family", "bert", "--family-force", *FAST, "--json", out)
     assert r.returncode == 0, r.stderr
     ck = load_json(out)["checkpoint"]
     assert (ck["family"], ck["model_type"], ck["family_from"]) == (

@@ -158,7 +158,8 @@ def test_a_forced_family_without_its_eps_key_says_the_eps_is_assumed(tmp_path):
     truth = write_tiny_checkpoint("lxmert", path)
     assert {n["eps"] for n in truth["norms"]} == {1e-12}
     assert "layer_norm_eps" not in json.loads((path / "config.json").read_text())
-    forced = api.check(path, family="layer_norm", candidate="oracle", strata=["normal"])
+    # its own family reads the module's eps 1e-12: the forced one contradicts it, and is confirmed
+    forced = api.check(path, family="layer_norm", family_force=True, candidate="oracle", strata=["normal"])
     d = forced.to_dict()
     assert d["eps"] == {"value": 1e-5, "source": "family-default"} and d["checkpoint"]["family_forced"] is True
     line = quiet_line(d)

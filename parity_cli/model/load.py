@@ -81,6 +81,38 @@ def load(path: str | Path, family: str | None = None, eps: float | None = None, 
     return ckpt, fam, resolve_eps(ckpt, fam, eps)
 
 
+def forced_contradiction(ckpt: Checkpoint, forced: Family, eps, family: str) -> str | None:
+    """Where --family forced a family whose semantics the checkpoint's own model type contradicts (the
+    norm's kind, the gain offset, the eps its config gives), what differs, in words; None where they
+    agree, or the model type claims no family to compare with. The oracle and the candidate both take
+    the forced semantics, so a PASS under them says nothing about this model unless the user meant it."""
+    from parity_cli.model.families import find_family
+
+    if not isinstance(ckpt.model_type, str) or not ckpt.model_type:
+        return None
+    own = find_family(ckpt.model_type, by_name=False)
+    if own is None or own.source == forced.source:
+        return None
+    differ = []
+    if own.kind != forced.kind:
+        differ.append(f"{forced.name} normalises as a {forced.kind}, {own.name} as a {own.kind}")
+    if own.gain_offset != forced.gain_offset:
+        differ.append(f"{forced.name}'s gain is {forced.gain_offset:g} + w, {own.name}'s {own.gain_offset:g} + w")
+    if eps.source != "override":
+        try:
+            theirs = resolve_eps(ckpt, own, None)
+        except InputError:
+            theirs = None
+        if theirs is not None and theirs.value != eps.value:
+            differ.append(f"{forced.name} reads eps {eps.value:g} ({eps.source}), {own.name} {theirs.value:g} "
+                          f"({theirs.source})")
+    if not differ:
+        return None
+    where = "the GGUF metadata" if ckpt.format == "gguf" else "config.json"
+    return (f"--family {family} contradicts model_type '{ckpt.model_type}' in {where} (family {own.name}): "
+            + "; ".join(differ))
+
+
 def _family(ckpt: Checkpoint, where: str) -> Family:
     """The family file that claims the model_type; without one, the family derived from the
     model's own transformers classes (model.derive), when transformers is installed."""

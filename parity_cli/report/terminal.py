@@ -63,6 +63,13 @@ def verdict(d: dict) -> tuple[bool, str]:
 
 def assumed_eps(d: dict) -> str:
     eps, ck = d.get("eps") or {}, d.get("checkpoint") or {}
+    if ck.get("family_contradiction"):  # --family-force: the verdict is of the forced semantics, said on its line
+        return (f" (family {ck.get('family')} forced over model_type '{ck.get('model_type')}', which it contradicts)"
+                + _assumed(eps, ck))
+    return _assumed(eps, ck)
+
+
+def _assumed(eps: dict, ck: dict) -> str:
     if eps.get("source") != "family-default":
         return ""
     forced = "forced " if ck.get("family_forced") else ""
