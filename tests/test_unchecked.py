@@ -103,3 +103,21 @@ def test_layer_norms_saved_as_gamma_and_beta_are_checked(tmp_path):
         assert layer.bias is not None and torch.equal(layer.bias, bias), layer.name
     faulty = api.check(path, dtype="float32", isolation="none", candidate_eps=1e-5)
     assert not faulty.passed and all(layer.status == "fail" for layer in faulty.layers)
+
+
+def test_the_unchecked_count_counts_modules_not_patterns(tmp_path):
+    """Issue 47: hrm_text's weightless RMSNorms (no size of their own) cannot be checked; two of its
+    [[unsupported]] entries are patterns standing for a norm a layer. The verdict line counts the
+    modules the model itself builds (its named_modules, read by write_tiny_checkpoint), not the entries."""
+    from parity_cli import api
+    from parity_cli.model.derive import write_tiny_checkpoint
+
+    truth = write_tiny_checkpoint("hrm_text", tmp_path / "hrm")
+    built = {n["module"] for n in truth["norms"]}
+    data = api.check(tmp_path / "hrm", strata=["normal"]).to_dict()
+    checked = {layer["name"] for layer in data["layers"]}
+    unchecked = {entry["name"] for entry in data["checkpoint"]["unchecked"]}
+    assert checked | unchecked == built and not checked & unchecked, (built - checked - unchecked, unchecked - built)
+    r = run_parity("check", tmp_path / "hrm", "--strata", "normal", "-q")
+    assert r.returncode == 0
+    assert f"; {len(built) - len(checked)} of {len(built)} norms not checked (" in r.stdout, r.stdout

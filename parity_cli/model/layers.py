@@ -398,7 +398,14 @@ def unchecked(ckpt, found: Discovery, family) -> list[dict]:
         for name, regex, why in family.unsupported:
             if any(regex.fullmatch(m) for m in modules) or "." not in name:
                 continue
-            parent = _compile(name.rsplit(".", 1)[0], ("",))
-            if any(regex.fullmatch(p) for p in prefixes) or any(parent.fullmatch(p) for p in prefixes):
-                out.setdefault(name, why)
+            parent_name, _, leaf = name.rpartition(".")
+            parent = _compile(parent_name, ("",))
+            # each module the pattern stands for, not the pattern: a verdict counts modules (issue 47)
+            held = sorted(p for p in prefixes if regex.fullmatch(p))
+            if not held and "{" not in leaf:  # a weightless norm stores nothing: its parents say it is there
+                held = sorted(f"{p}.{leaf}" for p in prefixes if parent.fullmatch(p))
+            elif not held and any(parent.fullmatch(p) for p in prefixes):
+                held = [name]
+            for module in held:
+                out.setdefault(module, why)
     return [{"name": name, "why": why} for name, why in out.items()]
