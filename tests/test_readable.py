@@ -311,3 +311,17 @@ def test_replay_names_the_missing_candidate_file(gemma, tmp_path):
     assert r.returncode == 2 and "--candidate FILE.py:ATTR" in r.stderr
     r = run_parity("explain", ci / "r.json", "--checkpoint", gemma, "--candidate", TWO_FAULTS, cwd=tmp_path)
     assert r.returncode == 0 and "eps carries the error" in r.stdout
+
+
+@pytest.mark.parametrize("read, configured, words", [
+    (1.01328e-6, 1e-6, "uses eps 1.01328e-6 (read, not estimated), configured 1e-6"),
+    (9.99999997e-07, 1e-6, "uses eps 9.99999997e-7 (read, not estimated), configured 1e-6"),
+    (1e-5, 1e-6, "uses eps 1e-5 (read, not estimated), configured 1e-6"),
+])
+def test_a_read_eps_is_said_with_the_digits_that_tell_it_from_the_configured_one(read, configured, words):
+    """Issue 47: "uses eps 1e-6 (read), configured 1e-6" said nothing where the file held 1.01328e-6
+    (GGUF's float32 eps, #9310's kind of loss): the phrase keeps the digits that differ."""
+    from parity_cli.report.grouping import SHORT
+
+    said = SHORT["eps_mismatch"]({"estimated_eps": read, "configured_eps": configured, "read_from_copy": True})
+    assert said == words

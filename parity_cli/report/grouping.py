@@ -37,6 +37,33 @@ def g(value) -> str:
     return unpadded(f"{float(value):g}")
 
 
+def apart(a, b) -> tuple[str, str]:
+    """Two values with the fewest significant digits (two at least) that tell them apart: a read eps
+    of 1.01328e-6 beside a configured 1e-6 is "1.01328e-6, configured 1e-6", never "1e-6, 1e-6"."""
+    from parity_cli.check.results import unjfloat
+
+    a, b = unjfloat(a), unjfloat(b)
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return sci(a), "?" if b is None else g(b)
+    for digits in range(2, 18):
+        x, y = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if x != y or a == b:
+            return unpadded(x) if digits > 2 or a != b else sci(a), unpadded(y) if x != y else g(b)
+    return unpadded(f"{a:.17g}"), unpadded(f"{b:.17g}")
+
+
+def _eps_words(d: dict) -> str:
+    """eps_mismatch in a phrase: the eps the candidate uses (read from a copy, or estimated) beside the
+    configured one, each with the digits that tell them apart."""
+    used, configured = apart(d.get("estimated_eps"), d.get("configured_eps", 0))
+    if d.get("read_from_copy"):  # a value read is exact: all its %g digits where they already differ
+        read = d.get("estimated_eps")
+        if isinstance(read, (int, float)) and g(read) != g(d.get("configured_eps", 0)):
+            used = g(read)
+        return f"uses eps {used} (read, not estimated), configured {configured}"
+    return f"behaves as eps ≈ {sci(d.get('estimated_eps'))}, configured {g(d.get('configured_eps', 0))}"
+
+
 def _offset_words(item: dict) -> str:
     delta, expected = item.get("offset_error", 0.0), item.get("expected_offset", 0.0)
     if item.get("stored_gain"):
@@ -51,9 +78,7 @@ def _offset_words(item: dict) -> str:
 SHORT = {
     "bias_mismatch": lambda d: "the bias differs",
     "residual_sum_mismatch": lambda d: "the residual sum it hands on is not its inputs' sum",
-    "eps_mismatch": lambda d: (f"uses eps {sci(d.get('estimated_eps'))} (read, not estimated)" if d.get("read_from_copy")
-                               else f"behaves as eps ≈ {sci(d.get('estimated_eps'))}")
-    + f", configured {g(d.get('configured_eps', 0))}",
+    "eps_mismatch": lambda d: _eps_words(d),
     "eps_missing": lambda d: "eps dropped: an all-zero row computes 0/0",
     "eps_outside_sqrt": lambda d: f"eps outside the root: {d.get('form', 'x / (sqrt(q) + eps)')}",
     "batch_statistics": lambda d: "the batch's statistics used at inference, not the running ones",
