@@ -98,6 +98,11 @@ def test_float16_layer_norm_whose_eps_rounds_to_zero_names_eps_lost_to_the_dtype
         (diag,) = layer.diagnoses
         assert diag.code == "eps_missing" and diag.evidence["lost_to_dtype"] is True
         assert "1e-12 is 0 in float16" in diag.message
+    # the verdict line names what happened (issue 47): the eps was rounded to zero in that dtype, not dropped
+    from parity_cli.report.terminal import quiet_line
+
+    line = quiet_line(report.to_dict())
+    assert "eps_missing (eps 1e-12 rounds to 0 in float16: an all-zero row computes 0/0)" in line, line
 
 
 def test_float16_layer_norm_in_the_dtype_names_both_the_lost_eps_and_the_missing_upcast(ckpt):

@@ -405,7 +405,8 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         out.append(Diagnosis("eps_missing", "an all-zero row gives non-finite output: " + (lost or "eps is missing "
                              "or zero") + ", so the norm computes 0/0" + (f" (also on {', '.join(nan_strata[1:])} rows, "
                              "where q/eps <= 100)" if len(nan_strata) > 1 else ""),
-                             {"strata": nan_strata, "configured_eps": ctx.eps, "lost_to_dtype": bool(lost)}))
+                             {"strata": nan_strata, "configured_eps": ctx.eps, "lost_to_dtype": bool(lost),
+                              "dtype": str(dtype).removeprefix("torch.")}))
         rest = _failing_finite(ctx)
         if rest:  # other rows fail with finite values: what they show, as well
             out.append(_symptom(ctx, rest))

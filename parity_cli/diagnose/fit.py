@@ -822,7 +822,8 @@ def describe(ctx, f: Factors, expected: Factors) -> list:
     lost = eps_lost(ctx.eps, ctx.dtype)
     if f.eps_label == "zero" or (f.precision.startswith("no_upcast") and f.eps_label == "configured" and lost):
         out.append(("eps_missing", "the candidate matches eps = 0: " + (lost or "eps is dropped") +
-                    ", so an all-zero row computes 0/0", {"configured_eps": ctx.eps, "lost_to_dtype": bool(lost)}))
+                    ", so an all-zero row computes 0/0", {"configured_eps": ctx.eps, "lost_to_dtype": bool(lost),
+                                                           "dtype": str(ctx.dtype).removeprefix("torch.")}))
     if f.outside:
         what = ("(x - mean) / (std + eps) instead of (x - mean) / sqrt(var + eps)" if f.centred
                 else "x / (sqrt(q) + eps) instead of x / sqrt(q + eps)")

@@ -79,7 +79,9 @@ SHORT = {
     "bias_mismatch": lambda d: "the bias differs",
     "residual_sum_mismatch": lambda d: "the residual sum it hands on is not its inputs' sum",
     "eps_mismatch": lambda d: _eps_words(d),
-    "eps_missing": lambda d: "eps dropped: an all-zero row computes 0/0",
+    "eps_missing": lambda d: (f"eps {g(d.get('configured_eps', 0))} rounds to 0 in {d.get('dtype')}: an all-zero row "
+                              "computes 0/0" if d.get("lost_to_dtype") and d.get("dtype")
+                              else "eps dropped: an all-zero row computes 0/0"),
     "eps_outside_sqrt": lambda d: f"eps outside the root: {d.get('form', 'x / (sqrt(q) + eps)')}",
     "batch_statistics": lambda d: "the batch's statistics used at inference, not the running ones",
     "running_statistics_swapped": lambda d: "running mean and variance swapped",
