@@ -555,10 +555,12 @@ def _open_candidate(opts, cand_args: dict, device: str, timeout, memory, workers
                                    threads=opts.threads)
 
 
-def _checkpoint_header(opts, ckpt, found, fam, conversion) -> dict:
+def _checkpoint_header(opts, ckpt, found, fam, conversion, whole=None) -> dict:
+    """`whole`: every norm layer of the model (the fingerprint's, whatever --layers picked: a baseline
+    of the whole model gates a run of some of its layers)."""
     return {
         **checkpoint_where(ckpt),
-        "fingerprint": fingerprint(found.layers),
+        "fingerprint": fingerprint(whole if whole is not None else found.layers),
         "format": ckpt.format,
         "family": fam.name,
         "family_source": fam.source_line,
@@ -649,8 +651,8 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         raise InputError(f"{ckpt.path}: {len(found.layers):,} norm layers, over the {MAX_REPORT_LAYERS:,} one report "
                          "holds (a 405B model has 253); check them in parts with --layers")
     # the fingerprint covers the whole model, whatever --layers picked
-    opts, captured_meta = with_captured(opts, found.layers, lambda: discover_layers(ckpt, fam, eps).layers
-                                        if opts.layers else found.layers, fam)
+    whole = discover_layers(ckpt, fam, eps).layers if opts.layers else found.layers
+    opts, captured_meta = with_captured(opts, found.layers, lambda: whole, fam)
     pairing, conversion, copy_dtype = None, None, None
     if opts.candidate_checkpoint:
         opts, found, pairing, conversion, copy_dtype = _paired_copy(opts, found, ckpt, fam)
@@ -715,7 +717,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     header = {
         "tool": {"name": "parity-cli", "version": __version__},
         "environment": environment(device, threads=opts.threads, jobs=workers),
-        "checkpoint": {**_checkpoint_header(opts, ckpt, found, fam, conversion),
+        "checkpoint": {**_checkpoint_header(opts, ckpt, found, fam, conversion, whole),
                        **({"family_contradiction": forced} if forced else {})},
         "eps": _eps_dict(eps),
         "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,

@@ -201,3 +201,17 @@ def test_non_finite_numbers_are_one_representation_in_every_output(ckpt, tmp_pat
     assert "| inf |" in md_row or "| nan |" in md_row, md_row
     r2 = run_parity("report", out)
     assert r2.returncode == 0 and "internal error" not in r2.stderr, r2.stderr
+
+
+def test_a_baseline_of_the_whole_model_gates_a_run_of_some_of_its_layers(ckpt, tmp_path):
+    """Issue 47: `--baseline` with `--layers` was refused as "another checkpoint": the fingerprint
+    counted the layers --layers picked. It is the whole model's, so the same checkpoint gates; a
+    checkpoint whose gains differ is still another one."""
+    path = ckpt("llama", layers=1, eps=1e-6, dtype="float32")
+    base = tmp_path / "base.json"
+    assert run_parity("check", path, "--json", base, "-q").returncode == 0
+    r = run_parity("check", path, "--layers", "model.norm", "--baseline", base, "-q")
+    assert r.returncode == 0 and r.stdout.startswith("PASS"), r.stdout + r.stderr
+    other = ckpt("llama", layers=1, eps=1e-6, dtype="float32", seed=1)
+    r = run_parity("check", other, "--layers", "model.norm", "--baseline", base, "-q")
+    assert r.returncode == 2 and "another checkpoint (norm tensors sha256" in r.stderr, r.stdout + r.stderr

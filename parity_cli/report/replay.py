@@ -139,7 +139,7 @@ def verify_fingerprint(data: dict, path: str, opts, where: str) -> str | None:
     if not recorded:
         return f"{where} has no checkpoint fingerprint (an older report): cannot check {path} is the same model"
     ckpt, fam, eps = load(path, opts.family, opts.eps)  # the tensors' fingerprint: no class is run
-    here = fingerprint(discover_layers(ckpt, fam, eps, opts.layers).layers)["sha256"]
+    here = fingerprint(discover_layers(ckpt, fam, eps).layers)["sha256"]  # the whole model's, as a report records it
     if here != recorded:
         raise InputError(f"{path}: its norm tensors differ from those {where} was made from "
                          f"(sha256 {here[:12]}... here, {recorded[:12]}... in the report); not the same model")
