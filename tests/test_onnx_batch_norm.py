@@ -358,3 +358,10 @@ def test_gains_swapped_between_two_batch_norms_name_the_other_layers_gain(resnet
     assert all(c == [] for c in codes.values()), {k: v for k, v in codes.items() if v}
     moved = {l.name: f["layers"] for l in report.layers for f in l.findings if f["code"] == "checkpoint_gain_of_other_layer"}
     assert moved == {a: [b], b: [a]}
+    # the headline is the best-supported cause: the finding read off the two files, never a vague diagnosis
+    # of the outputs beside it (issue 47: it led with `unexplained`)
+    from parity_cli.report.terminal import quiet_line
+
+    line = quiet_line(report.to_dict())
+    assert line.partition(": ")[2].partition(": ")[2].startswith(
+        "checkpoint_weight_mismatch (the copy's gain differs) + checkpoint_gain_of_other_layer"), line

@@ -240,6 +240,11 @@ def _clusters(values: list[float], spread: float = 1.1) -> dict[float, float]:
     return out
 
 
+# diagnoses that name no fault: where a layer's findings (read from the checkpoints, not estimated) hold one,
+# the headline is the finding's
+VAGUE_CODES = ("unexplained", "marginal", "float32_accumulation")
+
+
 def signature(layer: dict, eps_of: dict | None = None) -> tuple[str, tuple[str, ...]]:
     texts = []
     for d in layer.get("diagnoses", []):
@@ -247,7 +252,9 @@ def signature(layer: dict, eps_of: dict | None = None) -> tuple[str, tuple[str, 
         if eps_of and d["code"] == "eps_mismatch" and isinstance(est, (int, float)) and est in eps_of:
             d = dict(d, estimated_eps=eps_of[est])
         texts.append(short(d))
-    texts += [short(f) for f in layer.get("findings", [])]
+    findings = [short(f) for f in layer.get("findings", [])]
+    vague = all(d["code"] in VAGUE_CODES or d["code"].startswith("symptom_") for d in layer.get("diagnoses", []))
+    texts = findings + texts if findings and vague else texts + findings  # the best-supported cause first
     if layer["status"] == "error" and layer.get("error"):
         texts.append("error: " + _error_key(layer["error"]))
     if not texts:
