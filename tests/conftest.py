@@ -176,3 +176,10 @@ def run_bounded(*args, timeout=60):
         raise subprocess.TimeoutExpired(r.args, timeout, r.stdout, r.stderr)
     assert answer["maxrss_kb"] < RSS_LIMIT_KB, (args, f"peak RSS {answer['maxrss_kb'] // 1024} MiB")
     return r
+
+
+def failing(report) -> dict:
+    """{layer name: (status, the codes of its findings and diagnoses)} of every layer that did not pass:
+    a planted fault is asserted as a fail with its cause, never as any layer that merely did not pass."""
+    return {layer.name: (layer.status, {f["code"] for f in layer.findings} | {d.code for d in layer.diagnoses})
+            for layer in report.layers if not layer.passed}

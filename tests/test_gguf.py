@@ -4,7 +4,7 @@ HF directories, and HF -> GGUF conversion faults each found and named."""
 import struct
 
 import pytest
-from conftest import load_json, plugin, run_parity
+from conftest import failing, load_json, plugin, run_parity
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -305,7 +305,10 @@ def test_an_mmproj_is_checked_against_the_towers_it_holds(tmp_path):
     assert not api.check(hf, candidate_checkpoint=tmp_path / "eps.gguf", candidate="torch", dtype="float32").passed
     _mmproj(hf, tmp_path / "unbaked.gguf", eps, baked=False)
     bad = api.check(hf, candidate_checkpoint=tmp_path / "unbaked.gguf", candidate="torch", dtype="float32")
-    assert [layer.name for layer in bad.layers if not layer.passed] == ["multi_modal_projector.mm_soft_emb_norm"]
+    found = failing(bad)  # the projector's gain stored as w where the file should hold 1 + w
+    assert list(found) == ["multi_modal_projector.mm_soft_emb_norm"], found
+    assert found["multi_modal_projector.mm_soft_emb_norm"][0] == "fail", found
+    assert "weight_offset_mismatch" in found["multi_modal_projector.mm_soft_emb_norm"][1], found
 
 
 def test_an_mmproj_alone_names_what_it_needs(tmp_path):

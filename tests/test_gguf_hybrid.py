@@ -10,7 +10,7 @@ tensors (the lines are quoted in configs/gguf.toml); the checkpoints are each ty
 import json
 
 import pytest
-from conftest import run_parity
+from conftest import failing, run_parity
 
 from parity_cli import api
 
@@ -122,15 +122,16 @@ def test_qwen3_next_stores_1_plus_w_except_on_its_gated_norm(tiny, tmp_path):
     # the converter left out the + 1: every 1 + w layer, and only they, are the offset missing
     report = api.check(path, candidate_checkpoint=convert(path, tmp_path / "plain.gguf", bake=False),
                        candidate="torch", dtype="float32")
-    failing = {layer.name for layer in report.layers if not layer.passed}
-    assert failing == baked
+    found = failing(report)
+    assert set(found) == baked and {s for s, _ in found.values()} == {"fail"}, found
     for name in baked:
         codes = {d.code for d in _layers(report)[name].diagnoses}
         assert "weight_offset_mismatch" in codes
     # a + 1 on the gated norm, whose gain is w: that layer alone, the shift named as such
     report = api.check(path, candidate_checkpoint=convert(path, tmp_path / "gated.gguf", bake_gated=True),
                        candidate="torch", dtype="float32")
-    assert {layer.name for layer in report.layers if not layer.passed} == gated
+    found = failing(report)
+    assert set(found) == gated and {s for s, _ in found.values()} == {"fail"}, found
     (layer,) = [layer for layer in report.to_dict()["layers"] if layer["name"] in gated]
     text = json.dumps(layer)
     assert "uniform_shift" in text and "a gain that is w (this norm has no 1 + w)" in text
@@ -166,10 +167,10 @@ def test_a_conversion_with_another_group_count_is_group_count_mismatch(tiny, tmp
     other = convert(path, tmp_path / "other.gguf", rows=groups // 2, group_count=groups // 2)
     report = api.check(path, candidate_checkpoint=other, candidate="torch", dtype="float32")
     assert not report.passed
-    failing = [layer for layer in report.layers if not layer.passed]
-    assert failing and all(layer.kind == "gated_rms_norm" for layer in failing)
+    bad = [layer for layer in report.layers if not layer.passed]
+    assert bad and all(layer.kind == "gated_rms_norm" and layer.status == "fail" for layer in bad)
     text = json.dumps(report.to_dict())
-    assert text.count('"group_count_mismatch"') >= len(failing)
+    assert text.count('"group_count_mismatch"') >= len(bad)
     assert f'"groups": {groups // 2}, "checkpoint_groups": {groups}' in text
 
 

@@ -2,7 +2,7 @@
 InferenceSession (RMSNormalization-23 or the decomposed pattern, LayerNormalization-17)."""
 
 import pytest
-from conftest import run_parity
+from conftest import failing, run_parity
 
 from parity_cli import api
 
@@ -480,7 +480,9 @@ def test_an_export_of_a_model_only_a_derived_family_knows(tmp_path):
     vision = next(name for name, layer in layers.items() if layer["tower"] == "vision")
     export(hf, tmp_path / "bad.onnx", eps={vision: layers[vision]["eps"]["value"] * 100})
     bad = api.check(hf, candidate_checkpoint=tmp_path / "bad.onnx")
-    assert [layer.name for layer in bad.layers if not layer.passed] == [vision]
+    found = failing(bad)
+    assert list(found) == [vision] and found[vision][0] == "fail", found
+    assert "checkpoint_eps_mismatch" in found[vision][1], found
 
 
 def test_inspect_of_a_graph_warns_of_a_non_finite_gain(tmp_path):

@@ -16,7 +16,7 @@ safetensors file, the outputs transcribed in float64 from GroupNorm's formula.""
 
 import numpy as np
 import pytest
-from conftest import run_parity
+from conftest import failing, run_parity
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -187,7 +187,9 @@ def test_an_epsilon_changed_in_the_decomposition_names_its_layer(m2f):
     bad = m2f["root"] / "ts_eps.onnx"
     onnx.save(model, str(bad))
     report = api.check(m2f["hf"], candidate_checkpoint=str(bad), isolation="none", layers=GLOB)
-    assert [l.name for l in report.layers if not l.passed] == [EPS_LAYER]
+    found = failing(report)
+    assert list(found) == [EPS_LAYER] and found[EPS_LAYER][0] == "fail", found
+    assert "checkpoint_eps_mismatch" in found[EPS_LAYER][1], found
     eps = next(f for f in next(l for l in report.layers if l.name == EPS_LAYER).findings
                if f["code"] == "checkpoint_eps_mismatch")
     assert eps["candidate"]["value"] == f32(1e-2)
@@ -257,7 +259,8 @@ def test_openvino_group_normalization_is_read_and_passes(m2f):
 def test_openvino_epsilon_and_group_count_changed_each_name_their_layer(m2f):
     out = _ir(m2f, "gn_bad", {EPS_LAYER: ("eps", 1e-2), GROUPS_LAYER: ("num_groups", 16)})
     report = api.check(m2f["hf"], candidate_checkpoint=str(out), isolation="none", layers=GLOB)
-    assert sorted(l.name for l in report.layers if not l.passed) == sorted([EPS_LAYER, GROUPS_LAYER])
+    found = failing(report)
+    assert sorted(found) == sorted([EPS_LAYER, GROUPS_LAYER]) and {s for s, _ in found.values()} == {"fail"}, found
     codes = {l.name: {f["code"] for f in l.findings} for l in report.layers}
     assert "checkpoint_eps_mismatch" in codes[EPS_LAYER] and "group_count_mismatch" in codes[GROUPS_LAYER]
 

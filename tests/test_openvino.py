@@ -14,7 +14,7 @@ import struct
 import warnings
 
 import pytest
-from conftest import run_parity
+from conftest import failing, run_parity
 
 from parity_cli import api
 from parity_cli.sources.synthetic import write_checkpoint
@@ -501,7 +501,10 @@ def test_options_an_irs_own_subgraphs_ignore_are_refused(irs):
 def test_another_candidate_takes_the_irs_eps_and_gains(irs):
     """--candidate torch with an IR copy: torch's kernel with the IR's eps (one layer's changed)."""
     report = api.check(irs["llama"], candidate="torch", candidate_checkpoint=str(irs["eps_changed.xml"]))
-    assert [l.name for l in report.layers if not l.passed] == ["model.layers.1.input_layernorm"]
+    found = failing(report)  # the IR's eps, read from it: a fail with that cause, the others pass
+    assert list(found) == ["model.layers.1.input_layernorm"], found
+    assert found["model.layers.1.input_layernorm"][0] == "fail"
+    assert "checkpoint_eps_mismatch" in found["model.layers.1.input_layernorm"][1], found
 
 
 def test_hostile_irs_are_one_line(irs, tmp_path):
@@ -685,7 +688,8 @@ def test_norms_sharing_one_statistic_are_each_a_norm(irs, tmp_path):
     ops = [op.get_type_name() for op in model.get_ordered_ops()]
     assert ops.count("ReduceMean") == 1 and ops.count("Add") == 2  # the mean square still shared, two eps
     report = api.check(irs["llama"], candidate_checkpoint=str(path), isolation="none")
-    assert [l.name for l in report.layers if not l.passed] == [odd]
+    found = failing(report)
+    assert list(found) == [odd] and found[odd][0] == "fail" and "checkpoint_eps_mismatch" in found[odd][1], found
 
 
 # --- issue 46: the kinds OpenVINO has ops for, built; check_layer and describe as every runtime's ----------

@@ -99,7 +99,7 @@ def test_inspect_and_explain_make_theirs(model, tmp_path):
     report = tmp_path / "r.json"
     assert run_parity("check", model, *FAST, "--candidate-eps", "1e-3", "--json", report).returncode == 1
     r = run_parity("explain", report, "--json", tmp_path / "e" / "f" / "explain.json")
-    assert r.returncode in (0, 1), r.stderr
+    assert r.returncode == 0, r.stderr  # explain explains: its exit is 0 whatever the report's verdict
     assert "groups" in load_json(tmp_path / "e" / "f" / "explain.json")
 
 
