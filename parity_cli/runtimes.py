@@ -9,6 +9,7 @@ model's norms, or for a dtype, is "refused" with its one line: neither is a fail
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -38,6 +39,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 _SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
 
 
+VERDICTS = ("pass", "fail", "refused", "not installed", "error", "adapter")
+
+
 @dataclass
 class Cell:
     runtime: str
@@ -64,6 +68,24 @@ class Cell:
         out = dict(self.__dict__)
         if out["worst_over_allowed"] is not None:
             out["worst_over_allowed"] = jfloat(out["worst_over_allowed"])
+        return out
+
+    @classmethod
+    def from_dict(cls, data, runtime: str, dtypes: list) -> Cell:
+        """A cell a runtime's process sent (JSON): its known fields, each of its type, for this runtime and
+        one of the dtypes asked; anything else is that process's error."""
+        from parity_cli.check.results import unjfloat
+
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) - set(fields) or data.get("runtime") != runtime or \
+                data.get("dtype") not in dtypes or data.get("verdict") not in VERDICTS:
+            raise ValueError("not a cell of this runtime")
+        out = cls(**data)
+        out.worst_over_allowed = unjfloat(out.worst_over_allowed)
+        for name, kind in (("cause", str), ("layers", int), ("failed", int), ("nonfinite", bool),
+                           ("unchecked", list)):
+            if not isinstance(getattr(out, name), kind):
+                raise ValueError(f"a cell's {name} is not a {kind.__name__}")
         return out
 
 
@@ -97,6 +119,8 @@ def _worst(data: dict) -> tuple[float | None, bool]:
     """(the largest |cand - ref| / allowed over every compared stratum of every layer whose outputs
     are finite, whether any stratum's candidate went non-finite where the reference did not). A
     non-finite stratum's worst element may be a finite one: it never stands for the stratum."""
+    from parity_cli.report.grouping import times_allowed
+
     best, nonfinite = None, False
     for layer in data["layers"]:
         for s in layer.get("strata", []):
@@ -104,12 +128,9 @@ def _worst(data: dict) -> tuple[float | None, bool]:
             if (counts.get("candidate") or 0) > (counts.get("reference") or 0):
                 nonfinite = True
                 continue
-            w = s.get("worst")
-            if not isinstance(w, dict) or not all(isinstance(w.get(k), (int, float)) for k in
-                                                  ("candidate", "reference", "allowed")) or not w["allowed"]:
-                continue
-            ratio = abs(w["candidate"] - w["reference"]) / w["allowed"]
-            best = ratio if best is None else max(best, ratio)
+            if isinstance(s.get("worst"), dict):  # the pass rule's own ratio (exact: a difference is inf)
+                ratio = times_allowed(s["worst"])
+                best = ratio if best is None else max(best, ratio)
     return best, nonfinite
 
 
@@ -203,7 +224,7 @@ def _baseline(path, dtype: str, options: dict):
         return None
 
 
-def cells_of(send, path, runtime: str, dtypes: list, options: dict) -> None:
+def cells_of(send, path, runtime: str, dtypes: list, options: dict, baselines: dict) -> None:
     """A runtime's cells, one dtype after another, in one process (supervisor.Task): its import,
     its compiled programs and the self-check's public path shared across its dtypes. The process is
     the isolation: the checks inside it run in it."""
@@ -212,14 +233,14 @@ def cells_of(send, path, runtime: str, dtypes: list, options: dict) -> None:
     torch.set_num_threads(1)
     for dtype in dtypes:
         try:
-            found = cell(path, runtime, dtype, **{**options, "isolation": "none"})
+            found = cell(path, runtime, dtype, baselines.get(dtype), **{**options, "isolation": "none"})
         except Exception as exc:  # a Python exception the check did not make a finding: the cell's error
             found = Cell(runtime, dtype, "error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
                          runtime_version=version(runtime))
-        send(found)
+        send(found.as_dict())
 
 
-def _warm_cells(path, chosen: list, dtypes: list, options: dict, workers: int, report) -> dict:
+def _warm_cells(path, chosen: list, dtypes: list, options: dict, workers: int, report, baselines: dict) -> dict:
     """{(runtime, dtype): Cell} with one warm process a runtime (at most `workers` at once, the
     slowest runtimes first); a process that dies or hangs leaves its remaining cells `error`."""
     from multiprocessing.connection import wait
@@ -235,11 +256,16 @@ def _warm_cells(path, chosen: list, dtypes: list, options: dict, workers: int, r
         while queue or running:
             while queue and len(running) < workers:
                 runtime = queue.pop(0)
-                task = Task("parity_cli.runtimes:cells_of", str(path), runtime, list(dtypes), options)
+                task = Task("parity_cli.runtimes:cells_of", str(path), runtime, list(dtypes), options, baselines)
                 running[task.conn] = (task, runtime, list(dtypes))
             for conn in wait(list(running), per_cell):
                 task, runtime, left = running[conn]
                 got = task.receive(0)
+                try:
+                    got = None if got is None else Cell.from_dict(got, runtime, left)
+                except (TypeError, ValueError):  # not a cell: the process lied, and is stopped like a dead one
+                    task.kill()
+                    task.garbled, got = True, None
                 if got is None:  # ended: what it did not send is an error of that process
                     for dtype in left:
                         cells[runtime, dtype] = Cell(runtime, dtype, "error", f"the {runtime} process {task.why()}",
@@ -287,11 +313,12 @@ def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = No
     # torch at the first dtype, before any runtime: a checkpoint check refuses (an int8 gain, no norm at
     # all) is one line here, not a table of refusals; it is also that dtype's baseline
     first = pipeline.check(path, candidate="torch", dtype=dtypes[0], **options)
+    # torch eager at each dtype, once: the torch rows, and what every other row's severity is read against
+    baselines = {dtype: first if dtype == dtypes[0] else _baseline(path, dtype, options) for dtype in dtypes}
     cells = {}
-    if "torch" in chosen:  # the baseline, here: cheap, and every other row is read against it
+    if "torch" in chosen:
         for dtype in dtypes:
-            cells["torch", dtype] = cell(path, "torch", dtype, first if dtype == dtypes[0] else
-                                         _baseline(path, dtype, options), **options)
+            cells["torch", dtype] = cell(path, "torch", dtype, baselines[dtype], **options)
             report(cells["torch", dtype])
     rest = [r for r in chosen if r != "torch"]
     absent = [r for r in rest if not installed(r)]
@@ -301,12 +328,11 @@ def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = No
             report(cells[runtime, dtype])
     rest = [r for r in rest if r not in absent]
     if options.get("isolation", "auto") == "auto" and rest:  # one warm process a runtime, two at once on 2 CPUs
-        cells.update(_warm_cells(path, rest, dtypes, options, _cpus(), report))
+        cells.update(_warm_cells(path, rest, dtypes, options, _cpus(), report, baselines))
     else:
         for dtype in dtypes:
-            baseline = _baseline(path, dtype, options)
             for runtime in rest:
-                cells[runtime, dtype] = cell(path, runtime, dtype, baseline, **options)
+                cells[runtime, dtype] = cell(path, runtime, dtype, baselines[dtype], **options)
                 report(cells[runtime, dtype])
     out.cells = [cells[runtime, dtype] for runtime in chosen for dtype in dtypes]
     if not any(c.ran for c in out.cells):

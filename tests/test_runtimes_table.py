@@ -180,3 +180,25 @@ def test_a_runtime_process_that_dies_or_hangs_is_a_value_and_leaves_nothing_behi
     assert task.receive(0.2) is None and task.why() == "sent nothing before its deadline and was stopped"
     task.close()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_task_is_read_as_json_never_unpickled(monkeypatch, tmp_path):
+    """What a runtime's process sends is data: a pickle on its pipe is refused (the process stopped),
+    never loaded; JSON that is not a cell of the runtime asked is that process's error."""
+    from pathlib import Path
+
+    from parity_cli.isolation.supervisor import Task
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    planted = tmp_path / "unpickled"
+    task = Task("tasks:sends_a_pickle", str(planted))
+    assert task.receive(60) is None and not planted.exists()
+    assert task.why() == "sent a message that is not what it was asked for and was stopped"
+    task.close()
+    task = Task("tasks:sends_a_lie")
+    got = task.receive(60)
+    task.close()
+    with pytest.raises(ValueError):
+        runtimes.Cell.from_dict(got, "onnxruntime", ["float32"])
+    good = runtimes.Cell("onnxruntime", "float32", "pass", layers=3, worst_over_allowed=0.25)
+    assert runtimes.Cell.from_dict(good.as_dict(), "onnxruntime", ["float32"]) == good

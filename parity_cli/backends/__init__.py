@@ -50,6 +50,24 @@ class Runtime:
 _FOUND: dict = {}
 
 
+def refuse_unbuilt(who: str, layer, kinds: tuple, built: str) -> None:
+    """The one line a runtime file says for a layer it does not build: a kind outside `kinds`, a
+    per-channel kind (BatchNorm, GroupNorm, a gated norm) with a gain of more than one axis, channels
+    that do not split evenly into the layer's groups. `built`: what the runtime builds ("graph", "model")."""
+    from parity_cli.errors import InputError
+
+    if layer.kind not in kinds:
+        raise InputError(f"{who}: has no {layer.kind} {built} here ({', '.join(kinds)} are built); {layer.name} is a "
+                         f"{layer.kind}")
+    if layer.kind in ("batch_norm", "group_norm", "gated_rms_norm") and layer.weight is not None \
+            and layer.weight.dim() > 1:
+        raise InputError(f"{who}: {layer.name} is a {layer.kind} with a {layer.weight.dim()}-D gain; its {built} "
+                         "takes one value a channel")
+    if layer.kind in ("group_norm", "gated_rms_norm") and (layer.groups < 1 or layer.dim % layer.groups):
+        raise InputError(f"{who}: {layer.name} has {layer.dim} channels in {layer.groups} groups; its {built} "
+                         "splits the channels evenly")
+
+
 def registered() -> dict:
     """{name: module} of every runtime file of this package, in table order (imported once: each
     file imports its runtime lazily, so this costs no torch, no runtime)."""

@@ -25,7 +25,7 @@ compute=float32 (cast in and out, for a dtype the execution provider has no kern
 
 from __future__ import annotations
 
-from parity_cli.backends import Runtime
+from parity_cli.backends import Runtime, refuse_unbuilt
 from parity_cli.errors import InputError
 
 RUNTIME = Runtime(
@@ -77,16 +77,7 @@ def check_layer(layer, dtype: str | None = None, compute: str | None = None, dev
         raise InputError(f"onnxruntime: the CPU provider has no bfloat16 {gap}: a bfloat16 export of "
                          f"{layer.name} ({layer.kind}) cannot run there; --candidate-arg compute=float32 feeds it "
                          "float32, or --dtype float16")
-    if layer.kind not in KINDS:
-        raise InputError(f"onnxruntime: has no {layer.kind} graph here ({', '.join(KINDS)} are built); {layer.name} "
-                         f"is a {layer.kind}")
-    if layer.kind in ("batch_norm", "group_norm", "gated_rms_norm") and layer.weight is not None \
-            and layer.weight.dim() > 1:
-        raise InputError(f"onnxruntime: {layer.name} is a {layer.kind} with a {layer.weight.dim()}-D gain; its graph "
-                         "takes one value a channel")
-    if layer.kind in ("group_norm", "gated_rms_norm") and (layer.groups < 1 or layer.dim % layer.groups):
-        raise InputError(f"onnxruntime: {layer.name} has {layer.dim} channels in {layer.groups} groups; the graph's "
-                         "grouping takes equal groups")
+    refuse_unbuilt("onnxruntime", layer, KINDS, "graph")
 
 
 def describe(device: str = "cpu", op: str = "auto", compute: str | None = None, **_args) -> dict:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 
-from parity_cli.backends import Runtime, distribution_version
+from parity_cli.backends import Runtime, distribution_version, refuse_unbuilt
 from parity_cli.errors import InputError
 from parity_cli.sources.openvino_ir import program_parts
 
@@ -121,16 +121,7 @@ def check_layer(layer, dtype: str | None = None) -> None:
                          f"use --dtype {', '.join(DTYPES)}")
     if program_parts(getattr(layer, "program", None) or b""):
         return
-    if layer.kind not in KINDS:
-        raise InputError(f"openvino: has no {layer.kind} op here ({', '.join(KINDS)} are built); {layer.name} is a "
-                         f"{layer.kind}")
-    if layer.kind in ("batch_norm", "group_norm", "gated_rms_norm") and layer.weight is not None \
-            and layer.weight.dim() > 1:
-        raise InputError(f"openvino: {layer.name} is a {layer.kind} with a {layer.weight.dim()}-D gain; its model "
-                         "takes one value a channel")
-    if layer.kind in ("group_norm", "gated_rms_norm") and (layer.groups < 1 or layer.dim % layer.groups):
-        raise InputError(f"openvino: {layer.name} has {layer.dim} channels in {layer.groups} groups; its model "
-                         "splits the channels evenly")
+    refuse_unbuilt("openvino", layer, KINDS, "model")
 
 
 def describe(device: str, precision: str | None = None, **_args) -> dict:
@@ -429,6 +420,18 @@ def build_gated_model(dim: int, groups: int, gate: str, activation: str, order: 
     return ov.Model([y], [x_in], "gated_rms_norm")
 
 
+def _built(key, what: str, dtype: str, device: str, precision: str | None, build) -> None:
+    """`build()`'s ov.Model compiled and kept under `key`; a model OpenVINO cannot build is one line."""
+    try:
+        model = build()
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"openvino: cannot build the {what} model at {dtype}: {' '.join(str(exc).split())[:240]}") \
+            from None
+    _remember(key, _compile(model, device, precision))
+
+
 def _compile(model, device: str, precision: str | None):
     import torch
 
@@ -544,15 +547,9 @@ def prepare(layer, weight, bias, eps: float, precision: str | None = None, form:
     key = (layer.kind, layer.order, layer.dim, per_head, dtype, float(eps), float(layer.gain_offset), form, eps_mode,
            layer.inverse_sqrt, digest.hexdigest(), bias is not None, device, precision, torch.get_num_threads())
     if key not in _MODELS:
-        try:
-            model = build_model(layer.kind, layer.order, layer.dim, per_head, dtype, eps, layer.gain_offset, form,
-                                eps_mode, layer.inverse_sqrt, weight, bias)
-        except InputError:
-            raise
-        except Exception as exc:
-            raise InputError(f"openvino: cannot build the {form} {layer.kind} model at {dtype}: "
-                             f"{' '.join(str(exc).split())[:240]}") from None
-        _remember(key, _compile(model, device, precision))
+        _built(key, f"{form} {layer.kind}", dtype, device, precision, lambda: build_model(
+            layer.kind, layer.order, layer.dim, per_head, dtype, eps, layer.gain_offset, form, eps_mode,
+            layer.inverse_sqrt, weight, bias))
     return _runner(_MODELS[key], weight.dtype, f"{form} {layer.kind}", None)
 
 
@@ -589,21 +586,16 @@ def _channel_norm(layer, weight, bias, eps: float, device: str, precision: str |
            layer.inverse_sqrt, dtype, float(eps), float(layer.gain_offset), _digest(weight, bias, *stats).hexdigest(),
            device, precision, torch.get_num_threads())
     if key not in _MODELS:
-        try:
+        def build():
             if layer.kind == "gated_rms_norm":
-                model = build_gated_model(layer.dim, layer.groups, layer.gate, layer.activation, layer.order, dtype,
-                                          eps, layer.gain_offset, layer.inverse_sqrt, weight)
-            elif layer.kind == "batch_norm":
-                model = build_batch_norm_model(layer.dim, dtype, eps, layer.gain_offset, weight, bias, *stats)
-            else:
-                model = build_group_norm_model(layer.dim, layer.groups, layer.spatial, dtype, eps, layer.gain_offset,
-                                               weight, bias)
-        except InputError:
-            raise
-        except Exception as exc:
-            raise InputError(f"openvino: cannot build the {layer.kind} model at {dtype}: "
-                             f"{' '.join(str(exc).split())[:240]}") from None
-        _remember(key, _compile(model, device, precision))
+                return build_gated_model(layer.dim, layer.groups, layer.gate, layer.activation, layer.order, dtype,
+                                         eps, layer.gain_offset, layer.inverse_sqrt, weight)
+            if layer.kind == "batch_norm":
+                return build_batch_norm_model(layer.dim, dtype, eps, layer.gain_offset, weight, bias, *stats)
+            return build_group_norm_model(layer.dim, layer.groups, layer.spatial, dtype, eps, layer.gain_offset,
+                                          weight, bias)
+
+        _built(key, layer.kind, dtype, device, precision, build)
     maps = (layer.dim, layer.spatial) if layer.kind == "group_norm" else None
     return _runner(_MODELS[key], weight.dtype, layer.kind, 3 if maps else None, maps)
 

@@ -29,6 +29,7 @@ LOAD_TIMEOUT = 60.0  # a fresh child imports torch and the candidate; never shor
 TICK = 0.05  # how often the watchdog looks at the child while waiting
 OUTPUT_CAP = 64 << 20  # bytes of captured candidate stdout/stderr kept before it is truncated
 MAX_HEADER = 64 << 10
+TASK_MESSAGE_CAP = 16 << 20  # bytes of one message a supervisor.Task sends (a cell of `parity runtimes`: a few KiB)
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _live: set = set()
@@ -664,14 +665,22 @@ class Task:
             self.kill()
             self.timed_out = True
             return None
-        try:
-            return self.conn.recv()
+        try:  # JSON, bounded: a task never hands the parent anything to unpickle, nor a body to exhaust it
+            raw = self.conn.recv_bytes(TASK_MESSAGE_CAP)
         except (EOFError, OSError):
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            self.kill()
+            self.garbled = True
             return None
 
     def why(self) -> str:
         if getattr(self, "timed_out", False):
             return "sent nothing before its deadline and was stopped"
+        if getattr(self, "garbled", False):
+            return "sent a message that is not what it was asked for and was stopped"
         return _describe_exit(_exit_code(self.proc, 10) if self.proc is not None else None)
 
     def kill(self) -> None:

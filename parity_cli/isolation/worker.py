@@ -262,7 +262,7 @@ def serve_task(conn, parent: int | None, lifeline, target: str, args: tuple, pat
                environ: dict) -> None:
     """A task's child (supervisor.Task): the same life as a candidate's (its own session, gone with
     parity, Ctrl-C the parent's, no core file, its native output to /dev/null), then
-    `target(send, *args)` with `send(value)` sending a picklable value to the parent. `target` is
+    `target(send, *args)` with `send(value)` sending a JSON value to the parent. `target` is
     "module:function", imported here."""
     import importlib
 
@@ -276,5 +276,7 @@ def serve_task(conn, parent: int | None, lifeline, target: str, args: tuple, pat
     os.environ.update(environ)
     sys.path[:0] = [p for p in path if p not in sys.path]
     module, _, name = target.partition(":")
-    getattr(importlib.import_module(module), name)(conn.send, *args)
+    # values go back as JSON, never pickle: the task runs third-party runtime code, and what it sends is
+    # read by the parent (supervisor.Task.receive), which must not execute anything it is handed
+    getattr(importlib.import_module(module), name)(lambda value: conn.send_bytes(json.dumps(value).encode()), *args)
     conn.close()
