@@ -78,7 +78,7 @@ class Norms(Seq):
 
 
 def export(ckpt_dir, out, exporter="torchscript", drop=(), swap_class=None, eps=None, half=False, optimize=False,
-           external=False):
+           external=False, opset=None):
     """Exports the checkpoint's norms to `out`; returns the path."""
     from parity_cli import api
     from parity_cli.model.layers import discover_layers
@@ -91,7 +91,7 @@ def export(ckpt_dir, out, exporter="torchscript", drop=(), swap_class=None, eps=
     if half:
         model = model.half()
     inputs = tuple(torch.randn(1, 4, d, dtype=dtype) for d in dims)
-    kwargs = {"dynamo": exporter == "dynamo", "opset_version": 18 if exporter == "dynamo" else 17}
+    kwargs = {"dynamo": exporter == "dynamo", "opset_version": opset or (18 if exporter == "dynamo" else 17)}
     if exporter == "dynamo":
         kwargs["optimize"] = True
     import warnings
@@ -147,7 +147,7 @@ def export_wrapped(ckpt_dir, out, exporter="torchscript", swap=None):
             b.copy_(saved)
     dims = sorted({l.dim for l in layers}, reverse=True)
     inputs = tuple(torch.randn(1, 4, d) for d in dims)
-    kwargs = {"dynamo": exporter == "dynamo", "opset_version": 18 if exporter == "dynamo" else 17}
+    kwargs = {"dynamo": exporter == "dynamo", "opset_version": opset or (18 if exporter == "dynamo" else 17)}
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
         torch.onnx.export(Wrapper(model), inputs, str(out), **kwargs)

@@ -500,3 +500,24 @@ def test_inspect_of_a_graph_warns_of_a_non_finite_gain(tmp_path):
     # a finite gain: no warning
     info = api.inspect(_graph_with_gain(tmp_path, numpy_helper.from_array(np.ones(64, np.float32), "model.norm.weight")))
     assert info["warnings"] == []
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+def test_a_float16_layer_norm_export_at_opset_16_is_a_layer_norm(ckpt, tmp_path, eps):
+    """torch's float16 LayerNorm export below opset 17 casts x - mean(x) to double before the Pow
+    (issue 47): the chain is still a LayerNorm with its bias, and a faithful copy passes."""
+    import onnx
+
+    src = ckpt("bert", layers=1, hidden=64, heads=4, eps=eps, dtype="float16")
+    path = _export(src, tmp_path / "m.onnx", "torchscript", half=True, opset=16)
+    to = [a.i for n in onnx.load(str(path)).graph.node if n.op_type == "Cast" for a in n.attribute if a.name == "to"]
+    assert onnx.TensorProto.DOUBLE in to  # the export this test is about
+    report = api.check(src, candidate_checkpoint=str(path), dtype="float16")
+    conv = report.header["candidate"]["checkpoint"]
+    from safetensors import safe_open
+
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        norms = [k for k in f.keys() if k.endswith("LayerNorm.weight")]
+    assert conv["findings"] == 0 and conv["layers"] == len(report.layers) == len(norms)
+    assert {l.kind for l in report.layers} == {"layer_norm"}
+    assert report.passed, [(l.name, l.status, l.findings, [d.code for d in l.diagnoses]) for l in report.layers]

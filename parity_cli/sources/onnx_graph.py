@@ -791,13 +791,15 @@ def _decomposed(graph: _Graph, mean_node):
         nodes += graph.back(other)[1]
     nodes.append(normed)
     # centred h (x - mean(x)): a LayerNorm
+    # (torch's float16 LayerNorm export at opset < 17 casts h to double between the Sub and the Pow)
     kind, x = "rms_norm", h
-    sub = graph.producer.get(h)
+    centred, upcasts = graph.back(h)
+    sub = graph.producer.get(centred)
     if sub is not None and sub.op_type == "Sub":
         m = graph.producer.get(sub.input[1])
         if m is not None and m.op_type == "ReduceMean" and m.input[0] == sub.input[0]:
             kind, x = "layer_norm", sub.input[0]
-            nodes = [m, sub] + nodes
+            nodes = [m, sub, *upcasts[::-1]] + nodes
     # the gain: a Mul by an initializer after optional casts
     out, gain_mul = normed.output[0], None
     for _ in range(3):
