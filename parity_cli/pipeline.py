@@ -485,13 +485,15 @@ def with_captured(opts: CheckOptions, layers, everything, family=None):
     return dataclasses.replace(opts, captured=rows), meta
 
 
-def _paired_copy(opts: CheckOptions, found, ckpt, fam) -> tuple:
+def _paired_copy(opts: CheckOptions, found, ckpt, fam, whole: list) -> tuple:
     """--candidate-checkpoint (or --runtime-capture): (opts, the reference's layers to check, the
     pairing, the report's description of the copy, the dtype the copy computes in or None). A copy
-    of another model is bad input; layers the copy cannot be said to lack are not checked."""
+    of another model is bad input; layers the copy cannot be said to lack are not checked. The
+    copy's norms are named against the whole model (`whole`), --layers or not: matched against the
+    one layer a glob picks, every LayerNorm of a BERT graph took its name (`#2..#13`)."""
     from parity_cli.model.pairing import pair
 
-    copy_layers, conversion, copy_dtype = converted(opts, found.layers, (fam, ckpt.model_type))
+    copy_layers, conversion, copy_dtype = converted(opts, whole, (fam, ckpt.model_type))
     if conversion.get("mmproj"):  # compared with the towers it holds, not the language model
         held = {layer.name for layer in copy_layers}
         found = dataclasses.replace(found, layers=[layer for layer in found.layers
@@ -655,7 +657,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     opts, captured_meta = with_captured(opts, found.layers, lambda: whole, fam)
     pairing, conversion, copy_dtype = None, None, None
     if opts.candidate_checkpoint:
-        opts, found, pairing, conversion, copy_dtype = _paired_copy(opts, found, ckpt, fam)
+        opts, found, pairing, conversion, copy_dtype = _paired_copy(opts, found, ckpt, fam, whole)
     # an exported graph computes in its own input type (float32 for most exports): probe it there
     cand_dtype_name = dtype_name(opts.dtype) if opts.dtype else (copy_dtype or stored_dtype(found.layers))
     tol = tolerance_for(cand_dtype_name, opts.atol, opts.rtol, exact=opts.exact)

@@ -147,7 +147,7 @@ def export_wrapped(ckpt_dir, out, exporter="torchscript", swap=None):
             b.copy_(saved)
     dims = sorted({l.dim for l in layers}, reverse=True)
     inputs = tuple(torch.randn(1, 4, d) for d in dims)
-    kwargs = {"dynamo": exporter == "dynamo", "opset_version": opset or (18 if exporter == "dynamo" else 17)}
+    kwargs = {"dynamo": exporter == "dynamo", "opset_version": 18 if exporter == "dynamo" else 17}
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
         torch.onnx.export(Wrapper(model), inputs, str(out), **kwargs)
@@ -296,3 +296,30 @@ def fold_batch_norm(path, out, layer: str):
     onnx.checker.check_model(model)
     onnx.save(model, str(out))
     return out
+
+
+def half_node(path, scope: str, op: str = "LayerNormalization"):
+    """The one `op` node whose name holds `scope` computed in float16 inside a float32 graph: x, the
+    gain and the bias cast to float16 before it, its output cast back to float32 (what a
+    mixed-precision converter does to a node it keeps in half)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path))
+    nodes = list(model.graph.node)
+    (node,) = [n for n in nodes if n.op_type == op and scope in n.name]
+    casts = []
+    for k, name in enumerate(node.input):
+        if name:
+            casts.append(helper.make_node("Cast", [name], [f"{name}__f16_{node.name}"], to=TensorProto.FLOAT16,
+                                          name=f"{node.name}_in{k}"))
+            node.input[k] = casts[-1].output[0]
+    y = node.output[0]
+    node.output[0] = y + "__f16"
+    back = helper.make_node("Cast", [node.output[0]], [y], to=TensorProto.FLOAT, name=node.name + "_out")
+    k = nodes.index(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[:k] + casts + [node, back] + nodes[k + 1:])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path

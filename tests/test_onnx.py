@@ -521,3 +521,56 @@ def test_a_float16_layer_norm_export_at_opset_16_is_a_layer_norm(ckpt, tmp_path,
     assert conv["findings"] == 0 and conv["layers"] == len(report.layers) == len(norms)
     assert {l.kind for l in report.layers} == {"layer_norm"}
     assert report.passed, [(l.name, l.status, l.findings, [d.code for d in l.diagnoses]) for l in report.layers]
+
+
+def _half_attention_norm(ckpt, tmp_path, eps=None):
+    from onnx_exports import half_node
+
+    src = ckpt("bert", layers=1, hidden=64, heads=4, eps=1e-12)
+    name = "bert.encoder.layer.0.attention.output.LayerNorm"
+    path = _export(src, tmp_path / "m.onnx", "torchscript", eps=eps and {name: eps})
+    return src, half_node(path, "attention/output/LayerNorm"), name
+
+
+def test_a_float16_node_in_a_float32_graph_is_judged_at_float16(ckpt, tmp_path):
+    """A mixed-precision converter's half LayerNormalization inside a float32 graph (issue 47): its
+    input is rounded to float16 before it, so float32's allowance would fail a correct node."""
+    src, path, name = _half_attention_norm(ckpt, tmp_path)
+    report = api.check(src, candidate_checkpoint=str(path))
+    assert report.header["candidate"]["dtype"] == "float32"  # the graph's, for the other norms
+    assert report.passed, [(l.name, l.status, [d.code for d in l.diagnoses]) for l in report.layers]
+    judged = {l.name: l.judged_at for l in report.layers}
+    assert judged.pop(name) == "float16" and set(judged.values()) == {None}
+    (layer,) = [l for l in report.layers if l.name == name]
+    assert layer.warnings[0].startswith("judged at float16: the copy's node computes in float16 inside a float32 graph")
+
+
+def test_an_eps_planted_in_a_float16_node_still_fails_it(ckpt, tmp_path):
+    src, path, name = _half_attention_norm(ckpt, tmp_path, eps=1e-2)
+    report = api.check(src, candidate_checkpoint=str(path))
+    bad = {l.name: [d.code for d in l.diagnoses] + [f["code"] for f in l.findings] for l in report.layers if not l.passed}
+    assert list(bad) == [name] and "eps_mismatch" in bad[name], bad
+
+
+def test_layers_with_an_onnx_copy_names_its_norms_against_the_whole_model(ckpt, tmp_path):
+    """--layers with a graph whose initializers say nothing (names from the node scopes alone): matched
+    against the one layer a glob picked, every LayerNorm took its name and came back as extra layers
+    `embeddings.LayerNorm#2..#13`, failing a run whose one layer passed (issue 47)."""
+    import onnx
+
+    src = ckpt("bert", layers=6, hidden=64, heads=4, eps=1e-12)
+    path = _export(src, tmp_path / "m.onnx", "torchscript")
+    model = onnx.load(str(path))
+    opaque = {t.name: f"onnx::Mul_{k}" for k, t in enumerate(model.graph.initializer)}
+    for t in model.graph.initializer:
+        t.name = opaque[t.name]
+    for node in model.graph.node:
+        node.input[:] = [opaque.get(i, i) for i in node.input]
+    onnx.save(model, str(path))
+    for glob in ("*embeddings*", "bert.embeddings.LayerNorm*"):
+        report = api.check(src, candidate_checkpoint=str(path), layers=glob)
+        assert [l.name for l in report.layers] == ["bert.embeddings.LayerNorm"]
+        assert report.passed and report.findings == [], [f["message"] for f in report.findings[:2]]
+    whole = api.check(src, candidate_checkpoint=str(path), layers="bert.encoder.layer.3.*")
+    assert [l.name for l in whole.layers] == [f"bert.encoder.layer.3.{p}.LayerNorm" for p in ("attention.output", "output")]
+    assert whole.passed and whole.findings == []

@@ -592,6 +592,27 @@ def missing_layer(layer):
                        weight=weight_stats(layer.weight), strata=[], shape=list(layer.shape), tower=layer.tower)
 
 
+def at_node_dtype(other, candidate: Side, tol, grad_tol, opts):
+    """A copy's node that computes in a narrower dtype than the probes (a mixed-precision
+    converter's float16 LayerNormalization inside a float32 graph) is judged at its own dtype: its
+    input is rounded there before the node sees it, and float32's allowance would fail what
+    float16 computes correctly. (side, tol, grad_tol, (dtype, words) or None)."""
+    import torch
+
+    from parity_cli.comparison import grad_tolerance_for, tolerance_for
+
+    node = getattr(torch, getattr(other, "computes_in", None) or "", None)
+    if (not isinstance(node, torch.dtype) or not node.is_floating_point or opts.exact
+            or torch.finfo(node).eps <= torch.finfo(candidate.dtype).eps):
+        return candidate, tol, grad_tol, None
+    name, probes = str(node).removeprefix("torch."), str(candidate.dtype).removeprefix("torch.")
+    words = (f"judged at {name}: the copy's node computes in {name} inside a {probes} graph, so its input is "
+             f"rounded to {name} before it and {name}'s allowance applies")
+    tol_at = tol if tol.source == "option" else tolerance_for(name, opts.atol, opts.rtol)
+    return (dataclasses.replace(candidate, dtype=node), tol_at,
+            grad_tol and grad_tolerance_for(name), (name, words))
+
+
 def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata, tol, opts, grad_tol,
                progress=None):
     """Every layer, in order. With several candidate sides (--jobs N: N supervised children),
@@ -601,8 +622,13 @@ def run_layers(layers, pairing, reference: Side, candidates: list[Side], strata,
         if pairing is None:
             return check_layer(layer, reference, candidate, strata, tol, opts, grad_tol=grad_tol)
         other = pairing.candidate_layers.get(layer.name)
-        result = missing_layer(layer) if other is None else check_layer(
-            layer, reference, candidate, strata, tol, opts, cand_layer=other, grad_tol=grad_tol)
+        if other is None:
+            result = missing_layer(layer)
+        else:
+            side, tol_at, grad_at, note = at_node_dtype(other, candidate, tol, grad_tol, opts)
+            result = check_layer(layer, reference, side, strata, tol_at, opts, cand_layer=other, grad_tol=grad_at)
+            if note:
+                result.judged_at, result.warnings = note[0], [note[1], *result.warnings]
         result.findings = result.findings + pairing.layer_findings.get(layer.name, [])
         if other is not None and other.recorded is not None and (not result.passed or result.findings):
             from parity_cli.diagnose.recorded import recorded_diagnoses

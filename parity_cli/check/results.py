@@ -75,6 +75,7 @@ class LayerResult:
     tower: str = "main"  # the part of a multimodal model the norm serves (model.layers.tower_of)
     statistics: dict | None = None  # batch_norm: the smallest running_var / eps (check.layer.running_summary)
     vs_torch: dict | None = None  # a runtime candidate's worst error over torch eager's (check.severity)
+    judged_at: str | None = None  # the dtype its probes ran at, where the copy's node computes in a narrower one
 
     @property
     def status(self) -> str:
@@ -185,4 +186,5 @@ def _layer_dict(layer: LayerResult) -> dict:
         **({"runtime_node": _jsonable(layer.runtime_node)} if layer.runtime_node else {}),
         "statistics": _jsonable(layer.statistics),
         **({"vs_torch_same_dtype": layer.vs_torch} if layer.vs_torch else {}),
+        **({"judged_at": layer.judged_at} if layer.judged_at else {}),
     }

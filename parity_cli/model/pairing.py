@@ -143,10 +143,12 @@ BY_VALUE = ("paired with the copy's norm by its gain's values: the graph's names
 
 def graph_layer(layer, norm, findings: list):
     """A copy's layer read from a graph (ONNX, an IR) with what the graph says of it: its own
-    findings (pair reports them) and the norm's depth in the data flow (the order check's)."""
+    findings (pair reports them), the norm's depth in the data flow (the order check's) and the
+    dtype its own node computes in (a converter's half node inside a float32 graph)."""
     if findings:
         layer.graph_findings = findings
     layer.graph_depth = norm.depth
+    layer.computes_in = getattr(norm, "computes_in", None) or norm.dtype
     return layer
 
 

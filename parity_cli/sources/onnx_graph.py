@@ -71,6 +71,7 @@ class OnnxNorm:
     bias: object = None
     offset: float = 0.0  # a constant the graph adds to the stored gain
     dtype: str = "float32"  # the norm's input type in the graph
+    computes_in: str | None = None  # the op's own input type, past the casts into it (a converter's half node)
     program: bytes = b""  # the subgraph x -> y, serialised
     fused_program: bytes = b""  # a Skip op's own fused form (x, skip) -> (y, x + skip), serialised
     names: tuple = ()  # every name the graph gives it (gain, scope, node path), most telling first
@@ -504,7 +505,10 @@ def _fused(graph: _Graph, node):
         if norm is not None:
             norm.fused_program = _skip_program(graph, copy, kind, gi, bi, _elem_type(graph, x, w))
         return norm
-    return _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes)
+    norm = _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes)
+    if norm is not None:
+        norm.computes_in = _DTYPES.get(_elem_type(graph, node.input[0], w))
+    return norm
 
 
 def _skip_program(graph: _Graph, node, kind: str, gi: int, bi, elem: int) -> bytes:
