@@ -398,6 +398,11 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
             for d in out:
                 d.evidence["together_with"] = [c for c in codes if c != d.code]
         return out
+    from parity_cli.diagnose.storage import half_arithmetic_diagnosis, scale_in_dtype_diagnosis
+
+    held = scale_in_dtype_diagnosis(ctx) or half_arithmetic_diagnosis(ctx)  # a dtype's, before a 0/0's guess
+    if held is not None:
+        return [held]
     out: list[Diagnosis] = []
     nan_strata = _zero_division(ctx)
     if nan_strata:

@@ -241,3 +241,21 @@ def statistics_of_half_the_row(x, weight, eps, bias=None):
     mean, var = half.mean(-1, keepdim=True), half.var(-1, unbiased=False, keepdim=True)
     y = (h - mean) * torch.rsqrt(var + eps) * weight.float()
     return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+# --- issue 47: causes that were misnamed ---------------------------------------------------------
+
+def scale_held_in_dtype(x, weight, eps):
+    """eps used, in float32; the scale 1/sqrt(q + eps) then held in x's dtype (a kernel's rstd
+    buffer of the input type): at eps 1e-12 it is 1e6, past float16's 65504, so inf."""
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+    return ((x * rstd).float() * weight.float()).to(x.dtype)
+
+
+def half_arithmetic(x, weight, eps):
+    """A float32 kernel that does its arithmetic in float16 (an accumulator type left at half):
+    the right form, float16's rounding."""
+    h = x.half()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + max(eps, 6e-8)) * weight.half()
+    return y.to(x.dtype)
