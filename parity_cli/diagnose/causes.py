@@ -402,7 +402,7 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
 
     held = scale_in_dtype_diagnosis(ctx) or half_arithmetic_diagnosis(ctx)  # a dtype's, before a 0/0's guess
     if held is not None:
-        return [held]
+        return [Diagnosis(*held)]
     out: list[Diagnosis] = []
     nan_strata = _zero_division(ctx)
     if nan_strata:
