@@ -566,6 +566,7 @@ def _checkpoint_header(opts, ckpt, found, fam, conversion, whole=None) -> dict:
         "format": ckpt.format,
         "family": fam.name,
         "family_source": fam.source_line,
+        **({"family_moved": {"transformers": installed_version(), "what": list(fam.moved)}} if fam.moved else {}),
         "family_forced": bool(opts.family),
         "family_from": family_choice(opts.family, fam, ckpt.model_type, ckpt.format,
                                          getattr(ckpt, "architecture", None)),

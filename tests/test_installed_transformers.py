@@ -312,3 +312,19 @@ def test_validation_and_class_binding_build_one_tree(tiny, configs):
     installed._CURRENT.clear()
     load(tiny("mamba2"), classes=True)
     assert [shrunk for (_, _, shrunk) in installed._TREES] == [True]
+
+
+def test_semantics_the_installed_release_changed_are_on_the_verdict_line(tiny, configs):
+    """The committed family normalises Mamba2's gated norm as one group over the whole width (what
+    transformers 4.53 computes whatever n_groups says); the installed release computes n_groups groups.
+    Derived again, the check passes by the installed semantics, and says so on the one line -q prints
+    (issue 47: a plain PASS hid which semantics it was of)."""
+    from conftest import run_parity
+
+    text = configs("mamba2", lambda t: t.replace('groups = "n_groups"', "groups = 1"))
+    assert "groups = 1" in text
+    r = run_parity("check", tiny("mamba2"), "--candidate", "transformers", "--dtype", "float32", "-q")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = r.stdout.splitlines()
+    assert line.startswith("PASS: ") and line.endswith(
+        f" (as transformers {INSTALLED} computes it: layers.*.mixer.norm: groups 1 → n_groups)"), line

@@ -92,6 +92,9 @@ class Family:
     # how the installed transformers bears on it (model.installed): validated, derived again at run time
     # ("derived at run time: transformers 5.25.0 renamed MambaRMSNormGated → Mamba2RMSNormGated"), a class rebound
     provenance: str | None = None
+    # derived again: what the installed release computes otherwise than the committed family
+    # ("backbone.layers.*.mixer.norm: groups n_groups → 1"), said on the verdict line: a PASS of other semantics
+    moved: tuple = ()
 
     @property
     def source_line(self) -> str:

@@ -62,11 +62,19 @@ def verdict(d: dict) -> tuple[bool, str]:
 
 
 def assumed_eps(d: dict) -> str:
+    """What the verdict's semantics rest on, where they are not simply the checkpoint's: a forced
+    family, an eps assumed, semantics the installed transformers changed (Mamba2's gated norm over the
+    whole width in 4.53 whatever n_groups says)."""
     eps, ck = d.get("eps") or {}, d.get("checkpoint") or {}
+    words = ""
+    moved = ck.get("family_moved") or {}
+    if isinstance(moved, dict) and moved.get("what"):
+        what = moved["what"]
+        more = f", +{len(what) - 1} more" if len(what) > 1 else ""
+        words += f" (as transformers {moved.get('transformers')} computes it: {what[0]}{more})"
     if ck.get("family_contradiction"):  # --family-force: the verdict is of the forced semantics, said on its line
-        return (f" (family {ck.get('family')} forced over model_type '{ck.get('model_type')}', which it contradicts)"
-                + _assumed(eps, ck))
-    return _assumed(eps, ck)
+        words += f" (family {ck.get('family')} forced over model_type '{ck.get('model_type')}', which it contradicts)"
+    return words + _assumed(eps, ck)
 
 
 def _assumed(eps: dict, ck: dict) -> str:
