@@ -510,7 +510,7 @@ def _run_fused(checkpoint, candidate, args: dict, dtype, layers, candidate_eps, 
     if json_path:
         write_files({json_path: json_text(data)})
     render_fused(data, _console())
-    return EXIT_PASS if report.passed else EXIT_FAIL
+    return report.exit_code
 
 
 @cli.command()
@@ -557,9 +557,7 @@ def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdo
     if outputs:
         write_files(outputs)
     render_runtimes(data, _console(), quiet=quiet)
-    if any(c.verdict == "adapter" for c in result.cells):  # parity's own fault outranks any verdict: exit 2
-        return EXIT_INPUT
-    return EXIT_PASS if result.passed else EXIT_FAIL
+    return result.verdict().exit_code  # report.gate's: an adapter cell (parity's fault) is 2
 
 
 @cli.command()

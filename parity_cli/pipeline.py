@@ -566,7 +566,6 @@ def _checkpoint_header(opts, ckpt, found, fam, conversion, whole=None) -> dict:
         "format": ckpt.format,
         "family": fam.name,
         "family_source": fam.source_line,
-        **({"family_moved": {"transformers": installed_version(), "what": list(fam.moved)}} if fam.moved else {}),
         "family_forced": bool(opts.family),
         "family_from": family_choice(opts.family, fam, ckpt.model_type, ckpt.format,
                                          getattr(ckpt, "architecture", None)),
@@ -575,6 +574,17 @@ def _checkpoint_header(opts, ckpt, found, fam, conversion, whole=None) -> dict:
         "unmatched": found.unmatched,
         "unchecked": unchecked(ckpt, found, fam) + list((conversion or {}).get("unchecked", [])),
     }
+
+
+def basis(ckpt, fam, eps, family: str | None, forced: str | None) -> dict:
+    """What a verdict's semantics rest on, as every command's report holds it (report.gate's tails read
+    it): the family and how it was chosen, a contradiction --family-force accepted, what the installed
+    transformers computes otherwise, the eps and where it came from."""
+    return {"checkpoint": {"family": fam.name, "model_type": ckpt.model_type, "family_forced": bool(family),
+                           **({"family_contradiction": forced} if forced else {}),
+                           **({"family_moved": {"transformers": installed_version(), "what": list(fam.moved)}}
+                              if fam.moved else {})},
+            "eps": _eps_dict(eps)}
 
 
 def _tolerance_header(opts, tol, grad_tol) -> dict:
@@ -721,7 +731,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
         "tool": {"name": "parity-cli", "version": __version__},
         "environment": environment(device, threads=opts.threads, jobs=workers),
         "checkpoint": {**_checkpoint_header(opts, ckpt, found, fam, conversion, whole),
-                       **({"family_contradiction": forced} if forced else {})},
+                       **basis(ckpt, fam, eps, opts.family, forced)["checkpoint"]},
         "eps": _eps_dict(eps),
         "reference": {"impl": ref_impl.name, "source": ref_impl.source, "dtype": ref_dtype_name,
                       "dtype_source": ref_dtype_source,
@@ -928,6 +938,7 @@ class FusedReport:
     layers: list
     form: str = "add"  # add | quant
     unchecked: list = dataclasses.field(default_factory=list)  # the checkpoint's norms no layer here checks
+    basis: dict = dataclasses.field(default_factory=dict)  # what the semantics rest on (basis())
 
     @property
     def passed(self) -> bool:
@@ -935,12 +946,14 @@ class FusedReport:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.passed else 1
+        from parity_cli.report.gate import fused_verdict
+
+        return fused_verdict(self.to_dict()).exit_code
 
     def to_dict(self) -> dict:
         failed = [layer.name for layer in self.layers if not layer.passed]
         return {"tool": "parity-cli", "version": __version__, "fused": self.form, "checkpoint": self.checkpoint,
-                "unchecked": list(self.unchecked), "candidate": self.candidate,
+                "unchecked": list(self.unchecked), "basis": self.basis, "candidate": self.candidate,
                 "verdict": "pass" if self.passed else "fail",
                 "summary": {"layers": len(self.layers), "failed": len(failed), "unchecked": len(self.unchecked)},
                 "layers": [layer.as_dict() for layer in self.layers]}
@@ -979,7 +992,7 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
     name = dtype_name(dtype or "bfloat16")
     device = check_device(device)
     ckpt, fam, resolved = load(path, family, eps)
-    _forced_family(CheckOptions(family=family, family_force=family_force), ckpt, fam, resolved)  # as check refuses it
+    forced = _forced_family(CheckOptions(family=family, family_force=family_force), ckpt, fam, resolved)  # as check
     discovery = discover_layers(ckpt, fam, resolved, layers)
     found = [layer for layer in discovery.layers if layer.kind in ("rms_norm", "layer_norm") and layer.weight.dim() == 1]
     hidden = max((layer.dim for layer in found), default=0)
@@ -1010,7 +1023,8 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
         result.findings = weight_faults(layer, int((~torch.isfinite(layer.weight)).sum()))
     cand = {"impl": impl.name, "source": impl.source, "dtype": name, "device": device,
             "eps": None if candidate_eps is None else candidate_eps, "args": dict(candidate_args or {})}
-    return FusedReport(str(path), cand, out, "quant" if quant else "add", unchecked(ckpt, discovery, fam))
+    return FusedReport(str(path), cand, out, "quant" if quant else "add", unchecked(ckpt, discovery, fam),
+                       basis(ckpt, fam, resolved, family, forced))
 
 
 def _skip_nodes(path: str, layers, candidate: str, quant) -> dict:

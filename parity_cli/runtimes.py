@@ -93,10 +93,17 @@ class Cell:
 class Table:
     checkpoint: str
     cells: list = field(default_factory=list)
+    basis: dict = field(default_factory=dict)  # what every cell's semantics rest on (pipeline.basis)
 
     @property
     def passed(self) -> bool:
-        return not any(c.verdict in ("fail", "error", "adapter") for c in self.cells)
+        return self.verdict().passed
+
+    def verdict(self):
+        """report.gate's, as every command's."""
+        from parity_cli.report.gate import runtimes_verdict
+
+        return runtimes_verdict(self.as_dict())
 
     @property
     def unchecked(self) -> list:
@@ -104,8 +111,11 @@ class Table:
         return next((c.unchecked for c in self.cells if c.ran and c.unchecked), [])
 
     def as_dict(self) -> dict:
-        return {"checkpoint": self.checkpoint, "verdict": "pass" if self.passed else "fail",
-                "unchecked": self.unchecked, "cells": [c.as_dict() for c in self.cells]}
+        from parity_cli.report.gate import runtimes_verdict
+
+        data = {"checkpoint": self.checkpoint, "unchecked": self.unchecked, "basis": self.basis,
+                "cells": [c.as_dict() for c in self.cells]}
+        return {**data, "verdict": runtimes_verdict(data).word.lower()}
 
 
 def installed(runtime: str) -> bool:
@@ -283,6 +293,9 @@ def _warm_cells(path, chosen: list, dtypes: list, options: dict, workers: int, r
     return cells
 
 
+_BASIS = ("family", "model_type", "family_forced", "family_contradiction", "family_moved")
+
+
 def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = None, progress=None,
           **options) -> Table:
     """Every runtime in `runtimes` (default: all known) at every dtype; the checkpoint's own
@@ -313,6 +326,8 @@ def table(path, runtimes: list[str] | None = None, dtypes: list[str] | None = No
     # torch at the first dtype, before any runtime: a checkpoint check refuses (an int8 gain, no norm at
     # all) is one line here, not a table of refusals; it is also that dtype's baseline
     first = pipeline.check(path, candidate="torch", dtype=dtypes[0], **options)
+    out.basis = {"checkpoint": {k: first.header["checkpoint"][k] for k in _BASIS if k in first.header["checkpoint"]},
+                 "eps": first.header["eps"]}
     # torch eager at each dtype, once: the torch rows, and what every other row's severity is read against
     baselines = {dtype: first if dtype == dtypes[0] else _baseline(path, dtype, options) for dtype in dtypes}
     cells = {}

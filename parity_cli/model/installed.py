@@ -435,8 +435,10 @@ def _current(family: Family, model_type: str, config: dict | None, where: str, i
                                         f"{installed} (derived again: the same){defaults}")
     why_now = f"transformers {installed}" if stamp_of(family) != installed else \
         f"{other_class(family, config)} (the class config.json names)"
-    # a class's name alone changes no number; a pattern as a reader sees it ({root}layers.{i}.x: layers.*.x)
-    semantic = tuple(re.sub(r"\{\w+\}", "*", m.replace("{root}", "")) for m in moved if not m.startswith("renamed "))
+    # what changes a number: a semantics key of a pattern both have (a class's name, a pattern added or gone
+    # and a size do not), the pattern as a reader sees it ({root}layers.{i}.x: layers.*.x)
+    semantic = tuple(re.sub(r"\{\w+\}", "*", m.replace("{root}", "")) for m in moved
+                     if re.match(r"\S+: (?!weightless |dim )\w+ ", m))
     return dataclasses.replace(fresh, name=family.name, source=family.source, moved=semantic, provenance=(
         f"derived at run time: {why_now} " + "; ".join(moved[:4])
         + (f" (+{len(moved) - 4} more)" if len(moved) > 4 else "") + f" (committed: {family.derived_from}){defaults}"))

@@ -176,7 +176,8 @@ def to_markdown(report: dict) -> str:
     diagnosis' full message once), then the per-layer rows folded away in <details>. Strings
     from the report reach the file with their control characters escaped."""
     from parity_cli.report import grouping
-    from parity_cli.report.terminal import captured_line, fmt, share, verdict, worst_words
+    from parity_cli.report.gate import verdict
+    from parity_cli.report.terminal import captured_line, fmt, share, worst_words
 
     report = printable_tree(report)
     cand, ref, tol = report["candidate"], report["reference"], report["tolerance"]
@@ -274,9 +275,12 @@ def runtimes_markdown(data: dict) -> str:
     """`parity runtimes`' table as Markdown: a row a runtime and dtype, what it computes in, the
     verdict, the worst element's distance past its allowance, the worst error over torch eager's at
     the same dtype, and the cause."""
+    from parity_cli.report.gate import runtimes_verdict
+
     data = printable_tree(data)
+    word, _, what = runtimes_verdict(data).line().partition(": ")
     lines = [f"# Runtimes for {_code(data['checkpoint'])}", "",
-             f"Verdict: **{data['verdict'].upper()}** (a failing cell fails it; refused and not installed do not)", "",
+             f"Verdict: **{word}**: {_text(what)} (a failing cell fails it; refused and not installed do not)", "",
              "*vs torch*: the cell's worst error over torch eager's at the same dtype on the same probes "
              "(about 1x: a rounding order; 1000x and more: a kernel that computes something else).", "",
              "| runtime | version | dtype | runs in | verdict | layers failing | worst/allowed | vs torch | cause |",

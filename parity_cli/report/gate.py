@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.report import grouping
+from parity_cli.report.grouping import fmt
 
 FAIL_ON = ("fail", "unchecked", "warn")  # each fails on what the one before does, and more
 MARGIN = 0.10  # a worst |err|/allowed up to 10 % above the baseline's is the same fault (another
@@ -279,3 +282,245 @@ def gate(report: dict, fail_on: str = "fail", baseline: dict | None = None, base
             "mismatch": mismatch(report, baseline),
         }
     return result
+
+
+# --- one verdict for every command ----------------------------------------------------------------
+# `check`, `fused` and `runtimes` each come down to units (layers, runtime cells) that passed, failed
+# or could not run, the norms no unit covered, and what the semantics rest on (a forced family, an
+# assumed eps, a family the installed transformers computes otherwise). The rules here turn them into
+# one exit code and one last line, in forms from the fullest to the shortest: `line(width)` prints the
+# fullest that fits (80 columns in a CI log), the cause before the details.
+
+EXIT_PASS, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    word: str  # PASS, FAIL, or ERROR (parity's own fault: an adapter that disagrees with its runtime)
+    exit_code: int
+    forms: tuple  # the whole line, fullest first
+
+    @property
+    def passed(self) -> bool:
+        return self.word == "PASS"
+
+    def line(self, width: int | None = None) -> str:
+        if width is None:
+            return self.forms[0]
+        return next((f for f in self.forms if len(f) <= width), self.forms[-1])
+
+
+def _forms(word: str, bodies: list[str], tails: list[str]) -> tuple:
+    """Each body with each tail, body-major: a shorter tail is tried before a shorter cause."""
+    return tuple(dict.fromkeys(f"{word}: {b}{t}" for b in bodies for t in tails))
+
+
+def tails(basis: dict, unchecked: list, checked: int) -> list[str]:
+    """What the verdict did not cover and what its semantics rest on, in full then short: the same
+    words after every command's verdict. `basis`: {"checkpoint": {...}, "eps": {...}} as check's report
+    has them."""
+    return list(dict.fromkeys(not_checked(unchecked, checked, level) + assumed_eps(basis, short=level != "full")
+                              for level in ("full", "name", "short")))
+
+
+def not_checked(missed: list, checked: int, level: str = "full") -> str:
+    """`; 1 of 5 norms not checked (name: why)`, or nothing: every command's verdict line says it.
+    Shorter: the first name alone (`name`), the count alone (`short`)."""
+    if not missed:
+        return ""
+    said = f"; {len(missed)} of {checked + len(missed)} norms not checked"
+    if level == "short":
+        return said
+    first = missed[0]
+    more = f", +{len(missed) - 1} more" if len(missed) > 1 else ""
+    return f"{said} ({first['name']}" + (f": {first['why']}" if level == "full" else "") + f"{more})"
+
+
+def assumed_eps(d: dict, short: bool = False) -> str:
+    """What the verdict's semantics rest on, where they are not simply the checkpoint's: semantics the
+    installed transformers changed (Mamba2's gated norm over the whole width in 4.53 whatever n_groups
+    says), a forced family the model type contradicts, an eps assumed (lxmert forced to `layer_norm`
+    would otherwise pass against 1e-5 where its modules use 1e-12)."""
+    eps, ck = d.get("eps") or {}, d.get("checkpoint") or {}
+    if not isinstance(ck, dict):
+        return ""
+    words = ""
+    moved = ck.get("family_moved") or {}
+    if isinstance(moved, dict) and moved.get("what"):
+        what = moved["what"]
+        more = f", +{len(what) - 1} more" if len(what) > 1 else ""
+        words += f" (as transformers {moved.get('transformers')} computes it" + (
+            ")" if short else f": {what[0]}{more})")
+    if ck.get("family_contradiction"):  # --family-force: the verdict is of the forced semantics, said on its line
+        words += f" (family {ck.get('family')} forced" + (
+            ")" if short else f" over model_type '{ck.get('model_type')}', which it contradicts)")
+    if eps.get("source") == "family-default":
+        forced = "forced " if ck.get("family_forced") else ""
+        words += f" (eps {fmt(eps.get('value'))} assumed)" if short else (
+            f" (eps {fmt(eps.get('value'))} is {forced}family {ck.get('family')}'s default, assumed: "
+            "the config has no eps key it reads)")
+    return words
+
+
+def _fail_count(bad: int, n: int) -> str:
+    return f"{bad} of {n} layer fails" if n == 1 else f"{bad} of {n} layers fail"
+
+
+def _all(n: int) -> str:
+    return "the 1 layer is" if n == 1 else f"all {n} layers"
+
+
+def unchecked_words(d: dict) -> str:
+    """What the verdict did not cover: `; 4 of 6 norms not checked (name: why, +3)`. A PASS over 2 of
+    6 norms is not a PASS over the model."""
+    return not_checked((d.get("checkpoint") or {}).get("unchecked") or [], d["summary"]["layers"])
+
+
+def verdict(d: dict) -> tuple[bool, str]:
+    """(passed, the sentence after PASS/FAIL) of a check, with what it did not cover and rests on."""
+    passed, what = _compared(d)
+    return passed, what + unchecked_words(d) + assumed_eps(d)
+
+
+def _compared(d: dict) -> tuple[bool, str]:
+    s = d["summary"]
+    gate = d.get("gate") or {}
+    passed = gate.get("verdict", s["verdict"]) == "pass"
+    bad = s["failed"] + s["errors"]
+    counts = _fail_count(bad, s["layers"]) + (f" ({s['errors']} with an error)" if s["errors"] else "")
+    extra = len(d.get("findings", []))
+    conv = (d.get("candidate") or {}).get("checkpoint") or {}
+    every = conv.get("findings") if isinstance(conv.get("findings"), int) else extra  # the copy's line says the same
+    if every:
+        counts += f", {every} checkpoint finding(s)"
+    other = next((f for f in d.get("findings", []) if f.get("code") == "checkpoint_model_mismatch"), None)
+    if other is not None:  # every other finding follows from it: said first
+        counts = f"{other.get('message')}; {counts}"
+    baseline = gate.get("baseline")
+    if baseline is not None:
+        new = len(gate.get("new_findings", []))
+        if passed:
+            what = f"no new finding against the baseline; {counts}, as accepted" if bad or extra else \
+                f"{_all(s['layers'])} pass"
+        else:
+            what = f"{new} new finding(s) beyond the baseline; {counts}"
+        return passed, what
+    if passed:
+        return True, f"{_all(s['layers'])} within tolerance on {len(d['probes']['strata'])} strata"
+    if not bad and not extra and gate.get("fail_on") == "unchecked":
+        return False, f"--fail-on unchecked; {_all(s['layers'])} pass"
+    if not bad and not extra and gate.get("fail_on") == "warn":
+        return False, f"--fail-on warn and {gate.get('warnings', 0)} warning(s); {_all(s['layers'])} pass"
+    return False, counts
+
+
+def cause(g: grouping.Group, words: str = "full") -> str:
+    """A group's finding as the verdict line names it: `code (words)`, the group's other codes
+    after a '+'. words: full, terse (the figures alone where the code says the rest) or none."""
+    first = g.texts[0]
+    if first.startswith("error: "):
+        code, said = "error", first[len("error: "):]
+    else:
+        code, _, said = first.partition(", ")
+    if words == "terse":
+        said = said.replace("behaves as ", "")
+    text = f"{code} ({said})" if words != "none" and said else code
+    return text + "".join(f" + {t.partition(', ')[0]}" for t in g.texts[1:])
+
+
+def check_verdict(d: dict) -> Verdict:
+    """`check`'s verdict: its exit code the gate's (after --baseline and --fail-on), its line the
+    verdict with its cause, what the last line of a CI log says:
+    `FAIL: 109 of 109 layers: eps_mismatch (behaves as eps ≈ 1e-5, configured 1e-6)`. The largest
+    new group's finding names the cause, `+N other causes` counts the rest; within a width the
+    cause's words go first, then its code, never the verdict's own words."""
+    passed, what = _compared(d)
+    gate_ = d.get("gate") or {}
+    code = gate_.get("exit_code", EXIT_PASS if passed else EXIT_FAIL)
+    ends = tails(d, (d.get("checkpoint") or {}).get("unchecked") or [], d["summary"]["layers"])
+    word = "PASS" if passed else "FAIL"
+    found = [] if passed else [g for g in grouping.groups(d) if g.new is not False]
+    if found:
+        sm = d["summary"]
+        if sm["errors"] and sm["errors"] == sm["failed"] + sm["errors"] and found[0].status == "error":
+            what = what.replace(f" ({sm['errors']} with an error)", "")  # the cause says it: error (...)
+        for verb in (" layers fail", " layer fails"):
+            if what.endswith(verb):
+                what = what[:-len(verb)] + " " + verb.split()[0]
+        others = len(found) - 1
+        more = f"+{others} other cause{'s' if others > 1 else ''}" if others else ""
+        where = f"in {len(found[0].layers)}" if len(grouping.groups(d)) > 1 else ""  # some layers' cause only
+
+        def body(words: str, where: str) -> str:
+            tail = ", ".join(t for t in (where, more) if t)
+            return f"{what}: {cause(found[0], words)}" + (f" {tail}" if tail else "")
+
+        bodies = [body(words, w) for words, w in (("full", where), ("terse", where), ("terse", ""),
+                                                  ("none", where), ("none", ""))]
+    elif not passed and gate_.get("fail_on") == "warn" and all_warnings(d):
+        bodies = [f"{what}: warning: {all_warnings(d)[0]}", what]
+    else:
+        bodies = [what]
+    return Verdict(word, code, _forms(word, bodies, ends))
+
+
+def verdict_line(d: dict, width: int | None = None) -> str:
+    return check_verdict(d).line(width)
+
+
+def _causes(units: list[dict]) -> list[str]:
+    """The codes of the units that did not pass, each once, the most frequent first."""
+    from collections import Counter
+
+    counts = Counter(code for u in units for code in dict.fromkeys(u.get("codes") or ["error"]))
+    return [code for code, _ in counts.most_common()]
+
+
+def fused_verdict(data: dict) -> Verdict:
+    """`fused`'s verdict from its layers, by check's rules: a layer that failed or raised fails the run
+    (its stored gain's own faults included), the norms it did not check and what its semantics rest
+    on are said after."""
+    layers = data["layers"]
+    bad = [{"codes": [d["code"] for d in layer.get("findings", []) + layer["diagnoses"]]} for layer in layers
+           if layer["verdict"] != "pass"]
+    holds = ("the dequantized output within half a step" if data.get("fused") == "quant"
+             else "both outputs within tolerance")
+    ends = tails(data.get("basis") or {}, data.get("unchecked") or [], len(layers))
+    if not bad:
+        return Verdict("PASS", EXIT_PASS, _forms("PASS", [f"{_all(len(layers))}, {holds}"], ends))
+    causes = _causes(bad)
+    counts = f"{len(bad)} of {len(layers)} layer{'s' if len(layers) > 1 else ''}"
+    bodies = [f"{counts}: {', '.join(causes)}", f"{counts}: {causes[0]}" + (
+        f" +{len(causes) - 1} other cause{'s' if len(causes) > 2 else ''}" if len(causes) > 1 else "")]
+    return Verdict("FAIL", EXIT_FAIL, _forms("FAIL", bodies, ends))
+
+
+def runtimes_verdict(data: dict) -> Verdict:
+    """`runtimes`' verdict from its cells: an `adapter` cell (parity's adapter disagrees with the
+    runtime's own path) outranks any verdict, exit 2; a cell that failed or raised fails the run;
+    refused and absent cells did not run and count for nothing. The cells that failed are named,
+    as many as fit."""
+    cells = data["cells"]
+    ran = [c for c in cells if c["verdict"] in ("pass", "fail", "error", "adapter")]
+    ours = [c for c in ran if c["verdict"] == "adapter"]
+    bad = [c for c in ran if c["verdict"] in ("fail", "error")]
+    layers = next((c["layers"] for c in ran if c.get("layers")), 0)
+    ends = tails(data.get("basis") or {}, data.get("unchecked") or [], layers)
+    checks = f"{len(ran)} runtime check{'s' if len(ran) != 1 else ''}"
+
+    def named(which: list) -> list[str]:  # every cell, then fewer and a count of the rest
+        names = [f"{c['runtime']} {c['dtype']}" for c in which]
+        out = [", ".join(names)]
+        for k in range(len(names) - 1, 0, -1):
+            out.append(", ".join(names[:k]) + f", +{len(names) - k} more")
+        return out + [f"{len(names)} cell{'s' if len(names) > 1 else ''}"]
+
+    if not ran:  # runtimes.table refuses such a table first; a saved one read back says it too
+        return Verdict("ERROR", EXIT_INPUT, ("ERROR: no runtime check ran",))
+    if ours:
+        bodies = [f"parity's adapter disagrees with the runtime's own path in {len(ours)} of {checks}: {n}"
+                  for n in named(ours)]
+        return Verdict("ERROR", EXIT_INPUT, _forms("ERROR", bodies, ends))
+    if bad:
+        return Verdict("FAIL", EXIT_FAIL, _forms("FAIL", [f"{len(bad)} of {checks}: {n}" for n in named(bad)], ends))
+    return Verdict("PASS", EXIT_PASS, _forms("PASS", [f"all {checks}"], ends))

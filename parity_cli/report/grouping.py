@@ -20,6 +20,18 @@ def unpadded(text: str) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def fmt(value) -> str:
+    """Three significant digits, exponent unpadded (1e-5, not 1e-05); '-' for no value."""
+    from parity_cli.check.results import unjfloat
+
+    value = unjfloat(value)
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    return unpadded(f"{value:.3g}")
+
+
 def sci(value) -> str:
     """At most two significant digits, as a config file would say it: 1e-5, 9.9e-6."""
     from parity_cli.check.results import unjfloat

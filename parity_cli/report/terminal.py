@@ -8,6 +8,7 @@ import math
 
 from parity_cli.check.results import least, unjfloat, worst
 from parity_cli.report import grouping
+from parity_cli.report.gate import verdict_line
 from parity_cli.report.layout import Column, table, wrap
 from parity_cli.text import layer_count, printable, printable_tree
 
@@ -22,14 +23,7 @@ def _e(text) -> str:
     return escape(printable(text))
 
 
-def fmt(value) -> str:
-    """Three significant digits, exponent unpadded (1e-5, not 1e-05); '-' for no value."""
-    value = unjfloat(value)
-    if value is None:
-        return "-"
-    if value == 0:
-        return "0"
-    return grouping.unpadded(f"{value:.3g}")
+fmt = grouping.fmt
 
 
 def _print(console, lines) -> None:
@@ -43,152 +37,7 @@ def heading(console, text: str) -> None:
     _print(console, wrap(f"[bold]== {_e(text)}[/]", console.width, hanging=3))
 
 
-# --- the verdict ----------------------------------------------------------------------------------
-
-def _fail_count(bad: int, n: int) -> str:
-    return f"{bad} of {n} layer fails" if n == 1 else f"{bad} of {n} layers fail"
-
-
-def _all(n: int) -> str:
-    return "the 1 layer is" if n == 1 else f"all {n} layers"
-
-
-def verdict(d: dict) -> tuple[bool, str]:
-    """(passed, the sentence after PASS/FAIL), from the gate when the run had one; an eps the
-    config does not hold is said on the verdict line itself (lxmert forced to `layer_norm` would
-    otherwise pass against 1e-5 where its modules use 1e-12)."""
-    passed, what = _verdict(d)
-    return passed, what + assumed_eps(d)
-
-
-def assumed_eps(d: dict) -> str:
-    """What the verdict's semantics rest on, where they are not simply the checkpoint's: a forced
-    family, an eps assumed, semantics the installed transformers changed (Mamba2's gated norm over the
-    whole width in 4.53 whatever n_groups says)."""
-    eps, ck = d.get("eps") or {}, d.get("checkpoint") or {}
-    words = ""
-    moved = ck.get("family_moved") or {}
-    if isinstance(moved, dict) and moved.get("what"):
-        what = moved["what"]
-        more = f", +{len(what) - 1} more" if len(what) > 1 else ""
-        words += f" (as transformers {moved.get('transformers')} computes it: {what[0]}{more})"
-    if ck.get("family_contradiction"):  # --family-force: the verdict is of the forced semantics, said on its line
-        words += f" (family {ck.get('family')} forced over model_type '{ck.get('model_type')}', which it contradicts)"
-    return words + _assumed(eps, ck)
-
-
-def _assumed(eps: dict, ck: dict) -> str:
-    if eps.get("source") != "family-default":
-        return ""
-    forced = "forced " if ck.get("family_forced") else ""
-    return (f" (eps {fmt(eps.get('value'))} is {forced}family {ck.get('family')}'s default, assumed: "
-            "the config has no eps key it reads)")
-
-
-def _verdict(d: dict) -> tuple[bool, str]:
-    passed, what = _compared(d)
-    return passed, what + unchecked_words(d)
-
-
-def unchecked_words(d: dict) -> str:
-    """What the verdict did not cover: `; 4 of 6 norms not checked (name: why, +3)`. A PASS over 2 of
-    6 norms is not a PASS over the model."""
-    return not_checked((d.get("checkpoint") or {}).get("unchecked") or [], d["summary"]["layers"])
-
-
-def not_checked(missed: list, checked: int) -> str:
-    """`; 1 of 5 norms not checked (name: why)`, or nothing: every command's verdict line says it."""
-    if not missed:
-        return ""
-    first = missed[0]
-    more = f", +{len(missed) - 1} more" if len(missed) > 1 else ""
-    return f"; {len(missed)} of {checked + len(missed)} norms not checked ({first['name']}: {first['why']}{more})"
-
-
-def _compared(d: dict) -> tuple[bool, str]:
-    s = d["summary"]
-    gate = d.get("gate") or {}
-    passed = gate.get("verdict", s["verdict"]) == "pass"
-    bad = s["failed"] + s["errors"]
-    counts = _fail_count(bad, s["layers"]) + (f" ({s['errors']} with an error)" if s["errors"] else "")
-    extra = len(d.get("findings", []))
-    conv = (d.get("candidate") or {}).get("checkpoint") or {}
-    every = conv.get("findings") if isinstance(conv.get("findings"), int) else extra  # the copy's line says the same
-    if every:
-        counts += f", {every} checkpoint finding(s)"
-    other = next((f for f in d.get("findings", []) if f.get("code") == "checkpoint_model_mismatch"), None)
-    if other is not None:  # every other finding follows from it: said first
-        counts = f"{other.get('message')}; {counts}"
-    baseline = gate.get("baseline")
-    if baseline is not None:
-        new = len(gate.get("new_findings", []))
-        if passed:
-            what = f"no new finding against the baseline; {counts}, as accepted" if bad or extra else \
-                f"{_all(s['layers'])} pass"
-        else:
-            what = f"{new} new finding(s) beyond the baseline; {counts}"
-        return passed, what
-    if passed:
-        return True, f"{_all(s['layers'])} within tolerance on {len(d['probes']['strata'])} strata"
-    if not bad and not extra and gate.get("fail_on") == "unchecked":
-        return False, f"--fail-on unchecked; {_all(s['layers'])} pass"
-    if not bad and not extra and gate.get("fail_on") == "warn":
-        return False, f"--fail-on warn and {gate.get('warnings', 0)} warning(s); {_all(s['layers'])} pass"
-    return False, counts
-
-
-def cause(g: grouping.Group, words: str = "full") -> str:
-    """A group's finding as the verdict line names it: `code (words)`, the group's other codes
-    after a '+'. words: full, terse (the figures alone where the code says the rest) or none."""
-    first = g.texts[0]
-    if first.startswith("error: "):
-        code, said = "error", first[len("error: "):]
-    else:
-        code, _, said = first.partition(", ")
-    if words == "terse":
-        said = said.replace("behaves as ", "")
-    text = f"{code} ({said})" if words != "none" and said else code
-    return text + "".join(f" + {t.partition(', ')[0]}" for t in g.texts[1:])
-
-
-def verdict_line(d: dict, width: int | None = None) -> str:
-    """The verdict with its cause, plain text, what the last line of a CI log says:
-    `FAIL: 109 of 109 layers: eps_mismatch (behaves as eps ≈ 1e-5, configured 1e-6)`. The
-    largest new group's finding names the cause, `+N other causes` counts the rest; within
-    `width` the cause's words go first, then its code, never the verdict's own words."""
-    from parity_cli.report.gate import all_warnings
-
-    passed, what = _verdict(d)
-    assumed = assumed_eps(d)
-    head = ("PASS" if passed else "FAIL") + ": "
-    if passed:
-        return head + what + assumed
-    found = [g for g in grouping.groups(d) if g.new is not False]
-    if found:
-        sm = d["summary"]
-        if sm["errors"] and sm["errors"] == sm["failed"] + sm["errors"] and found[0].status == "error":
-            what = what.replace(f" ({sm['errors']} with an error)", "")  # the cause says it: error (...)
-        for verb in (" layers fail", " layer fails"):
-            if what.endswith(verb):
-                what = what[:-len(verb)] + " " + verb.split()[0]
-        others = len(found) - 1
-        more = f"+{others} other cause{'s' if others > 1 else ''}" if others else ""
-        where = f"in {len(found[0].layers)}" if len(grouping.groups(d)) > 1 else ""  # some layers' cause only
-
-        def line(words: str, where: str) -> str:
-            tail = ", ".join(t for t in (where, more) if t)
-            return f"{head}{what}: {cause(found[0], words)}" + (f" {tail}" if tail else "") + assumed
-
-        options = [line(words, w) for words, w in (("full", where), ("terse", where), ("terse", ""),
-                                                   ("none", where), ("none", ""))]
-    elif (d.get("gate") or {}).get("fail_on") == "warn" and all_warnings(d):
-        options = [f"{head}{what}: warning: {all_warnings(d)[0]}{assumed}", f"{head}{what}{assumed}"]
-    else:
-        return head + what + assumed
-    if width is None:
-        return options[0]
-    return next((o for o in options if len(o) <= width), options[-1])
-
+# --- the verdict: report.gate decides every command's verdict, exit code and line ------------------
 
 def verdict_markup(d: dict, width: int | None = None) -> str:
     line = verdict_line(printable_tree(d), width)
@@ -713,19 +562,9 @@ def render_runtimes(data: dict, console, quiet: bool = False) -> None:
         console.print(table)
         for cause, number in notes.items():
             console.print(f"[{number}] {cause}", markup=False, highlight=False)
-    bad = [c for c in cells if c["verdict"] in ("fail", "error", "adapter")]
-    ran = [c for c in cells if c["verdict"] in ("pass", "fail", "error", "adapter")]
-    ours = [c for c in cells if c["verdict"] == "adapter"]
-    if ours:  # parity's fault first: no runtime verdict stands on an adapter that disagrees with the runtime
-        line = (f"ERROR: parity's adapter disagrees with the runtime's own path in {len(ours)} of {len(ran)} runtime "
-                "checks: " + ", ".join(f"{c['runtime']} {c['dtype']}" for c in ours))
-    elif bad:
-        line = f"FAIL: {len(bad)} of {len(ran)} runtime checks: " + ", ".join(f"{c['runtime']} {c['dtype']}" for c in bad)
-    else:
-        line = f"PASS: all {len(ran)} runtime checks"
-    layers = next((c["layers"] for c in ran if c.get("layers")), 0)
-    line += not_checked(data.get("unchecked") or [], layers)
-    console.print(line, soft_wrap=True, markup=False, highlight=False)
+    from parity_cli.report.gate import runtimes_verdict
+
+    console.print(runtimes_verdict(data).line(console.width), soft_wrap=True, markup=False, highlight=False)
 
 
 def runtime_progress(cell, done: int, total: int) -> str:
@@ -735,71 +574,77 @@ def runtime_progress(cell, done: int, total: int) -> str:
 
 
 def render_fused(data: dict, console) -> None:
-    """`parity fused`: a row a layer, the worst of each output (normed, new residual) against its
-    allowance, the failing strata and the cause; the verdict last."""
-    from rich.table import Table
-
+    """`parity fused`: the verdict, then a row a layer, the worst of each output (normed, new
+    residual) against its allowance, the failing strata and the cause, each cause's words, and the
+    verdict again, last (what a CI log shows). Laid out as check's table: at 80 columns a row folds
+    into `label value` pairs, never a layer name cut."""
     data = printable_tree(data)
     if data.get("fused") == "quant":
         return _render_quant(data, console)
-    table = Table(show_edge=False, header_style="bold", pad_edge=False)
-    for col, justify in (("layer", "left"), ("dim", "right"), ("status", "left"), ("normed", "right"),
-                         ("residual", "right"), ("failing strata", "left"), ("cause", "left")):
-        table.add_column(col, justify=justify, overflow="fold")
+    columns = [Column("layer"), Column("dim", "dim", right=True), Column("status", with_name=True),
+               Column("normed", "normed", right=True), Column("residual", "residual", right=True),
+               Column("failing strata", "fails"), Column("cause", "cause")]
+    rows = []
     for layer in data["layers"]:
         worst = {part: max((float(s[part]["max_abs_err"]) for s in layer["strata"]), default=0.0)
                  for part in ("normed", "residual")}
         failing = [s["name"] + ("" if s["normed"]["status"] == "pass" else " (normed)")
                    + ("" if s["residual"]["status"] == "pass" else " (residual)")
                    for s in layer["strata"] if "fail" in (s["normed"]["status"], s["residual"]["status"])]
-        cause = layer["error"] or ", ".join(d["code"] for d in layer["diagnoses"])
-        status = "error" if layer["error"] else layer["verdict"]
-        table.add_row(_e(layer["name"]), str(layer["dim"]), f"[{RUNTIME_COLOURS.get(status, '')}]{status}[/]",
-                      fmt(worst["normed"]), fmt(worst["residual"]), _e("; ".join(failing) or "-"), _e(cause or "-"))
+        rows.append([layer["name"], str(layer["dim"]), _status(layer), fmt(worst["normed"]), fmt(worst["residual"]),
+                     "; ".join(failing) or "-", _cause(layer)])
     cand = data["candidate"]
-    console.print(f"[bold]{_e(data['checkpoint'])}[/]: fused residual add + norm, candidate {_e(cand['impl'])} "
-                  f"{cand['dtype']} on {cand['device']}; max |cand - ref| of each output", soft_wrap=True)
-    console.print(table)
-    _fused_verdict(data, console, "both outputs within tolerance")
+    _fused_page(data, console, f"{data['checkpoint']}: fused residual add + norm, candidate {cand['impl']} "
+                f"{cand['dtype']} on {cand['device']}; max |cand - ref| of each output", columns, rows)
 
 
-def _fused_verdict(data: dict, console, holds: str) -> None:
-    """Each cause once with its words, then the verdict, last (what a CI log shows)."""
+def _status(layer: dict) -> tuple:
+    status = "error" if layer["error"] else layer["verdict"]
+    return status, RUNTIME_COLOURS.get(status, "")
+
+
+def _cause(layer: dict) -> str:
+    return ("error" if layer["error"] else ", ".join(d["code"] for d in layer.get("findings", []) + layer["diagnoses"])
+            or "-")
+
+
+def _fused_page(data: dict, console, what: str, columns: list, rows: list) -> None:
+    """The fused page: verdict, what was run, the table at the console's width, the causes, the
+    verdict last."""
+    from parity_cli.report.gate import fused_verdict
+
+    width = console.width
+    line = fused_verdict(data).line(width)
+    _print(console, wrap(("[bold green]" if line.startswith("PASS") else "[bold red]") + _e(line[:4]) + "[/]"
+                         + _e(line[4:]), width))
+    _print(console, wrap(_e(what), width))
+    _print(console, table(columns, rows, width))
     causes = {}
     for layer in data["layers"]:
         for d in layer.get("findings", []) + layer["diagnoses"]:  # the stored weight's own fault first
             causes.setdefault(d["code"], d["message"])
+        if layer["error"]:
+            causes.setdefault(f"error ({layer['name']})", layer["error"])
     for code, message in causes.items():
-        console.print(f"{code}: {message}", soft_wrap=True, markup=False, highlight=False)
-    bad = [layer["name"] for layer in data["layers"] if layer["verdict"] != "pass"]
-    line = (f"FAIL: {len(bad)} of {len(data['layers'])} layers: {', '.join(causes) or 'error'}" if bad
-            else f"PASS: all {len(data['layers'])} layers, {holds}")
-    line += not_checked(data.get("unchecked") or [], len(data["layers"]))
+        _print(console, wrap(_e(f"{code}: {message}"), width, hanging=2))
     console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def _render_quant(data: dict, console) -> None:
     """`parity fused --quant`: a row a layer, the dequantized output's worst error, the elements the
     int8 range saturates at that scale (counted apart, not failures), the cause."""
-    from rich.table import Table
-
-    table = Table(show_edge=False, header_style="bold", pad_edge=False)
-    for col, justify in (("layer", "left"), ("dim", "right"), ("status", "left"), ("scale", "right"),
-                         ("max |deq - ref|", "right"), ("saturated", "right"), ("failing strata", "left"),
-                         ("cause", "left")):
-        table.add_column(col, justify=justify, overflow="fold")
+    columns = [Column("layer"), Column("dim", "dim", right=True), Column("status", with_name=True),
+               Column("scale", "scale", right=True), Column("max |deq - ref|", "max |deq - ref|", right=True),
+               Column("saturated", "saturated", right=True), Column("failing strata", "fails"),
+               Column("cause", "cause")]
+    rows = []
     for layer in data["layers"]:
         worst = max((float(s["max_abs_err"]) for s in layer["strata"]), default=0.0)
-        status = "error" if layer["error"] else layer["verdict"]
         failing = [s["name"] for s in layer["strata"] if s["status"] != "pass"]
-        cause = layer["error"] or ", ".join(d["code"] for d in layer["diagnoses"])
-        table.add_row(_e(layer["name"]), str(layer["dim"]), f"[{RUNTIME_COLOURS.get(status, '')}]{status}[/]",
-                      fmt(layer["scale"]) if layer["scale"] is not None else "per token", fmt(worst),
-                      str(sum(layer["saturated"].values())), _e(", ".join(failing) or "-"), _e(cause or "-"))
+        rows.append([layer["name"], str(layer["dim"]), _status(layer),
+                     fmt(layer["scale"]) if layer["scale"] is not None else "per token", fmt(worst),
+                     str(sum(layer["saturated"].values())), ", ".join(failing) or "-", _cause(layer)])
     cand = data["candidate"]
     mode = data["layers"][0]["mode"] if data["layers"] else ""
-    console.print(f"[bold]{_e(data['checkpoint'])}[/]: norm + int8 quantize ({mode} scale), candidate "
-                  f"{_e(cand['impl'])} {cand['dtype']} on {cand['device']}; dequantized, half a step allowed",
-                  soft_wrap=True)
-    console.print(table)
-    _fused_verdict(data, console, "the dequantized output within half a step")
+    _fused_page(data, console, f"{data['checkpoint']}: norm + int8 quantize ({mode} scale), candidate {cand['impl']} "
+                f"{cand['dtype']} on {cand['device']}; dequantized, half a step allowed", columns, rows)
