@@ -180,6 +180,17 @@ def cli():
     implementation as in the checkpoint's own semantics. Exit 0 parity, 1 violated, 2 bad input."""
 
 
+def family_options(command):
+    """--family and --family-force, one wording for every command that judges a checkpoint."""
+    command = click.option("--family-force", is_flag=True, help=(
+        "Check with a --family the checkpoint's own model type contradicts (kept as a warning, and said on the "
+        "verdict line)."))(command)
+    return click.option("--family", default=None, help=(
+        "Force a model family instead of the checkpoint's model_type: a family's name (layer_norm) or a model type, "
+        "read as the family that lists it (bert: layer_norm) or its derived family. One whose norm kind, gain offset "
+        "or eps the model type contradicts is refused without --family-force."))(command)
+
+
 @cli.command()
 @click.argument("checkpoint", type=click.Path())
 @click.option("--candidate", default=None,
@@ -217,12 +228,7 @@ def cli():
               help="For each failing layer, change one factor at a time (dtype, kernel, eps) and show which carries the error.")
 @click.option("--dtype", default=None, help="Candidate input/weight dtype (float32, bfloat16, float16, float64); default: as stored.")
 @click.option("--device", default="cpu", show_default=True, help="Candidate device: cpu, cuda, cuda:N.")
-@click.option("--family", default=None,
-              help="Force a model family instead of the checkpoint's model_type: a family's name (layer_norm) or a "
-                   "model type, read as the family that lists it (bert: layer_norm) or its derived family. One whose "
-                   "norm kind, gain offset or eps the model type contradicts is refused without --family-force.")
-@click.option("--family-force", is_flag=True,
-              help="Check with a --family the checkpoint's own model type contradicts (kept as a warning).")
+@family_options
 @click.option("--eps", type=float, default=None, help="Override the checkpoint's eps (both sides).")
 @click.option("--candidate-eps", type=float, default=None, help="eps the candidate is built with (simulates a deployment config).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the dtype's profile).")
@@ -278,7 +284,7 @@ def check(checkpoint, candidate, candidate_args, candidate_checkpoint, reference
             raise InputError(f"--candidate-arg fused={form}: the fused check writes its table and --json, not "
                              f"{', '.join(others)}")
         return _run_fused(checkpoint, candidate or "torch", args, dtype, layers_glob, candidate_eps, isolation, quant,
-                          candidate_checkpoint, json_path)
+                          candidate_checkpoint, json_path, family, family_force)
 
     if runtime_capture and explain:
         raise InputError("--runtime-capture: --explain reruns a candidate one factor at a time; a capture's rows are "
@@ -482,19 +488,20 @@ def report(report_path, fmt, verbose, quiet):
               help="An exported .onnx graph: its own SkipSimplifiedLayerNormalization / SkipLayerNormalization "
                    "nodes (ORT's optimizer fuses the residual add into them) run as they are, both outputs checked.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the report as JSON.")
+@family_options
 def fused(checkpoint, candidate, candidate_args, dtype, layers, candidate_eps, isolation, quant, candidate_checkpoint,
-          json_path):
+          json_path, family, family_force):
     """The residual add + norm as serving runtimes fuse it: each RMSNorm/LayerNorm of the hidden width
     run as fused(x, residual), both outputs (normed, new residual) against the float64 oracle of the
     sum, on strata of the sum (cancellation, residual >> x, a float16 overflow, a grown stream)."""
     from parity_cli.options import parse_args
 
     return _run_fused(checkpoint, candidate, parse_args(list(candidate_args)), dtype, layers, candidate_eps, isolation,
-                      quant, candidate_checkpoint, json_path)
+                      quant, candidate_checkpoint, json_path, family, family_force)
 
 
 def _run_fused(checkpoint, candidate, args: dict, dtype, layers, candidate_eps, isolation, quant, candidate_checkpoint,
-               json_path) -> int:
+               json_path, family=None, family_force=False) -> int:
     """`parity fused`, and `parity check --candidate-arg fused=add|quant` (the same check)."""
     json_path = _check_output_target(json_path, [checkpoint])
     from parity_cli.outputs import json_text, write_files
@@ -505,7 +512,7 @@ def _run_fused(checkpoint, candidate, args: dict, dtype, layers, candidate_eps, 
         raise InputError(f"--dtype {dtype}: a fused add + norm is checked at float32, bfloat16 or float16")
     report = check_fused(checkpoint, candidate=candidate, dtype=dtype, layers=layers, candidate_args=args,
                          isolation=isolation, candidate_eps=candidate_eps, quant=quant,
-                         candidate_checkpoint=candidate_checkpoint)
+                         candidate_checkpoint=candidate_checkpoint, family=family, family_force=family_force)
     data = report.to_dict()
     if json_path:
         write_files({json_path: json_text(data)})
@@ -529,7 +536,9 @@ def _run_fused(checkpoint, candidate, args: dict, dtype, layers, candidate_eps, 
               help="Where each runtime runs, as for `parity check`: auto (its own supervised process where it is "
                    "not torch), process, or none (in this process).")
 @click.option("--quiet", "-q", is_flag=True, help="Only the verdict line (and the progress lines on stderr).")
-def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdown_path, isolation, quiet):
+@family_options
+def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdown_path, isolation, quiet, family,
+             family_force):
     """One table across every installed runtime: runtime x dtype -> verdict, worst/allowed, and the
     worst error over torch eager's at the same dtype (about 1x: rounding order; 1000x: a broken
     kernel). Each cell is `parity check --candidate RUNTIME --dtype DTYPE`; a line a cell on stderr
@@ -547,7 +556,8 @@ def runtimes(checkpoint, names, dtypes, layers, candidate_eps, json_path, markdo
 
     split = (lambda v: [p.strip() for p in v.split(",") if p.strip()] if v else None)
     result = table(checkpoint, split(names), split(dtypes), progress=progress, layers=layers,
-                   candidate_eps=candidate_eps, isolation=isolation)
+                   candidate_eps=candidate_eps, isolation=isolation,
+                   **({"family": family, "family_force": family_force} if family else {}))
     data = result.as_dict()
     outputs = {}
     if json_path:

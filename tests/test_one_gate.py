@@ -53,3 +53,47 @@ def test_an_int8_gain_is_one_line_from_every_command(ckpt, command):
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     (line,) = r.stderr.splitlines()
     assert "tensor 'model.norm.weight' is stored as 'I8'; a norm weight must be F64, F32, F16, BF16" in line
+
+
+def _forced(ckpt):
+    return ckpt("llama", layers=2, eps=1e-6, dtype="float32")
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_wrong_family_forced_is_refused_by_every_command(ckpt, command):
+    """--family gemma on a llama checkpoint: the oracle and the candidate would both compute 1 + w, so a
+    PASS would say nothing of this model; every command refuses it in the same one line."""
+    r = run_parity(*COMMANDS[command][:1], _forced(ckpt), *COMMANDS[command][1:], "--family", "gemma")
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    (line,) = r.stderr.splitlines()
+    assert "--family gemma contradicts model_type 'llama' in config.json (family llama): gemma's gain is 1 + w, " \
+           "llama's 0 + w" in line and line.endswith("--family-force checks it so anyway"), line
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_wrong_family_confirmed_is_on_every_verdict_line(ckpt, command):
+    r = run_parity(*COMMANDS[command][:1], _forced(ckpt), *COMMANDS[command][1:], "--family", "gemma",
+                   "--family-force")
+    assert r.returncode == 0, r.stdout + r.stderr
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("PASS: ") and last.endswith(
+        " (family gemma forced over model_type 'llama', which it contradicts)"), last
+
+
+HOSTILE = {"nan": 1, "inf": 1, "empty": 0, "forced": 0}  # the one exit code every command gives
+
+
+@pytest.mark.parametrize("how", list(HOSTILE))
+def test_every_command_gives_one_verdict_in_80_columns(ckpt, how):
+    """The same hostile checkpoint through check, fused and runtimes at COLUMNS=80: one exit code, one
+    verdict word, and a last line that fits (issue 47: check's was 92-108 characters with a finding)."""
+    words = set()
+    for command, (name, *rest) in COMMANDS.items():
+        path = _forced(ckpt) if how == "forced" else _hostile(ckpt, how)
+        extra = ("--family", "gemma", "--family-force") if how == "forced" else ()
+        r = run_parity(name, path, *rest, *extra, env={"COLUMNS": "80"})
+        assert r.returncode == HOSTILE[how], (command, r.stdout + r.stderr)
+        last = r.stdout.splitlines()[-1]
+        assert len(last) <= 80, (command, last)
+        words.add(last.partition(":")[0])
+    assert words == {"FAIL" if HOSTILE[how] else "PASS"}

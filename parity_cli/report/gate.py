@@ -424,6 +424,8 @@ def cause(g: grouping.Group, words: str = "full") -> str:
         code, _, said = first.partition(", ")
     if words == "terse":
         said = said.replace("behaves as ", "")
+    if words == "code":  # the first code alone: the line's shortest form
+        return code
     text = f"{code} ({said})" if words != "none" and said else code
     return text + "".join(f" + {t.partition(', ')[0]}" for t in g.texts[1:])
 
@@ -457,6 +459,11 @@ def check_verdict(d: dict) -> Verdict:
 
         bodies = [body(words, w) for words, w in (("full", where), ("terse", where), ("terse", ""),
                                                   ("none", where), ("none", ""))]
+        # the shortest: the counts of failing layers alone, the first code, how many causes besides
+        sm_bad = sm["failed"] + sm["errors"]
+        codes = sum(len(g.texts) for g in found) - 1
+        bodies.append(f"{sm_bad} of {sm['layers']} layer{'s' if sm['layers'] != 1 else ''}: {cause(found[0], 'code')}"
+                      + (f" +{codes} other cause{'s' if codes > 1 else ''}" if codes else ""))
     elif not passed and gate_.get("fail_on") == "warn" and all_warnings(d):
         bodies = [f"{what}: warning: {all_warnings(d)[0]}", what]
     else:
