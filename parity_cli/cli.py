@@ -814,7 +814,11 @@ def capture(model, text_path, prompt, max_tokens, rows_per_layer, device, seed, 
     from parity_cli.report.layout import terminal_width, wrap
 
     console, width = _console(), terminal_width()
-    for line in summary(out_path, tensors, meta):  # wrapped at spaces to the width (COLUMNS where not a terminal)
+    lines = summary(out_path, tensors, meta)
+    head = f"{out_path}: "
+    if len(lines[-1]) > width and lines[-1].startswith(head):  # the last line what was captured, whole
+        lines[-1:] = [f"wrote {out_path}", lines[-1][len(head):]]
+    for line in lines:  # wrapped at spaces to the width (COLUMNS where not a terminal)
         for piece in wrap(escape(line), width, hanging=0):
             console.print(piece, soft_wrap=True, highlight=False)
     return EXIT_PASS

@@ -1,6 +1,7 @@
 """Issue 17: real activations — capture what the norms see from a real (tiny, random-weight)
 transformers model, probe with them, and say what an eps fault does to them."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -1026,3 +1027,19 @@ def test_a_capture_whose_recorded_gain_offset_is_no_number_is_refused(copies, tm
     r = run_parity("check", copies["hf16"], "--activations", lying)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "model.norm's recorded gain offset is" in r.stderr
+
+
+def test_the_last_line_fits_80_columns(copies, tmp_path):
+    """Issue 47: at 80 columns the path goes on a line of its own and the last line is what the file
+    holds, whole (it was folded at a space, its count split from its unit)."""
+    import json
+
+    cfg = json.loads((copies["hf32"] / "config.json").read_text())
+    layers = 2 * cfg["num_hidden_layers"] + 1
+    out = tmp_path / ("a-long-directory-name-" * 3) / "few.safetensors"
+    out.parent.mkdir()
+    r = run_parity("capture", copies["hf32"], "--prompt", "w1 w2 w3 w4 w5 w6 w7", "-o", out, env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1] == f"{7 * layers} rows from 7 tokens, {layers} layers x 7 each (at most 96 a layer)"
+    assert all(len(line) <= 80 for line in lines) and re.sub(r"\n", "", r.stdout).startswith(f"wrote {out}")
