@@ -659,7 +659,7 @@ def check(path: str | Path, options: CheckOptions | None = None, progress=None, 
     found = discover_layers(ckpt, fam, eps, opts.layers)
     _say(progress, f"{len(found.layers)} norm layers read; preparing the candidate")
     if not found.layers:
-        raise InputError(f"{ckpt.path}: no checkable norm layer ({'; '.join(found.warnings) or 'none matched'})")
+        raise no_layer(ckpt, found)
     if len(found.layers) > MAX_REPORT_LAYERS:  # what a saved report may hold, so that reading one is bounded
         raise InputError(f"{ckpt.path}: {len(found.layers):,} norm layers, over the {MAX_REPORT_LAYERS:,} one report "
                          "holds (a 405B model has 253); check them in parts with --layers")
@@ -767,6 +767,14 @@ def _forced_family(opts: CheckOptions, ckpt, fam, eps) -> str | None:
         raise InputError(f"{said}: both sides would compute {fam.name}'s norm, so a PASS would say nothing about "
                          "this model; --family-force checks it so anyway")
     return None if not said else f"{said} (forced: --family-force)"
+
+
+def no_layer(ckpt, found) -> InputError:
+    """A checkpoint with no layer to check, in one line every command gives: why, for the first
+    norm, and how many more."""
+    why = found.warnings
+    more = f"; +{len(why) - 1} more" if len(why) > 1 else ""
+    return InputError(f"{ckpt.path}: no checkable norm layer ({why[0] if why else 'none matched'}{more})")
 
 
 def _check_numbers(opts: CheckOptions) -> None:
@@ -994,6 +1002,8 @@ def check_fused(path: str | Path, candidate: str = "torch", dtype: str | None = 
     ckpt, fam, resolved = load(path, family, eps)
     forced = _forced_family(CheckOptions(family=family, family_force=family_force), ckpt, fam, resolved)  # as check
     discovery = discover_layers(ckpt, fam, resolved, layers)
+    if not discovery.layers:  # as check says it
+        raise no_layer(ckpt, discovery)
     found = [layer for layer in discovery.layers if layer.kind in ("rms_norm", "layer_norm") and layer.weight.dim() == 1]
     hidden = max((layer.dim for layer in found), default=0)
     found = [layer for layer in found if layer.dim == hidden]  # a q/k norm of a head's width never meets the residual

@@ -97,3 +97,27 @@ def test_every_command_gives_one_verdict_in_80_columns(ckpt, how):
         assert len(last) <= 80, (command, last)
         words.add(last.partition(":")[0])
     assert words == {"FAIL" if HOSTILE[how] else "PASS"}
+
+
+def test_a_checkpoint_whose_every_gain_has_no_width_is_one_line_from_every_command(ckpt):
+    """Nothing to check at all: every command refuses it in the same one line (runtimes never prints
+    "PASS: all 0 runtime checks"), naming the first gain and how many more."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = ckpt("llama", layers=2, eps=1e-6, dtype="float32")
+    tensors = load_file(path / "model.safetensors")
+    norms = [k for k in tensors if k.endswith("norm.weight")]
+    for k in norms:
+        tensors[k] = tensors[k][:0].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    said = set()
+    for name, *rest in COMMANDS.values():
+        r = run_parity(name, path, *rest)
+        assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+        (line,) = r.stderr.splitlines()
+        said.add(line)
+    assert len(norms) == 5 and torch.Size([0]) == tensors[norms[0]].shape
+    (line,) = said
+    assert line.startswith(f"parity: error: {path}: no checkable norm layer (") and line.endswith(
+        f"shape [0] is not a gain vector (or a heads x dim matrix); not checked; +{len(norms) - 1} more)"), line
