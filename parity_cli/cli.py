@@ -49,12 +49,10 @@ def _check_output_target(path: str | None, inputs: list) -> Path | None:
 
 
 def _output_path(raw: str, flag: str) -> Path:
-    """An output as an absolute path, checked before the run: it leads (through any links) to a
-    regular file or a new one, not into /proc, a device, FIFO, terminal or directory ('/dev/stdout'
-    is /proc/self/fd/1; '--json -' is stdout), and the directory it lands in exists and is
-    writable, or can be made (outputs.new_directories: made only when the run writes, so a run
-    refused leaves none behind). The name given is kept: the link, if it is one, is written
-    through at the end."""
+    """An output as an absolute path, checked before the run: it is a regular file or a new one,
+    never a link (outputs.output_target), not in /proc, a device, FIFO, terminal or directory
+    ('--json -' is stdout), and the directory it lands in exists and is writable, or can be made
+    (outputs.new_directories: made only when the run writes, so a run refused leaves none behind)."""
     import os
 
     from parity_cli.outputs import new_directories, output_target
@@ -64,7 +62,7 @@ def _output_path(raw: str, flag: str) -> Path:
     parent = output_target(path, flag).parent  # the staged file and the rename happen beside the target
     if new:
         return path
-    if not parent.is_dir():  # a link whose target's directory is missing: never made through a link
+    if not parent.is_dir():
         raise InputError(f"{raw}: {flag}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{raw}: {flag}: directory {parent} is not writable")

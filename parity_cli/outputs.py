@@ -1,4 +1,4 @@
-"""Files parity writes (the report set, a capture): all or nothing, through links and never
+"""Files parity writes (the report set, a capture): all or nothing, never through a link nor
 over one, never into /proc or onto a device; a missing directory on the name given is made as
 the set is written (as pytest's --junitxml does), and taken back if the set is not. Below every
 stage, so that a capture and a report are written by the same rules."""
@@ -35,42 +35,39 @@ def write_bytes(path, data: bytes) -> None:
     write_files({path: data})
 
 
-MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
-
-
 def output_target(path: str | Path, flag: str = "output") -> Path:
-    """The file an output name leads to, its links followed one at a time: a link is written
-    through, onto the file it names, and never replaced itself. Refused, one line naming the
-    path: a name that leads into /proc (/dev/stdout is /proc/self/fd/1: renaming onto it replaced
-    the machine's link, and the redirected log got nothing), a device, FIFO, socket, terminal or
-    directory, a loop of links, a name past NAME_MAX."""
+    """The file an output name leads to: its directory's links resolved (the user's choice of a
+    directory), its own name never a link. A link there is refused, not written through and not
+    replaced: in a checked-out repository a planted `report.json -> ~/.bashrc` would choose which file
+    a CI job overwrites (issue 48). Refused too, one line naming the path: a name that leads into
+    /proc, a device, FIFO, socket, terminal or directory, a name past NAME_MAX."""
     from parity_cli.errors import InputError
 
+    stdout = " (use --json - for stdout)" if flag == "--json" else ""
     p = Path(os.path.abspath(os.fspath(path)))
-    for _ in range(MAX_LINKS):
+    try:
+        p = Path(os.path.realpath(p.parent)) / p.name
+        if _in_proc(p):
+            raise InputError(f"{path}: {flag} leads to {p}, a process's file descriptor or state, not a file; "
+                             f"refused{stdout}")
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return p  # a new file: its directory is checked by the caller
+    except OSError as exc:
+        raise InputError(f"{path}: {flag}: {exc.strerror or exc}") from None
+    except ValueError:  # an embedded NUL
+        raise InputError(f"{path}: {flag}: not a usable file name") from None
+    if stat.S_ISLNK(st.st_mode):
         try:
-            p = Path(os.path.realpath(p.parent)) / p.name
-            if _in_proc(p):
-                raise InputError(f"{path}: {flag} leads to {p}, a process's file descriptor or state, not a file; "
-                                 "refused" + (" (use --json - for stdout)" if flag == "--json" else ""))
-            st = os.lstat(p)
-        except FileNotFoundError:
-            break  # a new file: its directory is checked by the caller
-        except OSError as exc:
-            raise InputError(f"{path}: {flag}: {exc.strerror or exc}") from None
-        except ValueError:  # an embedded NUL
-            raise InputError(f"{path}: {flag}: not a usable file name") from None
-        if not stat.S_ISLNK(st.st_mode):
-            if not stat.S_ISREG(st.st_mode):
-                raise InputError(f"{path}: {flag} must name a regular file, not a device, FIFO, socket, terminal or "
-                                 "directory" + (" (use --json - for stdout)" if flag == "--json" else ""))
-            break
-        try:
-            p = Path(os.path.normpath(p.parent / os.readlink(p)))
-        except OSError as exc:
-            raise InputError(f"{path}: {flag}: {exc.strerror or exc}") from None
-    else:
-        raise InputError(f"{path}: {flag}: too many levels of symbolic links")
+            to = os.readlink(p)
+        except OSError:
+            to = "?"
+        raise InputError(f"{path}: {flag} is a symbolic link (to {to}); parity never writes through a link nor "
+                         f"replaces one, so a link cannot choose which file a run overwrites: name the file itself; "
+                         f"refused{stdout}")
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{path}: {flag} must name a regular file, not a device, FIFO, socket, terminal or "
+                         f"directory{stdout}")
     return p
 
 
@@ -168,8 +165,8 @@ def remove_directories(made: list[Path]) -> None:
 
 
 def write_files(outputs: dict, what: str = "report") -> None:
-    """All or nothing: every output goes to a temporary file next to the file it lands on (through
-    a link: the link's target), then all are renamed, so an interrupted or failed run leaves no
+    """All or nothing: every output goes to a temporary file next to the file it lands on, then all
+    are renamed (a link that appears at the name meanwhile is replaced, never written through), so an interrupted or failed run leaves no
     partial report and no half of the set. A failure names the output, not the temporary file:
     ENOSPC from write() carries no file name at all."""
     from parity_cli.errors import InputError

@@ -154,11 +154,11 @@ def test_a_link_to_nothing_is_not_made_through(model, tmp_path):
 
 
 def test_an_output_that_is_a_link_into_a_missing_directory_is_refused(model, tmp_path):
-    """The output's own name is a link (written through) to a file whose directory is missing:
-    nothing is made at the link's target."""
+    """The output's own name is a link to a file whose directory is missing: refused as every link
+    is (issue 48), and nothing is made at the link's target."""
     (tmp_path / "r.json").symlink_to(tmp_path / "missing" / "r.json")
     r = run_parity("check", model, *FAST, "--json", tmp_path / "r.json")
-    refused(r, "does not exist")
+    refused(r, "is a symbolic link")
     assert tree(tmp_path) == ["r.json"]
 
 

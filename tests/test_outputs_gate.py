@@ -164,22 +164,34 @@ def test_the_gate_names_a_malformed_field_itself():
 
 # --- outputs: through links, never into /proc, never onto an input -----------------------------------
 
-def test_a_link_is_written_through_and_stays_a_link(model, tmp_path):
-    target = tmp_path / "real.md"
-    target.write_text("old")
-    os.chmod(target, 0o600)
-    link = tmp_path / "link.md"
-    link.symlink_to("real.md")
-    dangling = tmp_path / "new.json"
-    dangling.symlink_to(tmp_path / "sub" / "made.json")
+@pytest.mark.parametrize("flag", ["--json", "--junit", "--markdown"])
+def test_a_report_path_that_is_a_link_is_refused_and_its_target_untouched(model, tmp_path, flag):
+    """Issue 48: `ln -s ~/victim.txt link.json; parity check CKPT --json link.json` overwrote the
+    victim. A report name that is a link is refused in one line, before the run: the link, its
+    target (its mode included) and the directory are left as they were. A link to nowhere too:
+    nothing is made at its target."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    os.chmod(victim, 0o600)
+    link = tmp_path / "link.out"
+    link.symlink_to(victim)
+    refused(parity("check", model, *FAST, flag, link, "-q"), link, "is a symbolic link", "never writes through")
+    assert link.is_symlink() and victim.read_text() == "mine" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    dangling = tmp_path / "new.out"
+    dangling.symlink_to(tmp_path / "sub" / "made.out")
     (tmp_path / "sub").mkdir()
-    code, _, err = parity("check", model, *FAST, "--markdown", link, "--json", dangling, "-q")
+    refused(parity("check", model, *FAST, flag, dangling, "-q"), dangling, "is a symbolic link")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["link.out", "new.out", "sub", "victim.txt"]
+
+
+def test_a_link_in_the_directory_of_a_report_is_followed(model, tmp_path):
+    """The directory is the user's choice (a link to a larger disk): only the file's own name may not
+    be a link."""
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").symlink_to("disk")
+    code, _, err = parity("check", model, *FAST, "--json", tmp_path / "out" / "r.json", "-q")
     assert code == 0, err
-    assert link.is_symlink() and os.readlink(link) == "real.md"
-    assert target.read_text().startswith("## parity: PASS")
-    assert stat.S_IMODE(target.stat().st_mode) == 0o600  # the file's own mode, kept
-    assert dangling.is_symlink() and json.loads((tmp_path / "sub" / "made.json").read_text())["schema_version"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.md", "new.json", "real.md", "sub"]
+    assert json.loads((tmp_path / "disk" / "r.json").read_text())["schema_version"] == 1
 
 
 @pytest.mark.parametrize("name", ["/dev/stdout", "/proc/self/fd/1", "link-to-stdout"])
@@ -213,12 +225,9 @@ def test_inputs_are_never_outputs(model, tmp_path):
     act.write_bytes(b"not read")
     text = tmp_path / "t.txt"
     text.write_text("w1 w2")
-    link = tmp_path / "cfg-link.json"
-    link.symlink_to(model / "config.json")
     cases = [
         (["inspect", model, "--json", model / "model.safetensors"], model / "model.safetensors"),
         (["inspect", model, "--json", model / "config.json"], model / "config.json"),
-        (["check", model, *FAST, "--json", link], model / "config.json"),
         (["explain", baseline, "--json", baseline], baseline),
         (["check", model, *FAST, "--candidate", f"{plugin}:f", "--json", plugin], plugin),
         (["check", model, *FAST, "--reference", f"{plugin}:f", "--markdown", plugin], plugin),
@@ -230,6 +239,11 @@ def test_inputs_are_never_outputs(model, tmp_path):
         before = victim.read_bytes()
         refused(parity(*argv), "would overwrite an input of this run")
         assert victim.read_bytes() == before, argv
+    link = tmp_path / "cfg-link.json"  # a link to an input is refused as every link is
+    link.symlink_to(model / "config.json")
+    before = (model / "config.json").read_bytes()
+    refused(parity("check", model, *FAST, "--json", link), "is a symbolic link")
+    assert (model / "config.json").read_bytes() == before
 
 
 def test_an_onnx_graphs_external_data_is_an_input(model, tmp_path):
