@@ -472,7 +472,7 @@ def test_a_malformed_weight_map_is_one_line(hub, env, tmp_path, weight_map):
 def test_environment_and_url_mistakes_are_one_line(hub, env, tmp_path):
     _repo(hub, tmp_path, "acme/envs", layers=2)
     (tmp_path / "a-file").write_text("")
-    _refused("hf://acme/envs", tmp_path, {**env, "PARITY_CACHE": str(tmp_path / "a-file")}, "cannot write",
+    _refused("hf://acme/envs", tmp_path, {**env, "PARITY_CACHE": str(tmp_path / "a-file")}, "is not a directory",
              "cache")
     _refused("hf://acme/envs@..", tmp_path, env, "'..'", "not a branch")
     _refused("hf://acme/envs@" + "0" * 40, tmp_path, {**env, "HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE",

@@ -28,6 +28,7 @@ HEAD_BYTES = 64 << 10  # first fetch of a safetensors shard: its 8-byte length a
 AHEAD_START, AHEAD_MAX = 256 << 10, 16 << 20  # sequential read-ahead (a GGUF header), doubling
 GAP = 64 << 10  # two wanted ranges closer than this are fetched as one
 MAX_SPAN = 8 << 20  # one request's bytes, at most
+MAX_RANGES_BYTES = 16 << 20  # a .ranges or listing file of the cache, at most (read, never trusted further)
 WORKERS = 8
 
 
@@ -48,6 +49,77 @@ def cache_root() -> Path:
     home = os.environ.get("HF_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
     return Path(home).expanduser() / "parity"
+
+
+def guarded_root() -> Path:
+    """The cache root, made 0700 where it is new. Refused in one line where it is not a directory,
+    another user owns it, or a group or others may write it (a shared or restored CI cache): whoever
+    can write the cache could plant links that choose where parity writes (issue 48)."""
+    import stat
+
+    root = cache_root()
+    try:
+        if not root.exists():
+            root.parent.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, exist_ok=True)
+        st = os.stat(root)
+    except OSError as exc:
+        raise InputError(f"{root}: parity's cache: {exc.strerror or exc}") from None
+    except ValueError:
+        raise InputError(f"{root}: parity's cache: not a usable directory name") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InputError(f"{root}: parity's cache is not a directory; refused (PARITY_CACHE)")
+    if st.st_uid != os.geteuid():
+        raise InputError(f"{root}: parity's cache belongs to uid {st.st_uid}, not this user ({os.geteuid()}); "
+                         "refused: another user could plant links in it (set PARITY_CACHE to a directory of yours)")
+    if st.st_mode & 0o022:
+        raise InputError(f"{root}: parity's cache may be written by {'others' if st.st_mode & 0o002 else 'its group'} "
+                         f"(mode {stat.S_IMODE(st.st_mode):o}); refused: whoever can write it could plant links that "
+                         f"choose where parity writes (chmod go-w {root})")
+    return root
+
+
+def no_link(path: Path, root: Path | None = None, allowed: str | None = None) -> Path:
+    """`path` inside the cache with no symbolic link on the way from the cache root (the root itself
+    may be one: the user's choice), checked with lstat; a link planted there (snapshots/<commit> to an
+    outside folder, blobs/<sha> to an outside file, a dangling one) would redirect a write out of the
+    cache. `allowed`: the one target `path` itself may link to (a snapshot entry's fallback link to
+    its own blob where hard links fail)."""
+    import stat
+
+    root = root or cache_root()
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        raise InputError(f"{path}: outside parity's cache {root}; refused") from None
+    at = root
+    for k, part in enumerate(parts):
+        at = at / part
+        try:
+            st = os.lstat(at)
+        except FileNotFoundError:
+            return path
+        except OSError as exc:
+            raise InputError(f"{at}: parity's cache: {exc.strerror or exc}") from None
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(at)
+            if k == len(parts) - 1 and allowed is not None and target == allowed:
+                return path
+            raise InputError(f"{at}: a symbolic link inside parity's cache (to {target}); refused: a link planted "
+                             "there would send parity's writes outside it (parity cache clear removes it)")
+    return path
+
+
+def _open(path: Path, flags: int, mode: int = 0o644) -> int:
+    """os.open inside the cache, never through a link (O_NOFOLLOW: a link that appeared since no_link)."""
+    no_link(path)
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP: the name is a link
+            raise InputError(f"{path}: a symbolic link inside parity's cache; refused (parity cache clear removes "
+                             "it)") from None
+        raise
 
 
 @dataclass(frozen=True)
@@ -134,9 +206,11 @@ class Blob:
 
     def _read_have(self) -> list:
         try:
-            data = json.loads(self._ranges_file().read_text())
+            fd = _open(self._ranges_file(), os.O_RDONLY)
+            with os.fdopen(fd, "rb") as fh:
+                data = json.loads(fh.read(MAX_RANGES_BYTES))
             return _merged([(int(a), int(b)) for a, b in data["ranges"] if 0 <= int(a) < int(b) <= self.size])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return []
 
     def missing(self, start: int, end: int) -> list:
@@ -178,7 +252,7 @@ class Blob:
         import fcntl
 
         try:
-            fd = os.open(self.path, os.O_WRONLY)
+            fd = _open(self.path, os.O_WRONLY)
             try:
                 for a, _, data in datas:
                     if os.pwrite(fd, data, a) != len(data):
@@ -191,12 +265,12 @@ class Blob:
                 from None
         with self._lock:
             try:
-                with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                with os.fdopen(_open(self.path.with_name(self.path.name + ".lock"), os.O_WRONLY | os.O_CREAT |
+                                     os.O_APPEND), "a") as lock:
                     fcntl.flock(lock, fcntl.LOCK_EX)  # another process filling the same blob
                     self._have = _merged(self._have + self._read_have() + [(a, b) for a, b, _ in datas])
-                    tmp = self._ranges_file().with_suffix(f".tmp{os.getpid()}")
-                    tmp.write_text(json.dumps({"etag": self.meta.etag, "size": self.size, "ranges": self._have}))
-                    os.replace(tmp, self._ranges_file())
+                    _write_atomic(self._ranges_file(), json.dumps({"etag": self.meta.etag, "size": self.size,
+                                                                   "ranges": self._have}))
             except OSError as exc:
                 raise InputError(f"{cache_root()}: cannot write parity's cache ({self.name}): "
                                  f"{exc.strerror or exc}") from None
@@ -248,7 +322,7 @@ class Mirror:
             self.store = stores.HttpStore(loc.repo, self.traffic)
         else:
             self.store = stores.FsspecStore(loc.scheme, loc.repo, self.traffic)
-        self.base = cache_root() / self.store.key
+        self.base = guarded_root() / self.store.key
         self.blobs: dict[str, Blob] = {}
         self._listing: dict | None = None
         self._shown, self._shown_bytes = 0.0, -1
@@ -281,8 +355,8 @@ class Mirror:
             ref = self.base / "refs" / rev.replace("/", "%2F")
             if stores.HEX40.fullmatch(rev):
                 self.commit = rev
-            elif offline() and ref.is_file():
-                self.commit = ref.read_text().strip()
+            elif offline() and no_link(ref).is_file():
+                self.commit = ref.read_text()[:64].strip()
             elif offline():
                 raise InputError(f"{self.store.label}: HF_HUB_OFFLINE is set and revision '{rev}' was never resolved "
                                  "here; name its commit sha")
@@ -303,9 +377,10 @@ class Mirror:
         if self.snapshot is not None:
             saved = self.snapshot / ".parity" / f"listing-{_digest(self.folder)[:24]}.json"
             try:
-                data = json.loads(saved.read_text())
+                with os.fdopen(_open(saved, os.O_RDONLY), "rb") as fh:
+                    data = json.loads(fh.read(MAX_RANGES_BYTES))
                 return {k: FileMeta(int(v["size"]), str(v["etag"])) for k, v in data.items()}
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 pass
             files = self.store.listing(self.commit, self.folder)
             _write_atomic(saved, json.dumps({k: {"size": v.size, "etag": v.etag} for k, v in files.items()}))
@@ -344,12 +419,15 @@ class Mirror:
         key = _safe(meta.etag) if re.fullmatch(r"[0-9A-Za-z_-]{8,128}", meta.etag or "") else _digest(meta.etag, name)
         blob = self.base / "blobs" / key
         link = self.snapshot / name
+        relative = os.path.relpath(blob, link.parent)  # the one link a snapshot entry may be (hard links failing)
         try:
-            blob.parent.mkdir(parents=True, exist_ok=True)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            if not blob.exists():
+            _make_dirs(blob.parent)
+            _make_dirs(link.parent)
+            no_link(blob)
+            no_link(link, allowed=relative)
+            if not os.path.lexists(blob):
                 blob.with_name(blob.name + ".ranges").unlink(missing_ok=True)  # a blob deleted by hand: no claims
-                fd = os.open(blob, os.O_WRONLY | os.O_CREAT, 0o644)
+                fd = _open(blob, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
                 try:
                     os.ftruncate(fd, meta.size)
                 finally:
@@ -357,13 +435,13 @@ class Mirror:
             elif blob.stat().st_size != meta.size:
                 raise InputError(f"{self.label(name)}: the cached copy for ETag {meta.etag} has "
                                  f"{blob.stat().st_size} bytes, the file {meta.size}; run parity cache clear")
-            if link.exists() and not os.path.samefile(link, blob):  # a name whose ETag changed (https: one snapshot)
+            if os.path.lexists(link) and not os.path.samefile(link, blob):  # a name whose ETag changed (https)
                 link.unlink()
-            if not link.exists():
+            if not os.path.lexists(link):
                 try:
                     os.link(blob, link)
                 except OSError:
-                    link.symlink_to(os.path.relpath(blob, link.parent))
+                    link.symlink_to(relative)
         except OSError as exc:
             raise InputError(f"{cache_root()}: cannot write parity's cache ({name}): {exc.strerror or exc}") from None
         held = Blob(blob, name, meta, lambda a, b, n=name, m=meta: self.store.read(self.commit, n, a, b, m), self)
@@ -466,11 +544,23 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
+def _make_dirs(path: Path) -> None:
+    """mkdir -p inside the cache, each existing part checked to be no link first."""
+    no_link(path)
+    path.mkdir(parents=True, exist_ok=True)
+    no_link(path)  # a part made by another process meanwhile: a directory, never a link
+
+
 def _write_atomic(path: Path, text: str) -> None:
+    """A cache file replaced whole: written to a new file beside it (O_EXCL, never through a link),
+    then renamed over the name (a rename replaces a link planted there, never writes through it)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(text)
+        _make_dirs(path.parent)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}.{threading.get_ident()}")
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        with os.fdopen(_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as fh:
+            fh.write(text)
         os.replace(tmp, path)
     except OSError as exc:
         raise InputError(f"{cache_root()}: cannot write parity's cache ({path.name}): {exc.strerror or exc}") from None
@@ -604,7 +694,10 @@ def cache_clear() -> int:
         raise InputError(f"{root}: holds {', '.join(sorted(others)[:5])}, which parity did not write; not cleared")
     before = cache_info()["bytes_on_disk"]
     for p in made:
-        shutil.rmtree(p)
+        if p.is_symlink():  # a link planted as a store's folder: the link goes, never what it points to
+            p.unlink()
+        else:
+            shutil.rmtree(p)
     return before
 
 

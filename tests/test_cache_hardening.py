@@ -1,0 +1,126 @@
+"""Issue 48: a cache nobody else can redirect. Whoever can write parity's cache (a shared or restored
+CI cache) must not choose where parity writes: a link planted inside it is refused in one line and
+nothing outside the cache is touched; a cache root another user owns or may write is refused; `cache
+clear` removes a planted link, never what it points to."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from parity_cli.sources import remote
+from tests.test_remote import _check, _repo, env, hub  # noqa: F401  (fixtures)
+
+
+def _store(tmp_path, env):  # noqa: F811
+    """The one cached repository's folder (cache/hf/<host>/models--org--name)."""
+    (base,) = (tmp_path / "cache" / "hf").glob("*/models--*")
+    return base
+
+
+def _cached(hub, env, tmp_path, name="acme/linked"):  # noqa: F811
+    _, sha = _repo(hub, tmp_path, name, layers=2)
+    result, _ = _check(f"hf://{name}@{sha}", tmp_path, env, "first.json")
+    assert result.returncode == 0, result.stderr
+    remote._OPEN.clear()
+    return sha, _store(tmp_path, env)
+
+
+def _refused(tmp_path, env, target, *words):  # noqa: F811
+    result, data = _check(target, tmp_path, env, "bad.json")
+    assert result.returncode == 2 and data is None and result.stdout == "", (result.stdout, result.stderr)
+    (line,) = result.stderr.splitlines()
+    for word in words:
+        assert word in line, line
+    return line
+
+
+def test_a_snapshot_folder_linked_outside_the_cache_is_refused(hub, env, tmp_path):  # noqa: F811
+    """snapshots/<commit> made a link to an outside folder: parity deleted that folder's config.json and
+    wrote its own. Now: one line, and the outside folder as it was."""
+    sha, base = _cached(hub, env, tmp_path)
+    outside = tmp_path / "victim"
+    outside.mkdir()
+    (outside / "config.json").write_text("mine")
+    snapshot = base / "snapshots" / sha
+    import shutil
+
+    shutil.rmtree(snapshot)
+    snapshot.symlink_to(outside)
+    # the snapshot folder is named as the URL it stands for
+    _refused(tmp_path, env, f"hf://acme/linked@{sha}", f"hf://acme/linked@{sha}: a symbolic link inside parity's cache",
+             f"(to {outside})")
+    assert sorted(p.name for p in outside.iterdir()) == ["config.json"]
+    assert (outside / "config.json").read_text() == "mine"
+
+
+def test_a_blob_linked_to_an_outside_file_is_refused_and_the_file_untouched(hub, env, tmp_path):  # noqa: F811
+    """blobs/<sha256> a link to an outside file of the right size: the fetched header was pwritten into it."""
+    sha, base = _cached(hub, env, tmp_path)
+    blob = max((p for p in (base / "blobs").iterdir() if "." not in p.name), key=lambda p: p.stat().st_size)
+    outside = tmp_path / "victim.bin"
+    outside.write_bytes(b"\xab" * blob.stat().st_size)
+    blob.unlink()
+    blob.with_name(blob.name + ".ranges").unlink(missing_ok=True)
+    blob.symlink_to(outside)
+    _refused(tmp_path, env, f"hf://acme/linked@{sha}", "a symbolic link inside parity's cache")
+    assert outside.read_bytes() == b"\xab" * outside.stat().st_size
+
+
+def test_a_dangling_blob_link_creates_nothing_outside_the_cache(hub, env, tmp_path):  # noqa: F811
+    sha, base = _cached(hub, env, tmp_path)
+    blob = next(p for p in (base / "blobs").iterdir() if "." not in p.name)
+    blob.unlink()
+    blob.with_name(blob.name + ".ranges").unlink(missing_ok=True)
+    target = tmp_path / "elsewhere" / "made.bin"
+    (tmp_path / "elsewhere").mkdir()
+    blob.symlink_to(target)
+    _refused(tmp_path, env, f"hf://acme/linked@{sha}", "a symbolic link inside parity's cache")
+    assert not os.path.lexists(target)
+
+
+def test_a_cache_root_others_may_write_is_refused(hub, env, tmp_path):  # noqa: F811
+    _, sha = _repo(hub, tmp_path, "acme/shared", layers=2)
+    root = tmp_path / "cache"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    _refused(tmp_path, env, f"hf://acme/shared@{sha}", str(root), "may be written by others", "chmod go-w")
+    assert list(root.iterdir()) == []
+    os.chmod(root, 0o770)
+    _refused(tmp_path, env, f"hf://acme/shared@{sha}", "may be written by its group")
+    os.chmod(root, 0o700)
+    result, _ = _check(f"hf://acme/shared@{sha}", tmp_path, env, "ok.json")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_cache_root_another_user_owns_is_refused(hub, env, tmp_path):  # noqa: F811
+    _, sha = _repo(hub, tmp_path, "acme/theirs", layers=2)
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    os.chown(root, 12345, 12345)
+    _refused(tmp_path, env, f"hf://acme/theirs@{sha}", "belongs to uid 12345", "not this user")
+
+
+def test_a_new_cache_root_is_private(hub, env, tmp_path):  # noqa: F811
+    _, sha = _repo(hub, tmp_path, "acme/private", layers=2)
+    result, _ = _check(f"hf://acme/private@{sha}", tmp_path, env, "ok.json")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+
+
+def test_cache_clear_removes_a_planted_store_link_not_its_target(tmp_path):
+    """`parity cache clear` where $PARITY_CACHE/hf is a link: OSError 'Cannot call rmtree on a symbolic
+    link'. Now the link goes and the folder it named stays."""
+    from tests.conftest import run_parity
+
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    outside = tmp_path / "keep"
+    outside.mkdir()
+    (outside / "data").write_text("mine")
+    (root / "hf").symlink_to(outside)
+    r = run_parity("cache", "clear", env={"PARITY_CACHE": str(root)})
+    assert r.returncode == 0, r.stderr
+    assert not os.path.lexists(root / "hf") and (outside / "data").read_text() == "mine"
