@@ -135,6 +135,9 @@ def parse_args(pairs) -> dict:
             args[key] = json.loads(raw)
         except ValueError:
             args[key] = raw
+        except RecursionError:  # [[[...]]] past the parser's depth: no argument is nested so deep
+            raise InputError(f"--candidate-arg {key}: the value is nested too deeply to be an argument; "
+                             "refused") from None
     return args
 
 

@@ -671,7 +671,7 @@ class Task:
             return None
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             self.kill()
             self.garbled = True
             return None

@@ -218,10 +218,9 @@ def load(path, reference_layers) -> tuple[list, dict]:
             from None
     if meta_text is None:
         raise InputError(f"{path}: not a runtime capture (`parity capture MODEL --runtime ...` writes one)")
-    try:
-        meta = json.loads(meta_text)
-    except ValueError:
-        raise InputError(f"{path}: the capture's metadata is not JSON") from None
+    from parity_cli.sources.jsonfile import parse
+
+    meta = parse(meta_text, path, "the capture's metadata")  # bounded nesting: one line, never a RecursionError
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("nodes"), dict):
         raise InputError(f"{path}: not a runtime capture of format '{FORMAT}'")
     if len(meta["nodes"]) > MAX_LAYERS:

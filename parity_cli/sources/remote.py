@@ -38,8 +38,10 @@ def is_url(path) -> bool:
 
 def _escapes(path: str) -> bool:
     """Whether a name taken from a URL, an index or a listing could leave the folder it is joined
-    to (absolute, a backslash, an empty, '.' or '..' part)."""
-    return path.startswith("/") or "\\" in path or any(part in ("", ".", "..") for part in path.split("/"))
+    to (absolute, a backslash, an empty, '.' or '..' part), or is no name a file system can hold
+    (a NUL, as hf://org/name@a%00b decodes to)."""
+    return (path.startswith("/") or "\\" in path or "\0" in path
+            or any(part in ("", ".", "..") for part in path.split("/")))
 
 
 def cache_root() -> Path:
@@ -668,12 +670,14 @@ def cache_info() -> dict:
         fetched = disk = files = 0
         for ranges in blobs.glob("*.ranges"):
             try:
-                fetched += sum(int(b) - int(a) for a, b in json.loads(ranges.read_text())["ranges"])
+                no_link(ranges, root)
+                with os.fdopen(os.open(ranges, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
+                    fetched += sum(int(b) - int(a) for a, b in json.loads(fh.read(MAX_RANGES_BYTES))["ranges"])
                 blob = ranges.with_suffix("")
-                disk += blob.stat().st_blocks * 512
+                disk += os.lstat(blob).st_blocks * 512
                 files += 1
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, InputError):
+                continue  # a file parity did not write (a link, nested JSON): not counted, never followed
         snapshots = sorted(p.name for p in (base / "snapshots").iterdir()) if (base / "snapshots").is_dir() else []
         stores.append({"store": str(base.relative_to(root)), "snapshots": snapshots, "files": files,
                        "bytes_fetched": fetched, "bytes_on_disk": disk})

@@ -126,13 +126,19 @@ class Http:
         session, seen = _session(), {}
         httpx = _httpx(session)
         for _ in range(MAX_REDIRECTS + 1):
-            headers = dict(extra)
+            headers = {**extra, "Accept-Encoding": "identity"}  # an encoded body could decode to gigabytes
             if _origin(url) in self.trusted:
                 headers.update(self.headers)
             request = session.build_request(method, url, headers=headers,
                                             timeout=httpx.Timeout(timeout_s()))
-            response = session.send(request, stream=True, follow_redirects=False)
+            response = _headers_within(lambda r=request: session.send(r, stream=True, follow_redirects=False))
             self.traffic.add(requests=1)
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                response.close()
+                raise InputError(f"{self.label}: the server sent a body encoded as '{encoding[:40]}' though only "
+                                 "identity was asked for; an encoded body is never decoded (its size after decoding "
+                                 "is unbounded); refused")
             for key in ("x-linked-etag", "x-linked-size", "x-repo-commit"):
                 if key in response.headers and key not in seen:
                     seen[key] = response.headers[key]
@@ -191,6 +197,8 @@ class Http:
                 return json.loads(data), urljoin(url, following) if following else None
             except ValueError as exc:
                 raise InputError(f"{self.label}: {what}: not JSON ({exc})") from None
+            except RecursionError:
+                raise InputError(f"{self.label}: {what}: JSON nested too deeply; refused") from None
 
         return self.call("GET", url, what, {"Accept-Encoding": "identity"}, read)
 
@@ -243,14 +251,38 @@ def _bounded(response, n: int) -> bytes:
 
 def _drain(response, limit: int = 64 << 10) -> None:
     """Closes a response, reading a small unread body first (a redirect's, an error's) so that
-    its connection is reused rather than dropped."""
+    its connection is reused rather than dropped: raw bytes only (never decoded), at most `limit`,
+    within the deadline every body has; a body that is larger or slower only costs the connection."""
     try:
         if not response.is_stream_consumed and response.headers.get("content-length", "x").isdigit() \
                 and int(response.headers["content-length"]) <= limit:
-            response.read()
+            _bounded(response, limit)
     except Exception:
         pass
     response.close()
+
+
+def _headers_within(send):
+    """send() (a request, streamed: it returns once the headers are in) within the whole-read
+    deadline every body has: httpx's timeout is per read, so a server that drips its headers a byte
+    at a time, just inside it, would hold the run forever. The request runs on a daemon thread;
+    past the deadline it is abandoned (its connection with it) and the try counts as timed out."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["response"] = send()
+        except BaseException as exc:  # handed to the caller's thread as it is
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True, name="parity-http")
+    worker.start()
+    worker.join(timeout_s() + 1.0)
+    if worker.is_alive():
+        raise _Retry(f"no response headers within {timeout_s() + 1.0:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["response"]
 
 
 def _content_range(value):
