@@ -222,6 +222,38 @@ def test_junit_names_a_groups_pattern_once_not_once_a_layer(saved, monkeypatch):
     assert counts[0] == counts[1] <= 3, counts  # a few for the group and the summary, none a layer
 
 
+def test_junit_of_many_groups_reads_each_name_a_bounded_number_of_times(saved, monkeypatch):
+    """Issue 48: a report whose layers fail in many ways (an eps every two layers: n / 2 groups) had each
+    group's pattern read every name of the report, n^2 name splits; 500 layers of 4 KB names took
+    gigabytes. The work is counted, not timed: splits of a name stay a few per layer as n doubles."""
+    from parity_cli.report import formats, grouping
+
+    calls = []
+    real = grouping._split
+    monkeypatch.setattr(grouping, "_split", lambda name: calls.append(1) or real(name))
+    per_layer = []
+    for n in (50, 100):
+        def grow(d, n=n):
+            layer = d["layers"][0]
+            d["layers"] = []
+            for k in range(n):  # two layers an eps, each 1.2x the last: n / 2 groups of two
+                eps = 1e-3 * 1.2 ** (k // 2)
+                diagnoses = [dict(layer["diagnoses"][0], code="eps_mismatch", estimated_eps=eps,
+                                  interval=[eps * 0.999, eps * 1.001], message=f"behaves as eps = {eps:.3g}")]
+                d["layers"].append(dict(layer, name=f"model.layers.{k}.norm", status="fail", diagnoses=diagnoses))
+            d["summary"].update(layers=n, failed=n)
+
+        report = json.loads((saved / edited(saved, f"apart{n}.json", grow)).read_text())
+        calls.clear()
+        from parity_cli.report.grouping import groups
+
+        assert len(groups(report)) == n // 2  # the case this test is about: a group every two layers
+        calls.clear()
+        assert formats.to_junit(report).count("<failure") == n
+        per_layer.append(len(calls) / n)
+    assert per_layer[1] <= per_layer[0] + 0.5 <= 6, per_layer
+
+
 def _paths(node, prefix=()):
     if prefix:
         yield prefix
