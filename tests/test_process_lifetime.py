@@ -102,6 +102,52 @@ def test_kill_9_of_parity_leaves_no_process_behind(ckpt, tmp_path):
         proc.communicate()
 
 
+@pytest.mark.skipif(not LINUX, reason="PR_SET_CHILD_SUBREAPER and /proc are Linux's")
+@pytest.mark.parametrize("isolation", ["process", "auto"])
+def test_a_candidate_s_processes_in_a_new_session_die_with_parity(ckpt, tmp_path, isolation):
+    """Issue 48: a candidate that starts a child with start_new_session=True (out of its group's reach)
+    and one that double-forks a daemon (orphaned at once) left 35 processes running after one run.
+    Each candidate call records its processes' pids; after parity exits, every one of them is gone."""
+    pids = tmp_path / "pids"
+    plugin = _write(tmp_path, "spawner.py", f"""
+        import os
+        import subprocess
+        import sys
+
+        def norm(x, weight, eps):
+            session = subprocess.Popen(["sleep", "600"], start_new_session=True, stdout=subprocess.DEVNULL)
+            daemon = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys; "
+                                       "p = subprocess.Popen(['sleep', '600'], start_new_session=True, stdout=subprocess.DEVNULL); "
+                                       "sys.stdout.write(str(p.pid)); sys.stdout.flush(); os._exit(0)"],
+                                      stdout=subprocess.PIPE)
+            orphan = daemon.stdout.read().decode()
+            daemon.wait()
+            with open({str(pids)!r}, "a") as fh:
+                fh.write(f"{{session.pid}} {{orphan}}\\n")
+            return x
+    """)
+    proc = _parity("check", ckpt("llama", layers=2), "--candidate", f"{plugin}:norm", "--isolation", isolation,
+                   "--strata", "normal", "-q")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err.decode()  # x returned as it is: a finding, not a crash
+    started = [int(p) for line in pids.read_text().split("\n") for p in line.split()]
+    assert len(started) >= 2 * 5, started  # two a call, a call a layer at least
+    procs = []
+    for pid in started:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        left = _until(lambda: not _alive(procs) or None, 10, "the candidate's processes to be gone") and []
+        assert not left
+    except AssertionError:
+        still = [(p.pid, " ".join(p.cmdline())[:60]) for p in _alive(procs)]
+        raise AssertionError(f"still running after parity exited: {still}") from None
+    finally:
+        _reap(procs)
+
+
 @pytest.mark.skipif(not LINUX, reason="process groups and /proc")
 def test_ctrl_c_while_the_fork_server_imports_torch_is_one_line(ckpt):
     """Ctrl-C (SIGINT to the terminal's process group) in the first seconds of --jobs 2, while the

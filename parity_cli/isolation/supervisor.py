@@ -256,7 +256,11 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _kill_group(proc) -> None:
-    """The child and whatever it forked: it leads its own group (worker._child_life's setsid)."""
+    """The child and whatever it started: its tree (a candidate's process in a new session included:
+    isolation.tree), then its group (worker._child_life's setsid)."""
+    from parity_cli.isolation.tree import kill_tree
+
+    kill_tree(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -376,10 +380,7 @@ class Supervisor:
         self.stopped = True
         proc = self.proc
         if proc is not None and proc.pid:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill_group(proc)
 
     def kill(self) -> None:
         self._forget_path()

@@ -151,6 +151,9 @@ def _lifeline(fd: int | None) -> None:
                 pass
         except OSError:
             pass
+        from parity_cli.isolation.tree import kill_tree
+
+        kill_tree(os.getpid(), include_root=False)  # what the candidate started, in its own session too
         try:
             if os.getpgid(0) == os.getpid():  # our own group (setsid), never the fork server's
                 os.killpg(0, signal.SIGKILL)
@@ -169,6 +172,9 @@ def _child_life(parent: int | None, lifeline) -> None:
         os.setsid()
     except OSError:
         pass
+    from parity_cli.isolation.tree import subreaper
+
+    subreaper()  # what the candidate double-forks or starts in a new session stays in this tree
     die_with_parent(parent)
     detach_from_fork_server()
     _lifeline(None if lifeline is None else lifeline.fileno())
