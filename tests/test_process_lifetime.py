@@ -307,3 +307,42 @@ def test_a_candidate_that_raises_on_every_layer_is_still_a_finding(ckpt, tmp_pat
     for attr in ("Broken", "forward_refuses"):
         report = api.check(path, candidate=f"{plugin}:{attr}", isolation="none")
         assert [l.status for l in report.layers] == ["error"] * 3, attr
+
+
+@pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_the_llama_cpp_capture_child_dies_with_parity(tmp_path):
+    """Issue 48: the llama.cpp capture child outlived kill -9 of parity by 5-10 s. Frozen (SIGSTOP)
+    once it has opened the GGUF, so that it cannot finish by itself, it is gone when parity is
+    killed: the kernel kills it with its parent."""
+    pytest.importorskip("xllamacpp")
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    from parity_cli.sources.synthetic import hf_to_gguf, write_runnable
+
+    gguf_path = hf_to_gguf(write_runnable(tmp_path / "hf", "llama", layers=2, hidden=64, eps=1e-5),
+                           tmp_path / "m.gguf", full=True)
+    proc = _parity("capture", gguf_path, "--runtime", "llama.cpp", "--prompt", " ".join(["w1 w2 w3"] * 400),
+                   "--max-tokens", "1200", "-o", tmp_path / "cap.safetensors")
+    me = psutil.Process(proc.pid)
+    child = None
+    try:
+        def reading():  # the child, once it has the GGUF open (past the point where it binds its life)
+            for p in me.children(recursive=True):
+                try:
+                    if "parity_cli.backends.llama_graph" in " ".join(p.cmdline()) and str(gguf_path) in (
+                            {f.path for f in p.open_files()} | {m.path for m in p.memory_maps()}):
+                        return p
+                except psutil.Error:
+                    continue
+            return None
+
+        child = _until(reading, 120, "the llama.cpp child to open the GGUF")
+        child.send_signal(signal.SIGSTOP)
+        proc.kill()
+        proc.wait(10)
+        _until(lambda: not _alive([child]) or None, 10, "the llama.cpp child to die with parity")
+    finally:
+        proc.kill()
+        if child is not None:
+            _reap([child])
+        proc.communicate()

@@ -260,7 +260,7 @@ def record(path, tokens: list[int] | None, text: str | None, max_tokens: int, ch
     with tempfile.TemporaryDirectory(prefix="parity-llama-") as tmp:
         with open(os.path.join(tmp, "args.json"), "w") as fh:
             json.dump({"path": os.path.abspath(path), "tokens": tokens, "text": text, "max_tokens": max_tokens, "chunk": chunk,
-                       "threads": threads, "rows_per_layer": rows_per_layer, "seed": seed}, fh)
+                       "threads": threads, "rows_per_layer": rows_per_layer, "seed": seed, "parent": os.getpid()}, fh)
         # this parity_cli, first: `-m` also puts the working directory on the path, so the child runs in
         # its own temporary directory, where no other parity_cli can be found first
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -299,6 +299,9 @@ def _child(tmp: str) -> None:
 
     with open(os.path.join(tmp, "args.json")) as fh:
         args = json.load(fh)
+    from parity_cli.lifetime import die_with_parent
+
+    die_with_parent(args.get("parent"))  # kill -9 of parity: this one goes at once, not after llama.cpp's chunk
     try:
         out = record_here(args["path"], args["tokens"], args["text"], args["max_tokens"], args["chunk"],
                           args["threads"], args["rows_per_layer"], args["seed"])

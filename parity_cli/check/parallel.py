@@ -117,7 +117,8 @@ def _worker_start(parent: int) -> None:
     fork server's pipes, and leaves Ctrl-C to the parent, which ends it (no traceback of its own)."""
     import signal
 
-    from parity_cli.isolation.worker import detach_from_fork_server, die_with_parent
+    from parity_cli.isolation.worker import detach_from_fork_server
+    from parity_cli.lifetime import die_with_parent
 
     die_with_parent(parent)
     detach_from_fork_server()

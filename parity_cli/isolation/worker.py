@@ -17,6 +17,7 @@ import signal
 import struct
 import sys
 
+from parity_cli.lifetime import die_with_parent
 from parity_cli.text import quiet_third_party
 
 _PID = os.getpid()
@@ -121,19 +122,6 @@ def detach_from_fork_server() -> None:
                 os.close(fd)
             except OSError:
                 pass
-
-
-def die_with_parent(parent: int | None) -> None:
-    """Linux: the kernel kills this process when its parent (the fork server, which exits with
-    the parity process once no child holds its pipe) dies, even in the middle of a C call. A
-    parent gone before the prctl took effect is seen in getppid(): then this one goes now."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if parent and os.getppid() != parent:
-        os._exit(1)
 
 
 def _lifeline(fd: int | None) -> None:
