@@ -21,3 +21,39 @@ def die_with_parent(parent: int | None) -> None:
         return
     if parent and os.getppid() != parent:
         os._exit(1)
+
+
+_CRASH = {"line": b""}
+_KEPT: list = []  # the installed callbacks and the handlers they replaced: alive as long as the process
+FATAL = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
+
+
+def say_on_crash(line: str) -> None:
+    """Where code runs in parity's own process (--isolation none, a built-in), a fatal signal it
+    raises (SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints `line` on stderr first; the process then dies of
+    that signal as before (the handler it replaced, faulthandler's or the default, runs next).
+    A crash there killed parity with exit 139 and nothing on stderr (issue 48). Linux and macOS."""
+    import ctypes
+
+    _CRASH["line"] = line.encode("utf-8", "replace")[:2000] + b"\n"
+    if _KEPT:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    previous: dict = {}
+
+    def on_signal(signum):
+        os.write(2, _CRASH["line"])
+        libc.signal(signum, previous.get(signum))  # what was there before; on return the fault repeats into it
+
+    callback = handler_type(on_signal)
+    for name in FATAL:
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            previous[signum] = libc.signal(signum, ctypes.cast(callback, ctypes.c_void_p))
+    _KEPT.extend([callback, libc, previous])

@@ -346,3 +346,23 @@ def test_the_llama_cpp_capture_child_dies_with_parity(tmp_path):
         if child is not None:
             _reap([child])
         proc.communicate()
+
+
+@pytest.mark.skipif(not LINUX, reason="a fatal signal's handler through libc")
+def test_a_segfault_in_parity_s_own_process_says_whose_it_was(ckpt, tmp_path):
+    """Issue 48: under --isolation none a candidate's SIGSEGV killed parity with exit 139 and nothing on
+    stderr. The process still dies of the signal (nothing after a segfault can be trusted), with one
+    line first naming the implementation and the way to make its crash a finding."""
+    plugin = _write(tmp_path, "segv.py", """
+        import ctypes
+
+        def norm(x, weight, eps):
+            ctypes.string_at(0)
+            return x
+    """)
+    proc = _parity("check", ckpt("llama", layers=1), "--candidate", f"{plugin}:norm", "--isolation", "none", "-q")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGSEGV and out == b""
+    (line,) = err.decode().splitlines()
+    assert line == (f"parity: error: implementation '{plugin}:norm' crashed parity's own process (it ran in it: "
+                    "--isolation none, or a built-in); --isolation process runs it apart, where a crash is a finding")

@@ -218,8 +218,14 @@ class InProcessRunner:
     isolated = False
 
     def __init__(self, impl, timeout: float | None = None):
+        from parity_cli.lifetime import say_on_crash
+
         self.impl = impl
         self.timeout = timeout
+        # a crash here is parity's own process: one line says whose it was (--isolation process makes it a finding)
+        say_on_crash(f"parity: error: implementation '{getattr(impl, 'name', impl)}' crashed parity's own process "
+                     "(it ran in it: --isolation none, or a built-in); --isolation process runs it apart, where a "
+                     "crash is a finding")
         # our own pure functions read their input and never write it: no copy per call
         self.copy_inputs = not (impl.source == "built-in" and impl.name in IN_PROCESS_BUILTINS)
 
