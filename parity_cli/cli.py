@@ -914,6 +914,22 @@ def cache_info(as_json):
     return EXIT_PASS
 
 
+@cache.command("verify")
+def cache_verify():
+    """Hash every cached range against the digest recorded when it was fetched (and every Hub file held
+    whole against its ETag); a range that differs loses its claim and is fetched again when next read.
+    Exit 1 where any did."""
+    from parity_cli.sources.remote import cache_verify as verify
+
+    data = verify()
+    for blob, bad in data["dropped"]:
+        click.echo(f"{data['path']}/{blob}: {bad} range(s) differ from what was fetched; dropped, fetched again "
+                   "when next read")
+    click.echo(f"{data['path']}: {data['ranges']} range(s) of {data['blobs']} file(s) checked, "
+               f"{sum(bad for _, bad in data['dropped'])} dropped")
+    return EXIT_FAIL if data["dropped"] else EXIT_PASS
+
+
 @cache.command("clear")
 def cache_clear():
     """Remove everything parity cached (huggingface_hub's own cache is left alone)."""

@@ -124,3 +124,105 @@ def test_cache_clear_removes_a_planted_store_link_not_its_target(tmp_path):
     r = run_parity("cache", "clear", env={"PARITY_CACHE": str(root)})
     assert r.returncode == 0, r.stderr
     assert not os.path.lexists(root / "hf") and (outside / "data").read_text() == "mine"
+
+
+# --- bytes that are not what the Hub served --------------------------------------------------------
+
+def _norm_range(directory, name="model.norm.weight"):
+    """(shard file name, offset, nbytes) of a tensor in a local safetensors checkpoint, read from its header."""
+    import json
+    import struct
+
+    for shard in sorted(directory.glob("*.safetensors")):
+        raw = shard.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        if name in header:
+            a, b = header[name]["data_offsets"]
+            return shard, 8 + n + a, b - a
+    raise AssertionError(name)
+
+
+def _fresh(target, tmp_path, env, out):  # noqa: F811
+    """A check in a process of its own, as every real run is (this one's reader keeps what it read)."""
+    import json
+
+    from tests.conftest import run_parity
+
+    r = run_parity("check", target, "--json", tmp_path / out, "-q", env=env, process=True)
+    return r, (json.loads((tmp_path / out).read_text()) if (tmp_path / out).exists() else None)
+
+
+def _cached_blob(base, size):
+    (blob,) = [p for p in (base / "blobs").iterdir() if "." not in p.name and p.stat().st_size == size]
+    return blob
+
+
+def test_a_poisoned_blob_is_fetched_again_never_judged(hub, env, tmp_path):  # noqa: F811
+    """The cached blob of hf://org/good@<sha> with model.norm.weight rewritten (NaN) and its claim left in
+    .ranges: the bytes differ from the digest recorded when they were fetched, so they are fetched
+    again, said in one warning line, and the check is the clean one (it read NaN and failed)."""
+    import json
+
+    directory, sha = _repo(hub, tmp_path, "acme/good", layers=2)
+    local, local_data = _check(directory, tmp_path, env, "local.json")
+    first, _ = _check(f"hf://acme/good@{sha}", tmp_path, env, "first.json")
+    assert local.returncode == first.returncode == 0, first.stderr
+    remote._OPEN.clear()
+    shard, offset, nbytes = _norm_range(directory)
+    blob = _cached_blob(_store(tmp_path, env), shard.stat().st_size)
+    with open(blob, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(b"\xff" * nbytes)  # float NaN, all of it
+    result, data = _fresh(f"hf://acme/good@{sha}", tmp_path, env, "again.json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "cached range(s) differ from what was fetched (a changed or planted cache file); fetched again" in \
+        result.stderr
+    (layer,) = [l for l in data["layers"] if l["name"] == "model.norm"]
+    (want,) = [l for l in local_data["layers"] if l["name"] == "model.norm"]
+    assert layer["weight"] == want["weight"]
+    with open(blob, "rb") as fh:
+        fh.seek(offset)
+        assert fh.read(nbytes) == shard.read_bytes()[offset:offset + nbytes]  # the cache holds the Hub's bytes again
+    assert json.loads(blob.with_name(blob.name + ".ranges").read_text())["digests"]
+
+
+def test_a_claim_without_a_digest_is_not_believed(hub, env, tmp_path):  # noqa: F811
+    """A .ranges that claims the whole of a blob of zeros is filled (gains read as 0): no digest covers
+    the claim, so the ranges are fetched; the report's gains are the served file's."""
+    import json
+
+    directory, sha = _repo(hub, tmp_path, "acme/claimed", layers=2)
+    local, local_data = _check(directory, tmp_path, env, "local.json")
+    assert _check(f"hf://acme/claimed@{sha}", tmp_path, env, "first.json")[0].returncode == 0
+    remote._OPEN.clear()
+    shard, _, _ = _norm_range(directory)
+    blob = _cached_blob(_store(tmp_path, env), shard.stat().st_size)
+    size = blob.stat().st_size
+    blob.write_bytes(bytes(size))
+    blob.with_name(blob.name + ".ranges").write_text(json.dumps({"etag": "x", "size": size, "ranges": [[0, size]]}))
+    result, data = _fresh(f"hf://acme/claimed@{sha}", tmp_path, env, "again.json")
+    assert result.returncode == 0, result.stderr
+    assert [l["weight"] for l in data["layers"]] == [l["weight"] for l in local_data["layers"]]
+
+
+def test_cache_verify_drops_a_poisoned_range_and_then_finds_none(hub, env, tmp_path):  # noqa: F811
+    from tests.conftest import run_parity
+
+    directory, sha = _repo(hub, tmp_path, "acme/verified", layers=2)
+    assert _check(f"hf://acme/verified@{sha}", tmp_path, env, "first.json")[0].returncode == 0
+    remote._OPEN.clear()
+    clean = run_parity("cache", "verify", env=env)
+    assert clean.returncode == 0 and clean.stdout.strip().endswith(", 0 dropped"), clean.stdout + clean.stderr
+    shard, offset, nbytes = _norm_range(directory)
+    blob = _cached_blob(_store(tmp_path, env), shard.stat().st_size)
+    with open(blob, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(b"\x00" * nbytes)
+    r = run_parity("cache", "verify", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].endswith(f"{blob.name}: 1 range(s) differ from what was fetched; dropped, fetched again when "
+                             "next read") and lines[-1].endswith(", 1 dropped")
+    again = run_parity("cache", "verify", env=env)
+    assert again.returncode == 0 and again.stdout.strip().endswith(", 0 dropped")

@@ -11,6 +11,7 @@ Torch-free, and nothing network-related is imported until a URL is opened."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -195,6 +196,9 @@ class Blob:
     _have: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _ahead: int = AHEAD_START
+    hub: bool = False  # a Hub file: its ETag names its content (an LFS file's sha256, a small file's git sha1)
+    _digests: dict = field(default_factory=dict)  # (start, end) of each range fetched -> its sha256
+    _verified: set = field(default_factory=set)  # ranges whose bytes this process has checked
 
     def __post_init__(self):
         self._have = self._read_have()
@@ -207,13 +211,19 @@ class Blob:
         return self.path.with_name(self.path.name + ".ranges")
 
     def _read_have(self) -> list:
+        """The ranges the cache holds: those a recorded digest covers (a claim without one, planted or
+        from an older parity, is fetched again: a sparse blob's unfetched bytes read as zeros)."""
         try:
             fd = _open(self._ranges_file(), os.O_RDONLY)
             with os.fdopen(fd, "rb") as fh:
                 data = json.loads(fh.read(MAX_RANGES_BYTES))
-            return _merged([(int(a), int(b)) for a, b in data["ranges"] if 0 <= int(a) < int(b) <= self.size])
+            digests = {(int(a), int(b)): str(h) for a, b, h in data.get("digests", [])
+                       if 0 <= int(a) < int(b) <= self.size and re.fullmatch(r"[0-9a-f]{64}", str(h))}
         except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return []
+        self._verified -= {k for k, h in digests.items() if self._digests.get(k) not in (None, h)}  # rewritten
+        self._digests.update(digests)
+        return _merged(list(self._digests))
 
     def missing(self, start: int, end: int) -> list:
         gaps, at = [], start
@@ -235,7 +245,7 @@ class Blob:
         end = min(offset + n, self.size)
         if offset >= end:
             return
-        if not self.missing(offset, end):
+        if not self.missing(offset, end) and self._checked(offset, end):
             return
         with self._lock:
             self._have = _merged(self._have + self._read_have())  # another process may have fetched it
@@ -270,9 +280,12 @@ class Blob:
                 with os.fdopen(_open(self.path.with_name(self.path.name + ".lock"), os.O_WRONLY | os.O_CREAT |
                                      os.O_APPEND), "a") as lock:
                     fcntl.flock(lock, fcntl.LOCK_EX)  # another process filling the same blob
-                    self._have = _merged(self._have + self._read_have() + [(a, b) for a, b, _ in datas])
-                    _write_atomic(self._ranges_file(), json.dumps({"etag": self.meta.etag, "size": self.size,
-                                                                   "ranges": self._have}))
+                    self._read_have()
+                    for a, b, data in datas:
+                        self._digests[a, b] = hashlib.sha256(data).hexdigest()
+                        self._verified.add((a, b))  # the bytes just written are these
+                    self._have = _merged(list(self._digests))
+                    self._write_ranges()
             except OSError as exc:
                 raise InputError(f"{cache_root()}: cannot write parity's cache ({self.name}): "
                                  f"{exc.strerror or exc}") from None
@@ -280,6 +293,90 @@ class Blob:
 
     def filled(self) -> int:
         return sum(b - a for a, b in self._have)
+
+    def _checked(self, start: int, end: int) -> bool:
+        """Whether the cached bytes of [start, end) are those fetched: each recorded range that overlaps
+        it hashed once a process against its digest. A range that differs (a poisoned blob) loses its
+        claim, said in one line, and the caller fetches it again: never a verdict on planted bytes."""
+        bad = [(a, b) for a, b in self._overlapping(start, end) if not self._intact(a, b)]
+        if not bad:
+            return True
+        self._drop(bad)
+        sys.stderr.write(f"parity: warning: {self.mirror.label(self.name)}: {len(bad)} cached range(s) differ from "
+                         "what was fetched (a changed or planted cache file); fetched again\n")
+        return False
+
+    def _overlapping(self, start: int, end: int) -> list:
+        return [(a, b) for a, b in self._digests if a < end and b > start and (a, b) not in self._verified]
+
+    def _intact(self, a: int, b: int) -> bool:
+        try:
+            fd = _open(self.path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, b - a, a)
+            finally:
+                os.close(fd)
+        except OSError:
+            return False
+        ok = len(data) == b - a and hashlib.sha256(data).hexdigest() == self._digests.get((a, b))
+        if ok:
+            self._verified.add((a, b))
+        return ok
+
+    def verify(self) -> tuple[int, int]:
+        """(ranges checked, ranges whose claims were dropped): every recorded range, as `parity cache
+        verify` asks; a blob fetched whole is also checked against the hash its ETag names."""
+        self._verified.clear()
+        keys = list(self._digests)
+        bad = [k for k in keys if not self._intact(*k)]
+        if self.whole_mismatch():
+            bad = keys
+        if bad:
+            self._drop(bad)
+        return len(keys), len(bad)
+
+    def _drop(self, bad: list) -> None:
+        """The claims of `bad` ranges forgotten here and in the .ranges file (under its lock): the next
+        read of them fetches them again."""
+        import fcntl
+
+        with self._lock:
+            try:
+                with os.fdopen(_open(self.path.with_name(self.path.name + ".lock"), os.O_WRONLY | os.O_CREAT |
+                                     os.O_APPEND), "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    self._read_have()
+                    for key in bad:
+                        self._digests.pop(key, None)
+                        self._verified.discard(key)
+                    self._have = _merged(list(self._digests))
+                    self._write_ranges()
+            except OSError as exc:
+                raise InputError(f"{cache_root()}: cannot write parity's cache ({self.name}): "
+                                 f"{exc.strerror or exc}") from None
+
+    def _write_ranges(self) -> None:
+        _write_atomic(self._ranges_file(), json.dumps({
+            "etag": self.meta.etag, "size": self.size, "ranges": self._have,
+            "digests": [[a, b, h] for (a, b), h in sorted(self._digests.items())]}))
+
+    def whole_mismatch(self) -> bool:
+        """A blob held whole whose content is not the one its ETag names (the Hub's: an LFS file's
+        sha256, a small file's git blob sha1)."""
+        etag = (self.meta.etag or "").lower()
+        if not self.hub or self._have != [(0, self.size)] or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", etag):
+            return False
+        digest = hashlib.sha256() if len(etag) == 64 else hashlib.sha1(b"blob %d\0" % self.size)
+        try:
+            fd = _open(self.path, os.O_RDONLY)
+            try:
+                for at in range(0, self.size, 1 << 22):
+                    digest.update(os.pread(fd, min(1 << 22, self.size - at), at))
+            finally:
+                os.close(fd)
+        except OSError:
+            return True
+        return digest.hexdigest() != etag
 
 
 def _coalesced(ranges: list) -> list:
@@ -446,7 +543,8 @@ class Mirror:
                     link.symlink_to(relative)
         except OSError as exc:
             raise InputError(f"{cache_root()}: cannot write parity's cache ({name}): {exc.strerror or exc}") from None
-        held = Blob(blob, name, meta, lambda a, b, n=name, m=meta: self.store.read(self.commit, n, a, b, m), self)
+        held = Blob(blob, name, meta, lambda a, b, n=name, m=meta: self.store.read(self.commit, n, a, b, m), self,
+                    hub=self.loc.scheme == "hf")
         self.cached_at_start += held.filled()
         self.blobs[name] = held
         back(link, held)
@@ -458,7 +556,16 @@ class Mirror:
         if meta is not None and meta.size > cap:
             raise InputError(f"{self.label(name)}: {meta.size} bytes, over the {cap >> 20} MiB it may have; refused")
         link = self.blob(name)
-        self.blobs[name].ensure(0, meta.size)
+        held = self.blobs[name]
+        held.ensure(0, meta.size)
+        if held.whole_mismatch():  # a file held whole is the one its ETag names, or it is fetched again
+            held._drop(list(held._digests))
+            sys.stderr.write(f"parity: warning: {self.label(name)}: the cached copy is not the file its ETag "
+                             f"{meta.etag} names; fetched again\n")
+            held.ensure(0, meta.size)
+            if held.whole_mismatch():
+                raise InputError(f"{self.label(name)}: the server sent bytes that are not the file its ETag "
+                                 f"{meta.etag} names; refused")
         return link
 
     def prefetch(self, wanted: list) -> None:
@@ -683,6 +790,33 @@ def cache_info() -> dict:
                        "bytes_fetched": fetched, "bytes_on_disk": disk})
     return {"path": str(root), "stores": stores, "bytes_fetched": sum(s["bytes_fetched"] for s in stores),
             "bytes_on_disk": sum(s["bytes_on_disk"] for s in stores)}
+
+
+def cache_verify() -> dict:
+    """Every cached range hashed against the digest recorded when it was fetched, and every Hub file
+    held whole against the hash its ETag names; a range that differs loses its claim (the next run
+    fetches it again). {"blobs", "ranges", "dropped": [(blob, ranges dropped)]}."""
+    from parity_cli.sources.stores import FileMeta
+
+    root = guarded_root()
+    blobs_seen = ranges_seen = 0
+    dropped = []
+    for blobs in sorted(root.glob("*/*/*/blobs")) + sorted(root.glob("*/*/blobs")):
+        for ranges in sorted(blobs.glob("*.ranges")):
+            try:
+                no_link(ranges, root)
+                with os.fdopen(os.open(ranges, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
+                    data = json.loads(fh.read(MAX_RANGES_BYTES))
+                meta = FileMeta(int(data["size"]), str(data["etag"]))
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, InputError):
+                continue
+            blob = ranges.with_suffix("")
+            held = Blob(blob, blob.name, meta, None, None, hub=str(blobs.relative_to(root)).startswith("hf/"))
+            checked, bad = held.verify()
+            blobs_seen, ranges_seen = blobs_seen + 1, ranges_seen + checked
+            if bad:
+                dropped.append((str(blob.relative_to(root)), bad))
+    return {"path": str(root), "blobs": blobs_seen, "ranges": ranges_seen, "dropped": dropped}
 
 
 def cache_clear() -> int:
