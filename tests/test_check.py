@@ -72,6 +72,7 @@ def test_correct_candidates_have_no_diagnoses(ckpt):
 def test_eps_fault_is_explained_with_the_estimated_eps(ckpt):
     path = ckpt("llama", layers=1, dtype="bfloat16", eps=1e-6)
     report = api.check(path, candidate=plugin("eps_hardcoded_1e5"))
+    assert len(report.layers) == 3  # input, post-attention and final norm of one block
     for layer in report.layers:
         codes = {d.code: d for d in layer.diagnoses}
         assert "eps_mismatch" in codes

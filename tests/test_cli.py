@@ -131,7 +131,9 @@ def bad_inputs(ckpt, tmp_path):
 
 
 def test_bad_input_is_one_line_exit_2_and_no_report(ckpt, tmp_path):
-    for label, args in bad_inputs(ckpt, tmp_path).items():
+    cases = bad_inputs(ckpt, tmp_path)
+    assert len(cases) > 10
+    for label, args in cases.items():
         out = tmp_path / f"{label.replace(' ', '_')}.json"
         if "--json" not in args:
             args = [*args, "--json", out]

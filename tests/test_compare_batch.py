@@ -104,6 +104,7 @@ def test_random_batches_agree_with_the_per_stratum_comparison():
         if trial % 2:  # the rows' q handed in, as check_layer does from the probe set
             kw["q"] = (x * x).mean(-1)
         batched, single = both(segments, x, ref, cand, tol, **kw)
+        assert len(batched) == len(single) == len(segments)
         for b, s in zip(batched, single):
             assert repr(fields(b)) == repr(fields(s)), (trial, b.name)  # repr: NaN equals NaN
             assert (b.bad is None) == (s.bad is None)
@@ -130,6 +131,7 @@ def test_ulps_against_frexp():
         ref = torch.tensor(values, dtype=F64)
         cand = ref + 3e-3
         got = ulp_distance(ref, cand, dtype).tolist()
+        assert len(got) == len(values)
         for r, c, g in zip(values, cand.tolist(), got):
             _, e = math.frexp(max(abs(r), info.tiny))
             assert g == abs(c - r) / (info.eps * 2.0 ** (e - 1))

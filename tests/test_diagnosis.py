@@ -15,6 +15,7 @@ def codes(report):
 def test_estimated_eps_within_5_percent(ckpt, dtype, planted):
     path = ckpt("llama", layers=1, dtype=dtype, eps=1e-6)
     report = api.check(path, candidate="hf", candidate_eps=planted)
+    assert len(report.layers) == 3
     for layer in report.layers:
         (diag,) = layer.diagnoses
         assert diag.code == "eps_mismatch"
@@ -57,6 +58,7 @@ def test_gain_scaled_names_every_channel(ckpt):
 
 def test_offset_fault_lists_matching_variants(ckpt):
     report = api.check(ckpt("gemma3", layers=1, eps=1e-6), candidate=plugin("gemma_without_offset"))
+    assert report.layers and not report.passed
     for layer in report.layers:
         diag = layer.diagnoses[0]
         assert diag.code == "weight_offset_mismatch" and diag.evidence["offset_error"] == -1.0
@@ -67,6 +69,7 @@ def test_cast_order_is_named_in_bitwise_mode(ckpt):
     path = ckpt("gemma3", layers=1, eps=1e-6)
     report = api.check(path, candidate=plugin("gemma_in_llama_order"), reference="hf", reference_dtype="bfloat16",
                        exact=True)
+    assert report.layers and not report.passed
     for layer in report.layers:
         (diag,) = layer.diagnoses
         assert diag.code == "cast_order"

@@ -194,7 +194,9 @@ def _hf_module(model_type, layer_name, size, eps, bias):
 def test_hf_is_bitwise_transformers(ckpt, model_type, dtype):
     c, fam, eps = api.load(ckpt(model_type, layers=1, eps=1e-5, seed=7))
     strata = list(load_strata().values())  # every stratum, extreme included
-    for layer in discover_layers(c, fam, eps).layers:
+    layers = discover_layers(c, fam, eps).layers
+    assert layers
+    for layer in layers:
         w = layer.weight.to(dtype)
         b = None if layer.bias is None else layer.bias.to(dtype)
         size = tuple(layer.shape) if len(layer.shape) > 1 else layer.dim

@@ -42,7 +42,9 @@ def test_gguf_inspected_with_hf_names(pair, model_type, per_layer):
 def test_gguf_gemma_gain_is_the_stored_value(pair):
     hf, g = pair("gemma3")
     by_name = {l["name"]: l for l in api.inspect(hf)["layers"]}
-    for layer in api.inspect(g)["layers"]:
+    layers = api.inspect(g)["layers"]
+    assert sorted(l["name"] for l in layers) == sorted(by_name)
+    for layer in layers:
         assert layer["gain_offset"] == 0.0  # 1 + w is stored; adding 1 again is the bug
         expected = by_name[layer["name"]]["gain"]
         assert layer["gain"]["min"] == pytest.approx(expected["min"], abs=1e-6)

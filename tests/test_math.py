@@ -80,6 +80,7 @@ def test_oracle_matches_independent_transcription():
         eps = 10 ** rng.uniform(-12, -3)
         got = oracle_normalize(torch.tensor([x], dtype=torch.float64), eps)[0].tolist()
         want = python_rms(x, eps)
+        assert len(got) == n
         for g, w in zip(got, want, strict=True):
             assert g == pytest.approx(w, rel=1e-12, abs=1e-300)
 

@@ -396,6 +396,7 @@ def test_a_compressed_fp16_ir_loses_what_float32_held(irs):
 
     report = api.check(irs["llama"], candidate_checkpoint=str(irs["fp16.xml"]), isolation="none")
     stored = load_file(str(irs["llama"] / "model.safetensors"))
+    assert report.layers
     for layer in report.layers:
         w = stored[layer.name + ".weight"]
         lossy = not torch.equal(w.half().float(), w)  # independent of the tool: does half hold these values?

@@ -44,6 +44,7 @@ def test_large_spans_256_to_6e4_and_stays_representable(dtype):
 
 def test_outlier_has_a_few_huge_channels_among_normal_ones():
     x = probes()["outlier"]
+    assert len(x) > 0
     for row in x.abs():
         huge = (row >= 1e3).sum().item()
         assert 1 <= huge <= 3 and row.max() <= 1e4
@@ -68,7 +69,9 @@ def test_probes_are_rounded_to_the_candidate_dtype_and_deterministic():
 
 def test_probes_are_sized_to_the_layer():
     for dim in (1, 7, 128):
-        for x in probes(dim=dim).values():
+        made = probes(dim=dim)
+        assert set(made) >= {"zero", "tiny", "normal", "large"}
+        for x in made.values():
             assert x.shape[-1] == dim
 
 

@@ -126,7 +126,7 @@ def test_quick_start_states_how_long_the_tests_take():
 
 # what .ci/run may add after the README's test command: the architecture and lint checks,
 # which the tests also run (tests/test_architecture.py), so a README user misses nothing
-LINT_STEPS = [["lint-imports"], ["ruff", "check", "."]]
+LINT_STEPS = [["lint-imports"], ["ruff", "check", "."], ["python", "tools/weak_asserts.py"]]
 
 
 def test_ci_runs_the_readme_test_command():

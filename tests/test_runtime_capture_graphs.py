@@ -246,6 +246,8 @@ def test_an_openvino_capture_is_judged_at_the_precision_its_plugin_ran(exports, 
     assert code != 2  # a verdict, never a refusal of parity's own capture
     assert data["candidate"]["dtype"] == DTYPES[runs]
     assert sorted(layer["name"] for layer in data["layers"]) == _norm_names(exports["hf"])
+    # weak-ok: below f32 the verdict is the CPU's (bf16/f16 kernels differ by ISA); what holds on every CPU is a
+    # verdict with no finding of the capture itself, never a refusal; at f32 it is a pass (below)
     assert all(not layer["findings"] and layer["status"] in ("pass", "fail") for layer in data["layers"])
     if runs == "f32":  # the kernels at full precision: the faithful export passes
         assert code == 0 and all(layer["status"] == "pass" for layer in data["layers"])
