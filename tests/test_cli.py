@@ -173,10 +173,12 @@ def test_ctrl_c_exits_130_and_leaves_no_report(ckpt, tmp_path):
 
     out = tmp_path / "r.json"
     marker = tmp_path / "started"
+    # the candidate holds the run until the signal (issue 49: under load the run could end first, exit 0)
     proc = subprocess.Popen([sys.executable, "-m", "parity_cli", "check", str(ckpt("llama", layers=4)),
-                             "--candidate", plugin("slow"), "--json", str(out)],
+                             "--candidate", plugin("held"), "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PARITY_TEST_MARKER": str(marker)})
+                            env={**os.environ, "PARITY_TEST_MARKER": str(marker),
+                                 "PARITY_TEST_RELEASE": str(tmp_path / "never")})
     deadline = time.time() + 120
     while not marker.exists() and time.time() < deadline:  # inside the probe loop, not in imports
         time.sleep(0.05)

@@ -384,3 +384,17 @@ def test_an_in_process_candidate_that_zeroes_its_input_changes_no_later_layer(tm
     ps = build_probe_set(strata, 64, 1e-5, torch.float64, 0)
     normal = dict(zip([p.stratum for p in ps.probes], ps.probes))["normal"].x
     assert float(normal.abs().max()) > 1.0  # N(0, 1) rows, not zeros
+
+
+def test_a_ctrl_c_held_during_an_import_that_fails_is_not_lost():
+    """Issue 49, can a SIGINT be lost: a Ctrl-C held while torch imports used to be dropped when the
+    import raised instead (a caller handling that error would run on, the Ctrl-C gone). It is raised
+    whatever the import did, the import's error as its cause."""
+    from parity_cli.isolation.supervisor import deferred_interrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with deferred_interrupt():
+            signal.raise_signal(signal.SIGINT)  # held: the handler only takes note
+            raise ImportError("the import failed after the Ctrl-C")
+    assert isinstance(caught.value.__cause__, ImportError)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

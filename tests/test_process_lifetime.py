@@ -154,13 +154,16 @@ def test_ctrl_c_while_the_fork_server_imports_torch_is_one_line(ckpt):
     fork server is still importing torch: exit 130, "parity: interrupted" and nothing else (the
     fork server printed a 13-63-line KeyboardInterrupt traceback after parity had exited; torch's
     import swallowed the parent's Ctrl-C, which then ran on and passed), and no process left."""
-    proc = _parity("check", ckpt("llama", layers=2), "--jobs", "2", "-q", start_new_session=True)
+    from conftest import plugin
+
+    # the candidate holds the run (issue 49: a run that ended before the signal exited 0 under load)
+    proc = _parity("check", ckpt("llama", layers=2), "--jobs", "2", "--candidate", plugin("held"), "-q",
+                   start_new_session=True, env={**os.environ, "PARITY_TEST_RELEASE": "/nonexistent/never"})
     me = psutil.Process(proc.pid)
     family = []
     try:
         server = _until(lambda: [p for p in me.children() if "multiprocessing.forkserver" in " ".join(p.cmdline())],
-                        60, "the fork server")
-        time.sleep(0.3)  # inside its torch import (it takes seconds)
+                        60, "the fork server")  # signalled at once: its torch import takes seconds
         family = me.children(recursive=True)
         assert server[0] in family
         os.killpg(proc.pid, signal.SIGINT)

@@ -111,8 +111,8 @@ class deferred_interrupt:
     def __exit__(self, *exc):
         if self.old is not None:
             signal.signal(signal.SIGINT, self.old)
-            if self.hit and exc[0] is None:
-                raise KeyboardInterrupt
+            if self.hit:  # the Ctrl-C first, whatever the import raised: a caller that handled that
+                raise KeyboardInterrupt from exc[1]  # error would otherwise run on, the Ctrl-C lost
         return False
 
 

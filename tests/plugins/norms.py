@@ -110,6 +110,22 @@ def slow(x, weight, eps):
     return rms_norm(x, weight, eps)
 
 
+def held(x, weight, eps):
+    """For the signal tests: says it has started (PARITY_TEST_MARKER), then waits for a release that
+    never comes (PARITY_TEST_RELEASE, bounded at 120 s), so that the run cannot end before the signal
+    the test sends, however loaded the machine."""
+    import os
+    import time
+
+    marker, release = os.environ.get("PARITY_TEST_MARKER"), os.environ.get("PARITY_TEST_RELEASE")
+    if marker:
+        open(marker, "w").close()
+    deadline = time.monotonic() + 120
+    while release and not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rms_norm(x, weight, eps)
+
+
 def layer_norm_without_bias(x, weight, eps, bias=None):
     """Fault: LayerNorm that ignores the checkpoint's bias."""
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, None, eps)
