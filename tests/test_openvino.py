@@ -625,7 +625,10 @@ def test_a_correct_float32_layer_norm_runtime_passes_where_eps_is_1e_12(minilm, 
     mean's last ulps 10^6 times; torch's Welford mean is exact there). Both are correct float32
     algorithms, within the (n + 1) u a sum of n terms may lose: each passes, and where a runtime shows
     its summation order the stratum is a warning. It failed 'float32_accumulation' on every layer."""
-    report = api.check(minilm, candidate=candidate, dtype="float32", isolation="none")
+    # f32 asked of OpenVINO: its CPU plugin runs bf16 by default on a CPU with avx512_bf16/AMX (issue 49),
+    # where the MVN this test is about does not run at float32 at all
+    args = {"precision": "f32"} if candidate == "openvino" else {}
+    report = api.check(minilm, candidate=candidate, candidate_args=args, dtype="float32", isolation="none")
     assert report.passed and len(report.layers) == 3, [(l.name, [s.name for s in l.strata if s.status != "pass"])
                                                        for l in report.layers]
     said = [w for layer in report.layers for w in layer.warnings if "summation order" in w]
