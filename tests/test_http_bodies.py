@@ -1,7 +1,8 @@
 """Issue 48, memory and time: every HTTP response, headers and body, error and redirect alike, is
-bounded in bytes (never decoded) and in time. Each case runs `parity check hf://...` as its own
-process against a server that lies (tests/liar_server.py) and asserts one line, exit 2; the memory a
-gzip bomb would cost is read from that process's own rusage (os.wait4), against a plain 404's."""
+bounded in bytes (never decoded) and in time. Each case runs `parity check hf://...` against a server
+that lies (tests/liar_server.py) and asserts one line, exit 2; a gzip bomb's runs are processes of
+their own, so that the memory it would cost is read from that process's rusage (os.wait4), against a
+plain 404's."""
 
 from __future__ import annotations
 
@@ -15,22 +16,15 @@ from tests.liar_server import Liar, gzip_bomb, response
 
 ENV = {"PARITY_HTTP_TIMEOUT": "2", "PARITY_HTTP_RETRIES": "1", "PARITY_HTTP_BACKOFF": "0.01", "HF_TOKEN": "",
        "HF_HUB_OFFLINE": ""}
-HANG = 120  # a run still going after this is hung: the test fails instead of waiting forever
 
 
 def _run(liar: Liar, tmp_path, target="hf://acme/liar"):
-    """(exit code, stderr, stdout) of one `parity check` process."""
-    env = {**os.environ, **ENV, "HF_ENDPOINT": liar.url, "PARITY_CACHE": str(tmp_path / "cache"),
-           "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.Popen([sys.executable, "-m", "parity_cli", "check", target, "-q"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        out, err = proc.communicate(timeout=HANG)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail(f"parity still ran after {HANG} s")
-    return proc.returncode, err.decode(), out.decode()
+    """(exit code, stderr, stdout) of one `parity check`, in this process (conftest.run_parity)."""
+    from tests.conftest import run_parity
+
+    r = run_parity("check", target, "-q", env={**ENV, "HF_ENDPOINT": liar.url, "PARITY_CACHE": str(tmp_path / "cache"),
+                                                "HF_HOME": str(tmp_path / "hf")})
+    return r.returncode, r.stderr, r.stdout
 
 
 def _peak_rss_mib(liar: Liar, tmp_path) -> tuple[int, str, float]:
