@@ -23,19 +23,42 @@ def die_with_parent(parent: int | None) -> None:
         os._exit(1)
 
 
+GENERIC = "a fatal signal in parity's own process, outside any implementation it ran"
 _CRASH = {"line": b""}
 _KEPT: list = []  # the installed callbacks and the handlers they replaced: alive as long as the process
 FATAL = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
 
 
-def say_on_crash(line: str) -> None:
+def _set(words: str) -> None:
+    _CRASH["line"] = f"parity: error: {words}".encode("utf-8", "replace")[:2000] + b"\n"
+
+
+class crash_scope:
+    """While an implementation runs in this process, a crash names it (the words after 'parity: error: ');
+    outside, the line blames nobody (the generic one)."""
+
+    def __init__(self, words: str):
+        self.words = words
+
+    def __enter__(self):
+        self.before = _CRASH["line"]
+        _set(self.words)
+
+    def __exit__(self, *exc):
+        _CRASH["line"] = self.before
+        return False
+
+
+def say_on_crash() -> None:
     """Where code runs in parity's own process (--isolation none, a built-in), a fatal signal it
-    raises (SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints `line` on stderr first; the process then dies of
-    that signal as before (the handler it replaced, faulthandler's or the default, runs next).
-    A crash there killed parity with exit 139 and nothing on stderr (issue 48). Linux and macOS."""
+    raises (SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints one line on stderr first (crash_scope's, naming
+    what ran, else GENERIC); the process then dies of that signal as before (the handler it replaced,
+    faulthandler's or the default, runs next). A crash there killed parity with exit 139 and nothing
+    on stderr (issue 48). Linux and macOS."""
     import ctypes
 
-    _CRASH["line"] = line.encode("utf-8", "replace")[:2000] + b"\n"
+    if not _CRASH["line"]:
+        _set(GENERIC)
     if _KEPT:
         return
     try:

@@ -222,10 +222,7 @@ class InProcessRunner:
 
         self.impl = impl
         self.timeout = timeout
-        # a crash here is parity's own process: one line says whose it was (--isolation process makes it a finding)
-        say_on_crash(f"parity: error: implementation '{getattr(impl, 'name', impl)}' crashed parity's own process "
-                     "(it ran in it: --isolation none, or a built-in); --isolation process runs it apart, where a "
-                     "crash is a finding")
+        say_on_crash()  # a fatal signal in this process says one line, naming what ran (crash_scope) if anything
         # our own pure functions read their input and never write it: no copy per call
         self.copy_inputs = not (impl.source == "built-in" and impl.name in IN_PROCESS_BUILTINS)
 
@@ -236,6 +233,16 @@ class InProcessRunner:
         return self.run(self._job)
 
     def run(self, job: CandidateJob) -> CandidateRun:
+        from parity_cli.lifetime import crash_scope
+
+        # a crash inside the implementation's call is its own: one line names it (--isolation process makes it
+        # a finding); outside the call the line blames nobody
+        with crash_scope(f"implementation '{getattr(self.impl, 'name', self.impl)}' crashed parity's own process "
+                         "(it ran in it: --isolation none, or a built-in); --isolation process runs it apart, where "
+                         "a crash is a finding"):
+            return self._run(job)
+
+    def _run(self, job: CandidateJob) -> CandidateRun:
         if self.timeout is None:
             return collect(execute(self.impl, job, copy_inputs=self.copy_inputs), CandidateRun())
         import threading
