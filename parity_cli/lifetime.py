@@ -73,6 +73,7 @@ def say_on_crash() -> None:
     def on_signal(signum):
         os.write(2, _CRASH["line"])
         libc.signal(signum, previous.get(signum))  # what was there before; on return the fault repeats into it
+        os.kill(os.getpid(), signum)  # a signal sent, not a fault, repeats nothing: sent again, it ends the process
 
     callback = handler_type(on_signal)
     for name in FATAL:

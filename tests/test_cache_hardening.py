@@ -226,3 +226,53 @@ def test_cache_verify_drops_a_poisoned_range_and_then_finds_none(hub, env, tmp_p
                              "next read") and lines[-1].endswith(", 1 dropped")
     again = run_parity("cache", "verify", env=env)
     assert again.returncode == 0 and again.stdout.strip().endswith(", 0 dropped")
+
+
+def test_a_read_partly_cached_checks_the_cached_part_too(tmp_path, monkeypatch):
+    """Review of issue 48: where part of a read was cached and part missing, only the gap was fetched and
+    the cached part was read unchecked. A poisoned cached range is now fetched again with the gap."""
+    import hashlib
+
+    from parity_cli.sources.stores import FileMeta
+
+    monkeypatch.setenv("PARITY_CACHE", str(tmp_path / "cache"))
+    root = remote.guarded_root()
+    served = bytes(range(256)) * 4  # the file as the server has it
+    blob = root / "hf" / "host" / "models--a--b" / "blobs" / "f"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(bytes(len(served)))
+    asked = []
+
+    def fetch(a, b):
+        asked.append((a, b))
+        return served[a:b]
+
+    class Mirror:
+        def progress(self):
+            pass
+
+        def label(self, name):
+            return f"hf://a/b/{name}"
+
+    held = remote.Blob(blob, "f", FileMeta(len(served), hashlib.sha256(served).hexdigest()), fetch, Mirror())
+    held.ensure(0, 100)
+    assert asked == [(0, 100)] and blob.read_bytes()[:100] == served[:100]
+    with open(blob, "r+b") as fh:  # the cached range poisoned
+        fh.write(b"\xff" * 100)
+    again = remote.Blob(blob, "f", held.meta, fetch, Mirror())  # another process: nothing checked yet
+    asked.clear()
+    again.ensure(0, 200)
+    assert asked == [(0, 200)]  # the poisoned range is a gap again, fetched with the one that was missing
+    assert blob.read_bytes()[:200] == served[:200]
+
+
+def test_an_offline_ref_that_is_not_a_sha_is_refused(hub, env, tmp_path):  # noqa: F811
+    """refs/<branch> is read from the cache when offline: a planted `../../x` would make the snapshot a
+    folder outside the cache. Only a commit sha is taken."""
+    _repo(hub, tmp_path, "acme/reffed", layers=2)
+    assert _check("hf://acme/reffed", tmp_path, env, "first.json")[0].returncode == 0
+    remote._OPEN.clear()
+    ref = _store(tmp_path, env) / "refs" / "main"
+    ref.write_text("../../../../outside")
+    line = _refused(tmp_path, {**env, "HF_HUB_OFFLINE": "1"}, "hf://acme/reffed", "not a commit sha")
+    assert not (tmp_path / "outside").exists(), line

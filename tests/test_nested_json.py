@@ -50,3 +50,14 @@ def test_cache_info_skips_a_deep_ranges_file(tmp_path):
     r = run_parity("cache", "info", "--json", env={"PARITY_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["bytes_fetched"] == 8  # the readable file alone
+
+
+def test_cache_info_skips_ranges_files_of_the_wrong_shape(tmp_path):
+    blobs = tmp_path / "cache" / "hf" / "host" / "models--a--b" / "blobs"
+    blobs.mkdir(parents=True)
+    for name, text in (("list", "[1, 2]"), ("huge", '{"ranges": [[0, 1e400]]}')):
+        (blobs / f"{name}.ranges").write_text(text)
+        (blobs / name).write_bytes(b"")
+    for command in ("info", "verify"):
+        r = run_parity("cache", command, env={"PARITY_CACHE": str(tmp_path / "cache")})
+        assert r.returncode == 0 and "internal error" not in r.stderr, (command, r.stderr)

@@ -260,7 +260,12 @@ def _kill_group(proc) -> None:
     isolation.tree), then its group (worker._child_life's setsid)."""
     from parity_cli.isolation.tree import kill_tree
 
-    kill_tree(proc.pid)
+    try:
+        alive = proc.exitcode is None  # reaped already: its pid may be another process's now
+    except (OSError, ValueError, AttributeError):
+        alive = False
+    if alive:
+        kill_tree(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

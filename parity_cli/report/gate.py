@@ -346,8 +346,8 @@ def assumed_eps(d: dict, short: bool = False) -> str:
         return ""
     words = ""
     moved = ck.get("family_moved") or {}
-    if isinstance(moved, dict) and moved.get("what"):
-        what = moved["what"]
+    what = moved.get("what") if isinstance(moved, dict) else None
+    if isinstance(what, list) and what and all(isinstance(w, str) for w in what):  # a saved report's, checked
         more = f", +{len(what) - 1} more" if len(what) > 1 else ""
         words += f" (as transformers {moved.get('transformers')} computes it" + (
             ")" if short else f": {what[0]}{more})")

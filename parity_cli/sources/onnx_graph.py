@@ -504,6 +504,7 @@ def _fused(graph: _Graph, node):
                      zeros={node.input[skip]}, original=node)
         if norm is not None:
             norm.fused_program = _skip_program(graph, copy, kind, gi, bi, _elem_type(graph, x, w))
+            norm.computes_in = _DTYPES.get(_elem_type(graph, node.input[0], w))
         return norm
     norm = _norm(graph, kind, w, offset, bias, eps, source, node.op_type, x, node.output[0], nodes)
     if norm is not None:

@@ -95,6 +95,8 @@ def no_link(path: Path, root: Path | None = None, allowed: str | None = None) ->
         parts = path.relative_to(root).parts
     except ValueError:
         raise InputError(f"{path}: outside parity's cache {root}; refused") from None
+    if any(part in (".", "..") for part in parts):  # a name read from the cache itself, leading out of it
+        raise InputError(f"{path}: a '..' inside parity's cache; refused")
     at = root
     for k, part in enumerate(parts):
         at = at / part
@@ -219,8 +221,8 @@ class Blob:
                 data = json.loads(fh.read(MAX_RANGES_BYTES))
             digests = {(int(a), int(b)): str(h) for a, b, h in data.get("digests", [])
                        if 0 <= int(a) < int(b) <= self.size and re.fullmatch(r"[0-9a-f]{64}", str(h))}
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            return []
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, AttributeError, OverflowError):
+            return []  # a file parity did not write (a list, 1e400): no claim believed
         self._verified -= {k for k, h in digests.items() if self._digests.get(k) not in (None, h)}  # rewritten
         self._digests.update(digests)
         return _merged(list(self._digests))
@@ -245,13 +247,16 @@ class Blob:
         end = min(offset + n, self.size)
         if offset >= end:
             return
-        if not self.missing(offset, end) and self._checked(offset, end):
+        self._checked(offset, end)  # every cached part of the read, before it is read: one that differs is a gap
+        if not self.missing(offset, end):
             return
         with self._lock:
             self._have = _merged(self._have + self._read_have())  # another process may have fetched it
             if ahead:
                 end = min(self.size, max(end, offset + self._ahead))
                 self._ahead = min(AHEAD_MAX, self._ahead * 2)
+            gaps = self.missing(offset, end)
+        if not self._checked(offset, end):  # what another process recorded meanwhile is checked as well
             gaps = self.missing(offset, end)
         if gaps:
             self.fill(gaps)
@@ -456,6 +461,8 @@ class Mirror:
                 self.commit = rev
             elif offline() and no_link(ref).is_file():
                 self.commit = ref.read_text()[:64].strip()
+                if not stores.HEX40.fullmatch(self.commit):  # a planted ref naming ../../x would leave the cache
+                    raise InputError(f"{ref}: not a commit sha; refused (parity cache clear removes it)")
             elif offline():
                 raise InputError(f"{self.store.label}: HF_HUB_OFFLINE is set and revision '{rev}' was never resolved "
                                  "here; name its commit sha")
@@ -524,14 +531,21 @@ class Mirror:
             _make_dirs(link.parent)
             no_link(blob)
             no_link(link, allowed=relative)
+            made = False
             if not os.path.lexists(blob):
-                blob.with_name(blob.name + ".ranges").unlink(missing_ok=True)  # a blob deleted by hand: no claims
-                fd = _open(blob, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
                 try:
-                    os.ftruncate(fd, meta.size)
-                finally:
-                    os.close(fd)
-            elif blob.stat().st_size != meta.size:
+                    fd = _open(blob, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                    made = True
+                except FileExistsError:  # another process made it meanwhile: it is that one's, claims and all
+                    fd = None
+                if fd is not None:
+                    try:
+                        os.ftruncate(fd, meta.size)
+                    finally:
+                        os.close(fd)
+                if made:  # a blob deleted by hand left its claims behind: they are not this file's
+                    blob.with_name(blob.name + ".ranges").unlink(missing_ok=True)
+            if not made and blob.stat().st_size != meta.size:
                 raise InputError(f"{self.label(name)}: the cached copy for ETag {meta.etag} has "
                                  f"{blob.stat().st_size} bytes, the file {meta.size}; run parity cache clear")
             if os.path.lexists(link) and not os.path.samefile(link, blob):  # a name whose ETag changed (https)
@@ -783,7 +797,7 @@ def cache_info() -> dict:
                 blob = ranges.with_suffix("")
                 disk += os.lstat(blob).st_blocks * 512
                 files += 1
-            except (OSError, ValueError, KeyError, TypeError, RecursionError, InputError):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, InputError, AttributeError, OverflowError):
                 continue  # a file parity did not write (a link, nested JSON): not counted, never followed
         snapshots = sorted(p.name for p in (base / "snapshots").iterdir()) if (base / "snapshots").is_dir() else []
         stores.append({"store": str(base.relative_to(root)), "snapshots": snapshots, "files": files,
@@ -808,7 +822,8 @@ def cache_verify() -> dict:
                 with os.fdopen(os.open(ranges, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
                     data = json.loads(fh.read(MAX_RANGES_BYTES))
                 meta = FileMeta(int(data["size"]), str(data["etag"]))
-            except (OSError, ValueError, KeyError, TypeError, RecursionError, InputError):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, InputError, AttributeError,
+                    OverflowError):
                 continue
             blob = ranges.with_suffix("")
             held = Blob(blob, blob.name, meta, None, None, hub=str(blobs.relative_to(root)).startswith("hf/"))

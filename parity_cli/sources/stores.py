@@ -133,12 +133,6 @@ class Http:
                                             timeout=httpx.Timeout(timeout_s()))
             response = _headers_within(lambda r=request: session.send(r, stream=True, follow_redirects=False))
             self.traffic.add(requests=1)
-            encoding = response.headers.get("content-encoding", "identity").strip().lower()
-            if encoding not in ("", "identity"):
-                response.close()
-                raise InputError(f"{self.label}: the server sent a body encoded as '{encoding[:40]}' though only "
-                                 "identity was asked for; an encoded body is never decoded (its size after decoding "
-                                 "is unbounded); refused")
             for key in ("x-linked-etag", "x-linked-size", "x-repo-commit"):
                 if key in response.headers and key not in seen:
                     seen[key] = response.headers[key]
@@ -171,6 +165,7 @@ class Http:
                     failure = self.statuses(status, response.headers, what)
                     if failure is not None:
                         raise failure
+                    _identity(response, self.label)  # the body read is never decoded (error bodies: drained raw)
                     return body(response, seen) if body else (response.headers, seen)
                 finally:
                     _drain(response)
@@ -260,6 +255,15 @@ def _drain(response, limit: int = 64 << 10) -> None:
     except Exception:
         pass
     response.close()
+
+
+def _identity(response, label: str) -> None:
+    """A body that will be read must be sent as it is: identity was asked for, and an encoded one
+    (`gzip, gzip`: kilobytes on the wire, gigabytes decoded) is refused, never decoded."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise InputError(f"{label}: the server sent a body encoded as '{encoding[:40]}' though only identity was "
+                         "asked for; an encoded body is never decoded (its size after decoding is unbounded); refused")
 
 
 def _headers_within(send):
