@@ -978,6 +978,10 @@ def main(argv: list[str] | None = None) -> None:
     import signal
 
     quiet_third_party()
+    if argv is None:  # the real command line: what parity's children leave behind is parity's to end
+        from parity_cli.lifetime import adopt_orphans
+
+        adopt_orphans()
 
     try:
         signal.signal(signal.SIGTERM, _on_sigterm)
@@ -1005,7 +1009,37 @@ def main(argv: list[str] | None = None) -> None:
         first = printable((f"{type(exc).__name__}: {exc}".splitlines() or [""])[0])[:300]
         click.echo(f"parity: internal error: {first} (rerun with PARITY_DEBUG=1 for the traceback)", err=True)
         code = EXIT_INPUT
+    if argv is None:
+        _end_leftovers()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _end_leftovers() -> None:
+    """The real command line, at its end: every supervised child killed, then whatever parity adopted
+    (lifetime.adopt_orphans: a candidate's process whose parent died by itself) and its tree. The fork
+    server and the resource tracker end by themselves when parity exits; nothing else of parity's may
+    outlive it (issue 48)."""
+    import os
+
+    supervisor = sys.modules.get("parity_cli.isolation.supervisor")
+    if supervisor is None:
+        return
+    supervisor.kill_all()
+    from parity_cli.isolation.tree import descendants, kill_tree
+
+    keep = set(supervisor.helpers())
+    mine = os.getpid()
+    for pid in descendants(mine):
+        if pid not in keep and _parent(pid) == mine:
+            kill_tree(pid)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _shown(data):
@@ -1027,6 +1061,7 @@ def _signal_exit(word: str, code: int, hard: bool) -> int:
     click.echo(f"parity: {word}", err=True)
     if not hard:
         return code
+    _end_leftovers()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

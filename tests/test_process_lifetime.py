@@ -369,3 +369,39 @@ def test_a_segfault_in_parity_s_own_process_says_whose_it_was(ckpt, tmp_path):
     (line,) = err.decode().splitlines()
     assert line == (f"parity: error: implementation '{plugin}:norm' crashed parity's own process (it ran in it: "
                     "--isolation none, or a built-in); --isolation process runs it apart, where a crash is a finding")
+
+
+@pytest.mark.skipif(not LINUX, reason="PR_SET_CHILD_SUBREAPER and /proc are Linux's")
+def test_a_process_left_by_a_candidate_that_died_by_itself_ends_with_parity(ckpt, tmp_path):
+    """Review of issue 48: the child's subreaper holds its tree only while it lives. A candidate that
+    starts a process in a new session and then dies by itself (SIGKILL of its own process, as a
+    crash is) left that process to init. parity adopts such orphans and ends them as it exits."""
+    pids = tmp_path / "pids"
+    plugin = _write(tmp_path, "dies.py", f"""
+        import os
+        import signal
+        import subprocess
+
+        def norm(x, weight, eps):
+            p = subprocess.Popen(["sleep", "600"], start_new_session=True, stdout=subprocess.DEVNULL)
+            with open({str(pids)!r}, "a") as fh:
+                fh.write(f"{{p.pid}}\\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = _parity("check", ckpt("llama", layers=1), "--candidate", f"{plugin}:norm", "--strata", "normal", "-q")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode in (1, 2), err.decode()  # each layer's candidate was killed: errors, not a pass
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) >= 3, started  # a process a layer at least
+    procs = []
+    for pid in started:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        _until(lambda: not _alive(procs) or None, 10, "the orphaned processes to be gone")
+    except AssertionError:
+        raise AssertionError(f"still running after parity exited: {[p.pid for p in _alive(procs)]}") from None
+    finally:
+        _reap(procs)

@@ -176,6 +176,22 @@ def _wake_fork_server() -> None:
         pass
 
 
+def helpers() -> list[int]:
+    """The pids of multiprocessing's own helpers (the fork server, the resource tracker): they end by
+    themselves when parity exits, and the tracker's cleanup must run."""
+    out = []
+    try:
+        from multiprocessing import forkserver, resource_tracker
+
+        for pid in (getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None),
+                    getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)):
+            if pid:
+                out.append(pid)
+    except ImportError:
+        pass
+    return out
+
+
 def kill_all() -> None:
     """Every child this process started, and whatever they forked: no orphans on any exit."""
     with _live_lock:
