@@ -258,13 +258,15 @@ def test_supervised_and_the_plugin_stated(tmp_path):
 
     path = write_checkpoint(tmp_path / "m", "llama", layers=1, hidden=64, heads=4, eps=1e-6, dtype="float32")
     out = tmp_path / "r.json"
+    default = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     r = run_parity("check", path, "--candidate", "openvino", "--json", out)
-    assert r.returncode == 0, r.stderr
+    # float32 probes: a pass where the plugin computes f32; on an avx512_bf16/AMX CPU its default is bf16,
+    # which float32's tolerance fails (issue 49: the verdict is the CPU's, the report says why)
+    assert r.returncode == (0 if default == "f32" else 1), r.stdout + r.stderr
     report = json.loads(out.read_text())
     cand = report["candidate"]
     assert cand["impl"] == "openvino" and cand["isolated"] is True
     info = cand["openvino"]
-    default = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name()
     assert info["precision_source"] == "the plugin's default" and info["plugin_default"] == default
     assert info["version"] == ov.get_version() and info["device"] == "CPU"
     schema = json.loads(run_parity("schema").stdout)
