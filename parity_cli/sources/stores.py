@@ -272,17 +272,27 @@ def _headers_within(send):
     at a time, just inside it, would hold the run forever. The request runs on a daemon thread;
     past the deadline it is abandoned (its connection with it) and the try counts as timed out."""
     box: dict = {}
+    lock = threading.Lock()
 
     def run():
         try:
-            box["response"] = send()
+            response = send()
         except BaseException as exc:  # handed to the caller's thread as it is
             box["error"] = exc
+            return
+        with lock:
+            late = box.get("abandoned", False)
+            box["response"] = response
+        if late:  # its try gave up on it: closed, so its connection is not held
+            response.close()
 
     worker = threading.Thread(target=run, daemon=True, name="parity-http")
     worker.start()
     worker.join(timeout_s() + 1.0)
-    if worker.is_alive():
+    with lock:
+        if "response" not in box and "error" not in box:
+            box["abandoned"] = True
+    if box.get("abandoned"):
         raise _Retry(f"no response headers within {timeout_s() + 1.0:g} s")
     if "error" in box:
         raise box["error"]
