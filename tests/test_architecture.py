@@ -161,10 +161,12 @@ def test_the_scan_finds_each_kind_of_test_that_cannot_fail(tmp_path):
         "def test_nothing(x):\n    x.run()\n\n"
         "def test_helper(x):\n    _check(x)\n\n"
         "def test_either(r):\n    assert r.status in ('pass', 'fail')\n\n"
+        "def test_either_exit(r):\n    assert r.returncode in (0, 1)\n\n"
         "def test_loop(report):\n    for layer in report.layers:\n        assert layer.ok\n\n"
         "def test_loop_over_literal():\n    for k in (1, 2):\n        assert k\n\n"
         "def test_loop_said_to_run(report):\n    assert report.layers\n    for layer in report.layers:\n"
         "        assert layer.ok\n\n"
         "def test_excused(x):\n    # weak-ok: its contract is to raise nothing\n    x.run()\n")
     found = {(kind, name or line) for _, line, kind, name in _weak_asserts().scan([source])}
-    assert found == {("no-assert", "test_nothing"), ("pass-or-fail", 11), ("loop-only", "test_loop")}
+    assert found == {("no-assert", "test_nothing"), ("pass-or-fail", 11), ("pass-or-fail", 14),
+                     ("loop-only", "test_loop")}

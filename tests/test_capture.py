@@ -290,7 +290,8 @@ def test_a_capture_that_claims_this_model_over_another_s_norms_is_refused(llama,
     rows = {"model.norm": torch.randn(3, 64, generator=torch.Generator().manual_seed(0))}
     honest = _capture_file(llama, tmp_path, "honest.safetensors", rows)
     r = run_parity("check", llama, "--activations", honest, "--json", tmp_path / "ok.json")
-    assert r.returncode in (0, 1) and "exact: the same norm tensors" in (tmp_path / "ok.json").read_text(), r.stderr
+    # the honest capture of a correct model, the default candidate: a pass, the match stated
+    assert r.returncode == 0 and "exact: the same norm tensors" in (tmp_path / "ok.json").read_text(), r.stderr
     forged = _capture_file(llama, tmp_path, "forged.safetensors", rows, gain_scale=1.5)
     r = run_parity("check", llama, "--activations", forged)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

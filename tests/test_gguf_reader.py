@@ -181,6 +181,7 @@ def test_gguf_bit_flip_sweep(tmp_path):
         path = tmp_path / f"flip{k}.gguf"
         path.write_bytes(bytes(data))
         r = parity("inspect", path)
+        # weak-ok: a fuzz of a file's bytes; a flip may leave it readable (0) or make it refused (2), both checked below
         assert r.returncode in (0, 2), (at, r.stderr)
         assert "internal error" not in r.stderr and "Traceback" not in r.stderr, (at, r.stderr)
         if r.returncode == 2:

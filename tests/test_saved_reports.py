@@ -327,6 +327,7 @@ def test_type_fuzz_of_what_explain_reads_is_one_line_or_a_ladder(saved):
         _put(data, path, same_type if k % 2 else [None, "x", 7, [], {}][k % 5])
         (saved / "fuzz-explain.json").write_text(json.dumps(data))
         code, _, err = parity("explain", "fuzz-explain.json", cwd=saved)
+        # weak-ok: a fuzz; each replacement is a ladder or one line, and both are asserted to occur below
         assert code in (0, 2), (path, err)
         if code == 2:
             one_line(err, "fuzz-explain.json")
