@@ -1025,21 +1025,12 @@ def _end_leftovers() -> None:
     if supervisor is None:
         return
     supervisor.kill_all()
-    from parity_cli.isolation.tree import descendants, kill_tree
+    from parity_cli.isolation.tree import children, kill_tree
 
     keep = set(supervisor.helpers())
-    mine = os.getpid()
-    for pid in descendants(mine):
-        if pid not in keep and _parent(pid) == mine:
+    for pid in children(os.getpid()):
+        if pid not in keep:
             kill_tree(pid)
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _shown(data):

@@ -84,9 +84,10 @@ def say_on_crash() -> None:
 
 
 def adopt_orphans() -> None:
-    """This process adopts what its descendants leave behind (PR_SET_CHILD_SUBREAPER): a candidate's
-    process started in a new session, whose own parent died by itself (a segfault), comes to parity
-    instead of init, and end_leftovers ends it with the run. Linux; elsewhere nothing."""
+    """This process adopts what its descendants leave behind (PR_SET_CHILD_SUBREAPER) instead of init:
+    a supervised child keeps in its tree what its candidate starts in a new session or double-forks;
+    parity's command line, what is left when such a child died by itself (cli._end_leftovers ends it).
+    Linux; elsewhere nothing."""
     import ctypes
 
     try:

@@ -276,3 +276,38 @@ def test_an_offline_ref_that_is_not_a_sha_is_refused(hub, env, tmp_path):  # noq
     ref.write_text("../../../../outside")
     line = _refused(tmp_path, {**env, "HF_HUB_OFFLINE": "1"}, "hf://acme/reffed", "not a commit sha")
     assert not (tmp_path / "outside").exists(), line
+
+
+def test_a_ranges_file_of_overlapping_claims_costs_no_hashing(tmp_path, monkeypatch):
+    """A planted .ranges claiming [0, size), [0, size - 1), ... with digests: each claim would cost a hash
+    of the whole blob before a read. Claims over twice the file's bytes are no file parity wrote: none
+    is believed, the read is fetched."""
+    import hashlib
+    import json
+
+    from parity_cli.sources.stores import FileMeta
+
+    monkeypatch.setenv("PARITY_CACHE", str(tmp_path / "cache"))
+    root = remote.guarded_root()
+    served = bytes(range(256)) * 16
+    blob = root / "hf" / "host" / "models--a--b" / "blobs" / "f"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(bytes(len(served)))
+    fake = hashlib.sha256(b"").hexdigest()
+    blob.with_name("f.ranges").write_text(json.dumps({"digests": [[0, len(served) - k, fake] for k in range(64)]}))
+    hashed = []
+    real = remote.Blob._intact
+    monkeypatch.setattr(remote.Blob, "_intact", lambda self, a, b: hashed.append((a, b)) or real(self, a, b))
+    asked = []
+
+    class Mirror:
+        def progress(self):
+            pass
+
+        def label(self, name):
+            return name
+
+    held = remote.Blob(blob, "f", FileMeta(len(served), "x"), lambda a, b: asked.append((a, b)) or served[a:b],
+                       Mirror())
+    held.ensure(0, 64)
+    assert hashed == [] and asked == [(0, 64)] and blob.read_bytes()[:64] == served[:64]

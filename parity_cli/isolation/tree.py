@@ -1,5 +1,5 @@
 """Every process a candidate starts dies with the child that runs it (issue 48). The child is a
-child subreaper (it leads the tree it starts: what the candidate double-forks, or starts in a new
+child subreaper (lifetime.adopt_orphans) (it leads the tree it starts: what the candidate double-forks, or starts in a new
 session where a kill of the child's group cannot reach it, stays its descendant), and a kill takes
 the whole tree, frozen first with SIGSTOP so that nothing forks past the kill. Linux /proc; a kill
 of the group alone elsewhere."""
@@ -12,37 +12,32 @@ import signal
 MAX_TREE = 4096  # processes looked at, at most: a fork bomb is frozen as far as this goes
 
 
-def subreaper() -> None:
-    """This process adopts its orphaned descendants (PR_SET_CHILD_SUBREAPER) instead of init."""
-    import ctypes
-
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from each of its threads' children lists (/proc)."""
+    out: list[int] = []
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                out += [int(c) for c in fh.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from each of its threads' children lists (/proc/.../children)."""
+    """Every process below `pid`."""
     out: list[int] = []
     todo, seen = [pid], {pid}
     while todo and len(seen) < MAX_TREE:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{p}/task/{task}/children") as fh:
-                    kids = [int(c) for c in fh.read().split()]
-            except (OSError, ValueError):
-                continue
-            for kid in kids:
-                if kid not in seen:
-                    seen.add(kid)
-                    out.append(kid)
-                    todo.append(kid)
+        for kid in children(todo.pop()):
+            if kid not in seen:
+                seen.add(kid)
+                out.append(kid)
+                todo.append(kid)
     return out
 
 

@@ -160,9 +160,9 @@ def _child_life(parent: int | None, lifeline) -> None:
         os.setsid()
     except OSError:
         pass
-    from parity_cli.isolation.tree import subreaper
+    from parity_cli.lifetime import adopt_orphans
 
-    subreaper()  # what the candidate double-forks or starts in a new session stays in this tree
+    adopt_orphans()  # what the candidate double-forks or starts in a new session stays in this tree
     die_with_parent(parent)
     detach_from_fork_server()
     _lifeline(None if lifeline is None else lifeline.fileno())
