@@ -18,11 +18,21 @@ def plugin(name: str) -> str:
 
 def pytest_configure(config):
     """Under pytest-xdist each worker gets one torch thread: the workers already fill the CPUs,
-    and a second intra-op thread per worker spins against the other (see BENCHMARKS.md)."""
+    and a second intra-op thread per worker spins against the other (see BENCHMARKS.md).
+
+    The session's fork server (one a worker) imports what dozens of supervised children here
+    would each import again: transformers' modeling stack (3 s a child of `--candidate
+    transformers`), onnx and onnxruntime (0.9 s a child of every ONNX check). What a child
+    computes is the same; a `run_parity(process=True)` run has parity's own fork server, which
+    preloads none of them (tests/test_isolation.py checks preload itself)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+    from parity_cli.isolation import supervisor
+
+    supervisor.preload("transformers.modeling_utils", "transformers.models.llama.modeling_llama", "onnx", "onnxruntime",
+                       "openvino")
 
 
 @pytest.fixture(autouse=True)

@@ -63,17 +63,27 @@ def response(status: str, headers: dict, body: bytes = b"") -> bytes:
 
 
 def gzip_bomb(decoded: int, layers: int = 2) -> bytes:
-    """`decoded` zero bytes gzipped `layers` times (Content-Encoding: gzip, gzip): kilobytes on the
-    wire, `decoded` bytes in the memory of a client that decodes it."""
+    """`decoded` zero bytes (a multiple of 16 MiB) gzipped `layers` times (Content-Encoding: gzip,
+    gzip): kilobytes on the wire, `decoded` bytes in the memory of a client that decodes it. The
+    first layer is one 16 MiB block deflated once and repeated (a full flush leaves no history
+    between copies), with gzip's header and trailer written around it: a tenth of a second where
+    deflating every block took five."""
+    import struct
     import zlib
 
     def gz(data: bytes) -> bytes:
         c = zlib.compressobj(9, zlib.DEFLATED, 31)
         return c.compress(data) + c.flush()
 
-    c = zlib.compressobj(9, zlib.DEFLATED, 31)
-    block = bytes(1 << 24)
-    out = b"".join(c.compress(block) for _ in range(decoded >> 24)) + c.flush()
+    block, copies = bytes(1 << 24), decoded >> 24
+    raw = zlib.compressobj(9, zlib.DEFLATED, -15)
+    repeated = raw.compress(block) + raw.flush(zlib.Z_FULL_FLUSH)
+    crc = 0
+    for _ in range(copies):
+        crc = zlib.crc32(block, crc)
+    last = zlib.compressobj(9, zlib.DEFLATED, -15).flush()  # the final (empty) block
+    out = (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + repeated * copies + last
+           + struct.pack("<II", crc, (copies << 24) & 0xFFFFFFFF))
     for _ in range(layers - 1):
         out = gz(out)
     return out

@@ -398,3 +398,19 @@ def test_a_ctrl_c_held_during_an_import_that_fails_is_not_lost():
             raise ImportError("the import failed after the Ctrl-C")
     assert isinstance(caught.value.__cause__, ImportError)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_module_preloaded_is_imported_once_by_the_fork_server_and_no_other():
+    """supervisor.preload (what this suite's conftest asks for transformers and onnx): every child of
+    the fork server starts with the module imported, and one nobody asked for is not. A fresh
+    process, so that its fork server starts with this preload and no other."""
+    plugins = Path(__file__).parent / "plugins"
+    script = (f"import sys, json; sys.path.insert(0, {str(plugins)!r})\n"
+              "from parity_cli.isolation import supervisor\n"
+              "assert supervisor.preload('colorsys')\n"
+              "task = supervisor.Task('tasks:imported', 'colorsys', 'wave')\n"
+              "print(json.dumps(task.receive(60))); task.close()\n"
+              "assert not supervisor.preload('wave')  # the server runs: too late for it\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"colorsys": True, "wave": False}

@@ -52,6 +52,28 @@ def _exit_code(proc, timeout: float):
         return proc.exitcode
 
 
+# the worker first: it watches for parity's exit while torch imports (worker._fork_server_watch); then a
+# --jobs worker's stages (parity_cli.check.parallel)
+_PRELOAD = ["parity_cli.isolation.worker", "torch", "parity_cli.isolation.runners", "parity_cli.backends.implementations",
+            "parity_cli.model.layers", "parity_cli.check.parallel", "parity_cli.api", "parity_cli.check.layer",
+            "parity_cli.diagnose.fit"]
+_preloaded: list[str] = []
+
+
+def preload(*modules: str) -> bool:
+    """Modules the fork server imports once, so that no supervised child imports them again: for a
+    process that runs many checks (a test session: every child of `--candidate transformers`
+    imported transformers' modeling stack, 3 s, by itself). Takes effect when the fork server
+    starts: False where it already runs. A module that is not installed is skipped (the fork
+    server ignores an ImportError in its preload)."""
+    from multiprocessing import forkserver
+
+    _preloaded.extend(m for m in modules if m not in _preloaded and m not in _PRELOAD)
+    if _ctx is not None and _ctx.get_start_method() == "forkserver":
+        _ctx.set_forkserver_preload(_PRELOAD + _preloaded)
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is None
+
+
 def _context():
     """A fork server that has imported torch and the worker once: every child after the first
     is a fork of it. Falls back to spawn where there is no fork server (Windows)."""
@@ -61,11 +83,7 @@ def _context():
 
         try:
             ctx = multiprocessing.get_context("forkserver")
-            # the worker first: it watches for parity's exit while torch imports (worker._fork_server_watch)
-            ctx.set_forkserver_preload(["parity_cli.isolation.worker", "torch", "parity_cli.isolation.runners",
-                                        "parity_cli.backends.implementations", "parity_cli.model.layers", "parity_cli.check.parallel",
-                                        # a --jobs worker's stages (parity_cli.check.parallel)
-                                        "parity_cli.api", "parity_cli.check.layer", "parity_cli.diagnose.fit"])
+            ctx.set_forkserver_preload(_PRELOAD + _preloaded)
         except ValueError:
             ctx = multiprocessing.get_context("spawn")
         _ctx = ctx

@@ -37,3 +37,10 @@ def sends_a_lie(send) -> None:
     """JSON, but not a cell of the runtime asked: another runtime's name, a key no cell has."""
     send({"runtime": "torch", "dtype": "float32", "verdict": "pass", "secret": 1})
     threading.Event().wait()
+
+
+def imported(send, *names: str) -> None:
+    """Which of `names` the child already holds when it starts: what its fork server preloaded."""
+    import sys
+
+    send({name: name in sys.modules for name in names})
