@@ -43,6 +43,16 @@ def test_the_adapter_and_executorchs_own_path_give_one_verdict(cells, kind, dtyp
     assert ours == theirs == EXPECTED[kind, dtype], (ours, theirs)
 
 
+def test_its_256_wide_half_layer_norm_is_thousands_of_times_torchs_error(cells):
+    """The row_statistics_wrong cell is a broken kernel, not a rounding order: each failing row is
+    (x - m') / sqrt(v' + eps) with statistics that are not the row's, and its worst error is whole
+    units, over a thousand times torch eager's at float16 on the same probes (~1e-3 at |y| of a few)."""
+    report = cells.report("layer_norm/256", "executorch", "float16")
+    severity = report.to_dict()["candidate"]["vs_torch_same_dtype"]
+    assert severity["ratio"] > 1000 and severity["candidate_max_abs_err"] > 0.5, severity
+    assert report.layers[0].vs_torch["ratio"] > 1000
+
+
 # --- the runtime facts behind the FAIL cells, through ExecuTorch's public API alone --------------
 
 

@@ -24,7 +24,7 @@ class Cells:
     """Checkpoints written once (a module- or session-scoped fixture holds this)."""
 
     def __init__(self, directory):
-        self.directory, self.written = directory, {}
+        self.directory, self.written, self.reports = directory, {}, {}
 
     def checkpoint(self, kind: str):
         model_type, _, width, eps = LAYERS[kind]
@@ -33,11 +33,16 @@ class Cells:
                                                                layers=1, hidden=width, heads=4, eps=eps)
         return self.written[model_type, width]
 
+    def report(self, kind: str, candidate: str, dtype: str):
+        """The cell's check, run once (a test of its details reads the one the verdict came from)."""
+        if (kind, candidate, dtype) not in self.reports:
+            self.reports[kind, candidate, dtype] = api.check(self.checkpoint(kind), candidate=candidate, dtype=dtype,
+                                                             layers=LAYERS[kind][1], isolation="none")
+        return self.reports[kind, candidate, dtype]
+
     def verdict(self, kind: str, candidate: str, dtype: str) -> tuple:
         """(the layer's kind, pass|fail|error, its diagnoses' codes): what the cell says, and why."""
-        report = api.check(self.checkpoint(kind), candidate=candidate, dtype=dtype, layers=LAYERS[kind][1],
-                           isolation="none")
-        (layer,) = report.layers
+        (layer,) = self.report(kind, candidate, dtype).layers
         assert layer.error is None, (candidate, dtype, layer.error)
         return layer.kind, layer.status, sorted(d.code for d in layer.diagnoses)
 
