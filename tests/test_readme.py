@@ -17,6 +17,8 @@ else:
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8") for path in sorted((ROOT / "docs").rglob("*.md"))}
+PASS_RULE = DOCS["docs/pass-rule.md"]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
@@ -127,12 +129,15 @@ def test_quick_start_states_how_long_the_tests_take():
 # what .ci/run may add after the README's test command: the architecture and lint checks,
 # which the tests also run (tests/test_architecture.py), so a README user misses nothing
 LINT_STEPS = [["lint-imports"], ["ruff", "check", "."], ["python", "tools/weak_asserts.py"]]
+# then the documentation site (issue 50), built strict with the docs extra
+DOCS_STEPS = [["python", "-m", "pip", "install", "-e", ".[docs]", "-c", "constraints/test.txt", "-c", "constraints/docs.txt"],
+              ["mkdocs", "build", "--strict", "--site-dir", "site"]]
 
 
 def test_ci_runs_the_readme_test_command():
     readme = steps(quick_start()[1])
     assert ci_steps()[:len(readme)] == readme
-    assert ci_steps()[len(readme):] == LINT_STEPS
+    assert ci_steps()[len(readme):] == LINT_STEPS + DOCS_STEPS
 
 
 def test_ci_run_is_executable_bash():
@@ -142,10 +147,12 @@ def test_ci_run_is_executable_bash():
 
 
 def code_spans() -> list[str]:
-    """Every fenced block and inline code span of the README (inline spans may wrap a line)."""
-    blocks = [body for _, body in fenced(README)]
-    prose = FENCE.sub("", README)
-    return blocks + re.findall(r"`([^`]+)`", prose)
+    """Every fenced block and inline code span of the README and the docs pages (inline spans may
+    wrap a line)."""
+    out = []
+    for text in (README, *DOCS.values()):
+        out += [body for _, body in fenced(text)] + re.findall(r"`([^`]+)`", FENCE.sub("", text))
+    return out
 
 
 def test_every_extra_in_an_install_line_exists():
@@ -171,7 +178,8 @@ def test_no_install_line_needs_the_package_on_an_index():
 
 
 def test_no_reference_to_the_brief():
-    assert not re.search(r"\bBRIEF\b", README)
+    for text in (README, *DOCS.values()):
+        assert not re.search(r"\bBRIEF\b", text)
 
 
 def test_every_parity_subcommand_named_is_real():
@@ -185,12 +193,13 @@ def test_every_parity_subcommand_named_is_real():
     # span may wrap between the two words, a line of a fenced block may not
     word = r"(?:^|(?<=[\s;&|(]))parity{gap}+([A-Za-z][\w-]*)"
     named = set()
-    for _, body in fenced(README):
-        named.update(re.findall(word.format(gap=r"[ \t]"), body, re.M))
-    for span in re.findall(r"`([^`]+)`", FENCE.sub("", README)):
-        named.update(re.findall(word.format(gap=r"\s"), span, re.M))
-    assert {"check", "demo", "inspect"} <= named, named  # the parser sees the usual ones
-    assert named <= real, f"README names parity subcommands that do not exist: {sorted(named - real)}"
+    for text in (README, *DOCS.values()):
+        for _, body in fenced(text):
+            named.update(re.findall(word.format(gap=r"[ \t]"), body, re.M))
+        for span in re.findall(r"`([^`]+)`", FENCE.sub("", text)):
+            named.update(re.findall(word.format(gap=r"\s"), span, re.M))
+    assert {"check", "demo", "inspect", "runtimes", "capture"} <= named, named  # the parser sees the usual ones
+    assert named <= real, f"the README or docs name parity subcommands that do not exist: {sorted(named - real)}"
 
 
 def normalise(text: str) -> str:
@@ -201,9 +210,8 @@ def normalise(text: str) -> str:
 
 
 def test_pass_rule_states_the_formula_and_the_shipped_tolerances():
-    rule = section("The pass rule")
-    titles = re.findall(r"^## (.+)$", FENCE.sub("", README), re.M)
-    assert titles.index("The pass rule") == titles.index("Quick start") + 1
+    rule = PASS_RULE
+    assert "|cand-ref|<=atol+rtol*|ref|" in normalise(section("Reading the verdict"))  # the README says it too
     assert "|cand-ref|<=atol+rtol*|ref|" in normalise(rule)
     assert "--max-violation-fraction" in rule
     assert "configs/tolerances.toml" in rule
@@ -221,9 +229,9 @@ def test_pass_rule_default_violation_fraction_is_the_cli_default():
     check = cli.get_command(click.Context(cli), "check")
     option = next(p for p in check.params if p.name == "max_violation_fraction")
     assert option.default == 0
-    assert "(default 0" in section("The pass rule")
+    assert "(default 0" in PASS_RULE
 
 
-@pytest.mark.parametrize("title", ["Quick start", "The pass rule", "Report"])
+@pytest.mark.parametrize("title", ["Quick start", "First commands", "Reading the verdict", "Documentation"])
 def test_sections_exist(title):
     assert section(title).strip()

@@ -1,0 +1,51 @@
+"""Issue 50: a short README that leads into a documentation site by task (docs/, mkdocs.yml; .ci/run
+builds it with `mkdocs build --strict`, where a broken internal link fails), every page reachable from
+the site's navigation, and what the README quotes from a run is what that run prints."""
+
+import re
+from pathlib import Path
+
+from conftest import run_parity
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _nav_pages() -> set[str]:
+    """The .md files mkdocs.yml's nav names (read as text: PyYAML cannot parse mkdocs' own tags)."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8").partition("\nnav:\n")[2]
+    return set(re.findall(r":\s*([\w/.-]+\.md)\s*$", nav, re.M))
+
+
+def test_the_readme_is_short():
+    assert len(README.splitlines()) <= 200
+
+
+def test_every_docs_page_is_in_the_navigation_and_every_entry_is_a_page():
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert len(pages) >= 15 and _nav_pages() == pages
+
+
+def test_every_page_the_readme_links_exists_and_every_task_page_is_linked():
+    """A newcomer finds any task from the README in one click."""
+    linked = set(re.findall(r"\]\(([^)#\s]+)\)", README))
+    local = {link for link in linked if not link.startswith(("http://", "https://"))}
+    assert local and all((ROOT / link).is_file() for link in local), sorted(l for l in local if not (ROOT / l).is_file())
+    pages = {"docs/" + page for page in _nav_pages() if page not in ("index.md", "coverage.md", "benchmarks.md")}
+    assert pages <= local, sorted(pages - local)
+
+
+def test_a_snippet_included_into_the_docs_exists():
+    """Pages that include a file of the repository (DIAGNOSIS.md, the report's schema) name one that is there."""
+    included = [m for p in (ROOT / "docs").rglob("*.md") for m in re.findall(r'^--8<-- "([^"]+)"', p.read_text(), re.M)]
+    assert {"DIAGNOSIS.md", "COVERAGE.md", "BENCHMARKS.md", "parity_cli/schema/report.schema.json"} <= set(included)
+    assert all((ROOT / name).is_file() for name in included)
+
+
+def test_the_verdict_the_readme_quotes_is_the_demos():
+    quoted = re.findall(r"`((?:PASS|FAIL): [^`]+)`", README)
+    assert quoted
+    r = run_parity("demo")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert all(q in lines for q in quoted), (quoted, [line for line in lines if line.startswith(("PASS", "FAIL"))])
