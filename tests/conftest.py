@@ -22,17 +22,19 @@ def pytest_configure(config):
 
     The session's fork server (one a worker) imports what dozens of supervised children here
     would each import again: transformers' modeling stack (3 s a child of `--candidate
-    transformers`), onnx and onnxruntime (0.9 s a child of every ONNX check). What a child
+    transformers`), onnx (0.8 s a child of every ONNX check, most of it ml_dtypes). What a child
     computes is the same; a `run_parity(process=True)` run has parity's own fork server, which
-    preloads none of them (tests/test_isolation.py checks preload itself)."""
+    preloads none of them (tests/test_isolation.py checks preload itself). Not onnxruntime nor
+    OpenVINO: each starts a thread when imported, and a child forked beside a foreign thread can
+    wait for ever on a lock that thread held (with them preloaded, two children hung while loading
+    in a day's runs, one in a whole-suite run)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
     from parity_cli.isolation import supervisor
 
-    supervisor.preload("transformers.modeling_utils", "transformers.models.llama.modeling_llama", "onnx", "onnxruntime",
-                       "openvino")
+    supervisor.preload("transformers.modeling_utils", "transformers.models.llama.modeling_llama", "onnx")
 
 
 @pytest.fixture(autouse=True)

@@ -65,7 +65,9 @@ def preload(*modules: str) -> bool:
     process that runs many checks (a test session: every child of `--candidate transformers`
     imported transformers' modeling stack, 3 s, by itself). Takes effect when the fork server
     starts: False where it already runs. A module that is not installed is skipped (the fork
-    server ignores an ImportError in its preload)."""
+    server ignores an ImportError in its preload). Only modules that start no thread when
+    imported: every child is a fork of the server, and a fork beside a thread that holds a lock
+    (onnxruntime's, OpenVINO's) can leave the child waiting on it for ever."""
     from multiprocessing import forkserver
 
     _preloaded.extend(m for m in modules if m not in _preloaded and m not in _PRELOAD)
