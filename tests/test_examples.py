@@ -107,3 +107,117 @@ def test_the_example_runs_as_its_page_says(command, workspace):
     if cause:
         verdict = [line for line in r.stdout.splitlines() if line.startswith("FAIL: ")]
         assert verdict and cause in verdict[-1], r.stdout[-2000:]
+
+
+# --- the Python blocks: runtime facts shown outside parity, and the kernel author's API -----------
+
+VLLM_GLOB = ".venv/lib/python3.11/site-packages/vllm/"  # the pages' venv; here, the installed package's folder
+HARNESS = r'''
+import ast, builtins, json, sys
+source = sys.stdin.read()
+tree = ast.parse(source)
+for i, node in enumerate(tree.body):  # every top-level expression's value is kept, as a notebook shows it
+    if isinstance(node, ast.Expr):
+        tree.body[i] = ast.Expr(ast.Call(ast.Name("_keep", ast.Load()), [node.value], []))
+ast.fix_missing_locations(tree)
+values = []
+def plain(v):
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    if isinstance(v, (tuple, list)):
+        return [plain(x) for x in v]
+    return v if isinstance(v, (int, float, str, type(None))) else repr(v)
+def _keep(v):
+    if v is not None:
+        values.append(plain(v))
+builtins.print = lambda *args, **kw: values.append([plain(a) for a in args])
+exec(compile(tree, "example", "exec"), {"_keep": _keep, "__name__": "__example__"})
+sys.stdout.write("\nVALUES " + json.dumps(values, allow_nan=True))
+'''
+
+
+def _vllm_fact_rounding(values):
+    """docs/runtimes.md: vLLM's AVX2 rms_norm at bfloat16 truncates (0.99992 of elements) where a
+    round to nearest would agree on about half (0.501)."""
+    rounded, truncated = values
+    assert 0.4 < rounded < 0.6 and truncated > 0.999
+
+
+def _mlx_fact_three_roundings(values):
+    """docs/runtimes.md: MLX's bfloat16 layer_norm is the affine rounded three times (all but a few
+    elements in 10^5, where its float32 statistics tip a rounding), not once (0.63 of them)."""
+    ((three, once),) = values
+    assert three > 0.9999 and 0.5 < once < 0.75
+
+
+def _executorch_fact_256(values):
+    """docs/runtimes.md: ExecuTorch's half LayerNorm is right at 255 elements (0.002) and off by
+    whole units from 256 (4 to 13)."""
+    (n1, err1), (n2, err2) = values
+    assert (n1, n2) == (255, 256) and err1 < 0.01 and err2 > 0.5
+
+
+def _vllm_fact_overflow(values):
+    """docs/fused.md: vLLM's float16 fused_add_rms_norm keeps the overflowed sum (inf) in the residual
+    and normalises by it: the [0, 0] element inf and the next 0.0002, where the oracle's normed value
+    at [0, 0] is 8.0."""
+    ((residual, normed),) = values
+    assert residual[0] == float("inf") and residual[1] == 2.0
+    assert normed[0] == float("inf") and abs(normed[1] - 0.0002) < 0.0001
+
+
+PY_CASES = {  # a block's first line -> what its values must be, or why it is not run here
+    "import glob, torch\ntorch.ops.load_library(glob.glob(\".venv/lib/python3.11/site-packages/vllm/_C_AVX2*.so\")[0])\nx, w":
+        _vllm_fact_rounding,
+    "import numpy as np, mlx.core as mx, torch": _mlx_fact_three_roundings,
+    "import torch; from torch.export import export; from executorch.exir import to_edge_transform_and_lower":
+        _executorch_fact_256,
+    "import torch\nfrom parity_cli.testing import assert_norm_parity\n\ndef fused_add_rms_norm": None,  # it asserts itself
+    "import glob, torch\ntorch.ops.load_library(glob.glob(\".venv/lib/python3.11/site-packages/vllm/_C_AVX2*.so\")[0])\nx = torch.ones":
+        _vllm_fact_overflow,
+    "import torch\nfrom parity_cli.testing import assert_norm_parity\nfrom my_kernels import fused_rms_norm":
+        "run by tests/test_testing_api.py::test_readme_example_runs_and_catches_the_fault, with the example kernels",
+    "import pytest\nfrom parity_cli.testing import norm_cases":
+        "a fragment (MY_KERNELS is the reader's): tests/test_pytest_plugin.py runs norm_cases with the fixture",
+}
+
+
+def python_blocks() -> dict[str, str]:
+    """{the key of PY_CASES it matches (else its first line): the block} for every ```python block."""
+    found = {}
+    for page in PAGES:
+        for m in FENCE.finditer(page.read_text(encoding="utf-8")):
+            if m.group(1).strip() == "python":
+                body = m.group(2)
+                key = next((k for k in PY_CASES if body.startswith(k)), body.splitlines()[0])
+                found[key] = body
+    return found
+
+
+def test_every_python_block_has_its_case():
+    assert set(python_blocks()) == set(PY_CASES)
+
+
+@pytest.mark.parametrize("key", list(PY_CASES), ids=lambda k: k.splitlines()[-1][:40])
+def test_the_python_block_shows_what_its_page_says(key):
+    """Each block in a fresh interpreter (a vLLM library loaded twice in one process is refused),
+    its values read back as JSON and held to what the page says of them."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    check = PY_CASES[key]
+    if isinstance(check, str):
+        pytest.skip(check)
+    body = python_blocks()[key]
+    for package in ("vllm", "mlx", "executorch"):
+        if f"{package}" in body and importlib.util.find_spec(package) is None:
+            pytest.skip(f"needs {package}")
+    if VLLM_GLOB in body:
+        body = body.replace(VLLM_GLOB, str(Path(importlib.util.find_spec("vllm").submodule_search_locations[0])) + "/")
+    r = subprocess.run([sys.executable, "-c", HARNESS], input=body, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    values = json.loads(r.stdout.rpartition("\nVALUES ")[2])
+    if check is not None:
+        check(values)
