@@ -36,10 +36,15 @@ def test_every_page_the_readme_links_exists_and_every_task_page_is_linked():
 
 
 def test_a_snippet_included_into_the_docs_exists():
-    """Pages that include a file of the repository (DIAGNOSIS.md, the report's schema) name one that is there."""
+    """Pages that include a file of the repository (DIAGNOSIS.md, the report's schema, the README's Quick
+    start on the site's first page) name one that is there, and a section of it that is marked."""
     included = [m for p in (ROOT / "docs").rglob("*.md") for m in re.findall(r'^--8<-- "([^"]+)"', p.read_text(), re.M)]
-    assert {"DIAGNOSIS.md", "COVERAGE.md", "BENCHMARKS.md", "parity_cli/schema/report.schema.json"} <= set(included)
-    assert all((ROOT / name).is_file() for name in included)
+    files = {name.partition(":")[0] for name in included}
+    assert {"DIAGNOSIS.md", "COVERAGE.md", "BENCHMARKS.md", "parity_cli/schema/report.schema.json", "README.md"} <= files
+    assert all((ROOT / name).is_file() for name in files)
+    for name, _, part in (name.partition(":") for name in included if ":" in name):  # a named section of a file
+        text = (ROOT / name).read_text(encoding="utf-8")
+        assert f"--8<-- [start:{part}]" in text and f"--8<-- [end:{part}]" in text, (name, part)
 
 
 def test_the_verdict_the_readme_quotes_is_the_demos():
