@@ -29,6 +29,8 @@ CASES = {
     "--markdown parity.md": 0,
     "parity check hf://Qwen/Qwen3-8B": 0,
     "parity check path/to/hf-model": 0,
+    "parity check path/to/hf-model --candidate onnxruntime --dtype float16 --json parity.json --junit parity.xml "
+    "--markdown parity.md": 0,
     "parity check path/to/hf-model --candidate hf --dtype float16 --json report.json": 0,
     "parity check path/to/hf-model --candidate my_kernels.py:FusedRMSNorm --device cuda --grad":
         "needs a CUDA device (tests marked cuda run it where one is)",
