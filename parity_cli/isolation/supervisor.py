@@ -68,12 +68,19 @@ def preload(*modules: str) -> bool:
     server ignores an ImportError in its preload). Only modules that start no thread when
     imported: every child is a fork of the server, and a fork beside a thread that holds a lock
     (onnxruntime's, OpenVINO's) can leave the child waiting on it for ever."""
-    from multiprocessing import forkserver
-
-    _preloaded.extend(m for m in modules if m not in _preloaded and m not in _PRELOAD)
+    for module in modules:
+        if module not in _PRELOAD + _preloaded:
+            _preloaded.append(module)
     if _ctx is not None and _ctx.get_start_method() == "forkserver":
         _ctx.set_forkserver_preload(_PRELOAD + _preloaded)
-    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None) is None
+    return _server_pid() is None
+
+
+def _server_pid() -> int | None:
+    """The running fork server's pid (multiprocessing keeps it on a private object), else None."""
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
 
 
 def _context():
@@ -109,7 +116,7 @@ def ensure_fork_server() -> int | None:
     finally:
         if mask:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return _server_pid()
 
 
 class deferred_interrupt:
@@ -187,9 +194,7 @@ def _wake_fork_server() -> None:
     """The fork server is every child's parent, so a candidate can SIGSTOP it (os.getppid());
     the next start() would then wait for it forever. A SIGCONT first costs nothing."""
     try:
-        from multiprocessing import forkserver
-
-        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        pid = _server_pid()
         if pid:
             os.kill(pid, signal.SIGCONT)
     except (OSError, AttributeError):
@@ -201,10 +206,9 @@ def helpers() -> list[int]:
     themselves when parity exits, and the tracker's cleanup must run."""
     out = []
     try:
-        from multiprocessing import forkserver, resource_tracker
+        from multiprocessing import resource_tracker
 
-        for pid in (getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None),
-                    getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)):
+        for pid in (_server_pid(), getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)):
             if pid:
                 out.append(pid)
     except ImportError:
