@@ -3,12 +3,9 @@ builds it with `mkdocs build --strict`, where a broken internal link fails), eve
 the site's navigation, and what the README quotes from a run is what that run prints."""
 
 import re
-from pathlib import Path
 
 from conftest import run_parity
-
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+from pages import README, ROOT
 
 
 def _nav_pages() -> set[str]:

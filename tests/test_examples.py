@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 from conftest import run_parity
+from pages import blocks
 
-ROOT = Path(__file__).resolve().parent.parent
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 HUB = "needs the Hub: tests/test_remote.py runs hf:// and https:// against a local one"
 # the repositories the hf:// examples name, served by a local Hub (tests/hub_server.py) with tiny checkpoints
 REPOS = {"Qwen/Qwen3-8B": "qwen3", "meta-llama/Llama-3.1-405B": "llama", "ORG/NAME-GGUF": "gguf"}
@@ -57,15 +55,13 @@ CASES = {
 def shown() -> dict[str, str]:
     """{command: page} for every line of a fenced shell or untyped block that runs `parity`."""
     found = {}
-    for page in PAGES:
-        for lang, body in ((m.group(1).strip(), m.group(2)) for m in FENCE.finditer(page.read_text(encoding="utf-8"))):
-            if lang not in ("", "sh", "console"):
-                continue
-            for line in body.splitlines():
-                line = line.strip().removeprefix("$ ")
-                for part in line.split(" && "):
-                    if part.startswith("parity "):
-                        found[re.sub(r"\s+#.*$", "", part).strip()] = page.relative_to(ROOT).as_posix()
+    for page, lang, body in blocks():
+        if lang not in ("", "sh", "console"):
+            continue
+        for line in body.splitlines():
+            for part in line.strip().removeprefix("$ ").split(" && "):
+                if part.startswith("parity "):
+                    found[re.sub(r"\s+#.*$", "", part).strip()] = page
     return found
 
 
@@ -217,12 +213,9 @@ PY_CASES = {  # a block's first line -> what its values must be, or why it is no
 def python_blocks() -> dict[str, str]:
     """{the key of PY_CASES it matches (else its first line): the block} for every ```python block."""
     found = {}
-    for page in PAGES:
-        for m in FENCE.finditer(page.read_text(encoding="utf-8")):
-            if m.group(1).strip() == "python":
-                body = m.group(2)
-                key = next((k for k in PY_CASES if body.startswith(k)), body.splitlines()[0])
-                found[key] = body
+    for _, lang, body in blocks():
+        if lang == "python":
+            found[next((k for k in PY_CASES if body.startswith(k)), body.splitlines()[0])] = body
     return found
 
 
@@ -244,7 +237,7 @@ def test_the_python_block_shows_what_its_page_says(key):
         pytest.skip(check)
     body = python_blocks()[key]
     for package in ("vllm", "mlx", "executorch"):
-        if f"{package}" in body and importlib.util.find_spec(package) is None:
+        if package in body and importlib.util.find_spec(package) is None:
             pytest.skip(f"needs {package}")
     if VLLM_GLOB in body:
         body = body.replace(VLLM_GLOB, str(Path(importlib.util.find_spec("vllm").submodule_search_locations[0])) + "/")

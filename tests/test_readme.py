@@ -6,7 +6,6 @@ tolerance profile it ships with."""
 import re
 import shlex
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,11 +14,9 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-DOCS = {path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8") for path in sorted((ROOT / "docs").rglob("*.md"))}
+from pages import DOCS, FENCE, README, ROOT, fenced
+
 PASS_RULE = DOCS["docs/pass-rule.md"]
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
 def section(title: str) -> str:
@@ -31,10 +28,6 @@ def section(title: str) -> str:
     assert head, f"README has no '## {title}' section"
     end = min((s for s in starts if s > head.start()), default=len(README))
     return README[head.end():end]
-
-
-def fenced(text: str) -> list[tuple[str, str]]:
-    return [(m.group(1).strip(), m.group(2)) for m in FENCE.finditer(text)]
 
 
 def steps(command: str) -> list[list[str]]:
