@@ -76,6 +76,8 @@ def gzip_bomb(decoded: int, layers: int = 2) -> bytes:
         return c.compress(data) + c.flush()
 
     block, copies = bytes(1 << 24), decoded >> 24
+    if copies < 1 or decoded != copies << 24:  # the trailer's length would lie about the body
+        raise ValueError(f"gzip_bomb: {decoded} bytes is not a whole number of 16 MiB blocks")
     raw = zlib.compressobj(9, zlib.DEFLATED, -15)
     repeated = raw.compress(block) + raw.flush(zlib.Z_FULL_FLUSH)
     crc = 0

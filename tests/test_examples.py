@@ -137,6 +137,23 @@ def test_the_example_runs_as_its_page_says(command, workspace, request):
         assert verdict and cause in verdict[-1], r.stdout[-2000:]
 
 
+
+def test_the_exact_example_fails_because_the_two_cast_orders_differ_bitwise():
+    """Why the --exact case above expects exit 1 with cast_order, derived from torch alone: at bfloat16
+    F.rms_norm is the normalised row times the gain in float32, cast once (Gemma's order), bitwise;
+    Llama's class casts the normalised row first and multiplies at bfloat16, and the two differ on a
+    share of the elements."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=gen).bfloat16()
+    w = (0.1 + 0.5 * torch.rand(64, generator=gen)).bfloat16()
+    h = x.float()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    f = torch.nn.functional.rms_norm(x, (64,), w, 1e-6)
+    assert torch.equal(f, (normed * w.float()).bfloat16())
+    assert (f != normed.bfloat16() * w).double().mean() > 0.05
+
 # --- the Python blocks: runtime facts shown outside parity, and the kernel author's API -----------
 
 VLLM_GLOB = ".venv/lib/python3.11/site-packages/vllm/"  # the pages' venv; here, the installed package's folder
