@@ -11,6 +11,8 @@ import importlib
 
 import torch
 
+from parity_cli.backends.exporting import cia_ops_materialized_once
+
 
 def _norm_class(layer):
     if layer.hf_class is None:
@@ -96,7 +98,7 @@ def export(ckpt_dir, out, exporter="torchscript", drop=(), swap_class=None, eps=
         kwargs["optimize"] = True
     import warnings
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), cia_ops_materialized_once():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, inputs, str(out), **kwargs)
     if optimize:
@@ -148,7 +150,8 @@ def export_wrapped(ckpt_dir, out, exporter="torchscript", swap=None):
     dims = sorted({l.dim for l in layers}, reverse=True)
     inputs = tuple(torch.randn(1, 4, d) for d in dims)
     kwargs = {"dynamo": exporter == "dynamo", "opset_version": 18 if exporter == "dynamo" else 17}
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            cia_ops_materialized_once():
         warnings.simplefilter("ignore")
         torch.onnx.export(Wrapper(model), inputs, str(out), **kwargs)
     return out

@@ -25,6 +25,7 @@ import contextlib
 import warnings
 
 from parity_cli.backends import Runtime, distribution_version
+from parity_cli.backends.exporting import cia_ops_materialized_once
 from parity_cli.errors import InputError
 
 NAME = "executorch"
@@ -132,7 +133,7 @@ def _export(fn, example: tuple, rows: int):
 
     rows_dim = {0: Dim("rows", min=1, max=rows)}
     shapes = (rows_dim, (None,) * (len(example) - 1)) if len(example) > 1 else (rows_dim,)
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), cia_ops_materialized_once():
         # executorch 1.5 still calls pytree APIs that torch 2.13 deprecates: its noise, not a finding
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -219,7 +220,7 @@ def _public_program(layer, weight, bias, eps: float, rows: int):
 
     module = norm_module(layer, weight, bias, eps)
     example = (torch.zeros(2, layer.width, dtype=weight.dtype, device=weight.device),)
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), cia_ops_materialized_once():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         exported = torch.export.export(module, example, dynamic_shapes=({0: torch.export.Dim("rows", min=1, max=rows)},))

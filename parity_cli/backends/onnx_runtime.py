@@ -26,6 +26,7 @@ compute=float32 (cast in and out, for a dtype the execution provider has no kern
 from __future__ import annotations
 
 from parity_cli.backends import Runtime, refuse_unbuilt
+from parity_cli.backends.exporting import cia_ops_materialized_once
 from parity_cli.errors import InputError
 
 RUNTIME = Runtime(
@@ -599,7 +600,7 @@ def _exported_session(layer, weight, bias, eps: float, dynamo: bool):
     example = torch.zeros(2, *row, dtype=weight.dtype, device="cpu")
     def export(with_dynamo: bool):
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
+                contextlib.redirect_stderr(io.StringIO()), cia_ops_materialized_once():
             warnings.simplefilter("ignore")
             if with_dynamo:
                 exported = torch.onnx.export(module.cpu(), (example,), dynamo=True, input_names=["x"],
