@@ -21,3 +21,18 @@ def fenced(text: str) -> list[tuple[str, str]]:
 def blocks() -> tuple[tuple[str, str, str], ...]:
     """(page, info string, body) of every fenced block of the README and the docs."""
     return tuple((page, lang, body) for page, text in PAGES.items() for lang, body in fenced(text))
+
+
+SAMPLE = re.compile(r"^<!-- output of: (.+?) -->\n```[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+@cache
+def samples() -> dict[str, tuple[str, str]]:
+    """{what prints it: (page, the output the page shows)} for every block a page marks with
+    `<!-- output of: COMMAND -->` on the line before it (invisible on the site)."""
+    found = {}
+    for page, text in PAGES.items():
+        for m in SAMPLE.finditer(text):
+            assert m.group(1) not in found, f"{m.group(1)!r} shown twice ({found[m.group(1)][0]}, {page})"
+            found[m.group(1)] = (page, m.group(2))
+    return found

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from conftest import run_parity
-from pages import blocks
+from pages import blocks, samples
 
 HUB = "needs the Hub: tests/test_remote.py runs hf:// and https:// against a local one"
 # the repositories the hf:// examples name, served by a local Hub (tests/hub_server.py) with tiny checkpoints
-REPOS = {"Qwen/Qwen3-8B": "qwen3", "meta-llama/Llama-3.1-405B": "llama", "ORG/NAME-GGUF": "gguf"}
+REPOS = {"Qwen/Qwen3-8B": "qwen3", "meta-llama/Llama-3.1-405B": "llama", "ORG/NAME-GGUF": "gguf", "ORG/NAME": "llama"}
 
 # command as the page shows it (its trailing comment dropped) -> the exit code it has on the
 # checkpoints below (with the cause its last line names, where it fails), or why it is not run here
@@ -41,14 +41,13 @@ CASES = {
     "parity check model.gguf --plot errors.svg": 0,
     "parity check hf://meta-llama/Llama-3.1-405B@<sha>": 0,
     "parity check hf://ORG/NAME-GGUF/model-Q4_K_M.gguf": 0,
-    "parity check hf://ORG/NAME --candidate-checkpoint s3://bucket/exports/name":
-        "needs an S3 bucket: tests/test_remote.py checks s3:// copies against a local S3 (moto)",
+    # the copy in the bucket is the repository's own files (a local S3: tests/s3_server.py)
+    "parity check hf://ORG/NAME --candidate-checkpoint s3://bucket/exports/name": 0,
     "parity check https://mirror.example/models/name/": "the host is the reader's: tests/test_remote.py runs https://",
-    "parity capture model.gguf --runtime llama.cpp --prompt \"...\" -o cap.safetensors":
-        "needs a runnable GGUF model: tests/test_capture.py and tests/test_runtime_capture.py capture in llama.cpp",
-    "parity check HF_DIR --runtime-capture cap.safetensors":
-        "reads the capture above: tests/test_runtime_capture.py checks one",
-    "parity check llama --runtime-capture cap_eps.safetensors": "reads a capture: tests/test_runtime_capture.py",
+    "parity capture model.gguf --runtime llama.cpp --prompt \"...\" -o cap.safetensors": 0,
+    "parity check HF_DIR --runtime-capture cap.safetensors": 0,
+    # `llama` trained at eps 1e-5, its GGUF written with 1e-6: llama.cpp's own nodes say 1e-6
+    "parity check llama --runtime-capture cap_eps.safetensors": (1, "eps_mismatch"),
 }
 
 
@@ -92,15 +91,44 @@ def hub(tmp_path_factory):
         yield server, shas, root
 
 
+def _bfloat16(hf: Path) -> Path:
+    """A runnable checkpoint stored as most are published: bfloat16 tensors, torch_dtype bfloat16."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for shard in hf.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(shard).items()}, shard,
+                  metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def bucket(hub):
+    """A local S3 holding a copy of ORG/NAME under s3://bucket/exports/name."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from tests.s3_server import S3Server
+
+    _, _, root = hub
+    with S3Server() as server:
+        server.put_tree("bucket", "exports/name", root / "ORG--NAME")
+        yield server
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """The placeholders made real: a Llama checkpoint whose eps is 1e-6, its GGUF conversion, and
-    my_kernels.py with a correct RMSNorm as a function and as a module."""
-    from parity_cli.sources.synthetic import hf_to_gguf, write_checkpoint
+    """The placeholders made real: a whole Llama llama.cpp can run, its eps 1e-6 (path/to/hf-model),
+    its GGUF conversion (model.gguf), and my_kernels.py with a correct RMSNorm as a function and as
+    a module."""
+    from parity_cli.sources.synthetic import hf_to_gguf, write_runnable
 
     root = tmp_path_factory.mktemp("examples")
-    hf = write_checkpoint(root / "path" / "to" / "hf-model", "llama", layers=2, hidden=64, heads=4, eps=1e-6)
-    hf_to_gguf(hf, root / "model.gguf")
+    hf = _bfloat16(write_runnable(root / "path" / "to" / "hf-model", "llama", layers=2, hidden=64, eps=1e-6))
+    hf_to_gguf(hf, root / "model.gguf", full=True)
     (root / "my_kernels.py").write_text(
         "import torch\n\n\n"
         "def rms_norm(x, weight, eps):\n"
@@ -115,13 +143,44 @@ def workspace(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def captures(workspace):
+    """What the capture examples read: cap.safetensors (model.gguf run in llama.cpp, by the page's own
+    command), and cap_eps.safetensors: `llama`, a Llama trained at eps 1e-5, converted with the eps
+    written as 1e-6, run in llama.cpp. {command: its result} for the capture command."""
+    from parity_cli.sources.synthetic import hf_to_gguf, write_runnable
+
+    pytest.importorskip("xllamacpp", reason="needs llama.cpp: pip install --no-deps xllamacpp")
+    llama = write_runnable(workspace / "llama", "llama", layers=2, hidden=64, eps=1e-5)
+    eps_gguf = hf_to_gguf(llama, workspace / "llama-eps.gguf", full=True, eps=1e-6)
+    r = run_parity("capture", eps_gguf, "--runtime", "llama.cpp", "--prompt", PROMPT, "-o", "cap_eps.safetensors",
+                   cwd=workspace)
+    assert r.returncode == 0, r.stderr
+    command = next(c for c in CASES if c.startswith("parity capture "))
+    return {command: _run(command, workspace)}
+
+
+# placeholders a page leaves to the reader -> what stands for them here: the HF directory model.gguf
+# was converted from, and words the tiny GGUF's vocabulary has
+PROMPT = " ".join(f"w{i % 40}" for i in range(16))
+PLACEHOLDERS = {"HF_DIR": "path/to/hf-model", '"..."': f'"{PROMPT}"'}
+COLUMNS = "80"  # the width the pages' sample outputs were printed at
+
+
+def _run(command: str, cwd: Path, env: dict | None = None):
+    import shlex
+
+    for placeholder, value in PLACEHOLDERS.items():
+        command = command.replace(placeholder, value)
+    return run_parity(*shlex.split(command)[1:], cwd=cwd, env={"COLUMNS": COLUMNS, **(env or {})})
+
+
 @pytest.mark.parametrize("command", sorted(CASES), ids=lambda command: command[:90])
 def test_the_example_runs_as_its_page_says(command, workspace, request):
+    """Exits as the page says; where a page shows what it prints, it prints that."""
     expected = CASES[command]
     if isinstance(expected, str):
         pytest.skip(expected)
-    import shlex
-
     code, cause = expected if isinstance(expected, tuple) else (expected, None)
     env = None
     if "hf://" in command:
@@ -129,13 +188,97 @@ def test_the_example_runs_as_its_page_says(command, workspace, request):
         command = command.replace("<sha>", shas["meta-llama/Llama-3.1-405B"])
         env = {"HF_ENDPOINT": server.url, "PARITY_CACHE": str(root / "cache"), "HF_HOME": str(root / "hf"),
                "HF_TOKEN": "", "HF_HUB_OFFLINE": ""}
-    r = run_parity(*shlex.split(command)[1:], cwd=workspace, env=env)
+    if "s3://" in command:
+        env = {**env, **request.getfixturevalue("bucket").env()}
+    if "capture" in command:
+        made = request.getfixturevalue("captures")
+        r = made.get(command) or _run(command, workspace)
+    else:
+        r = _run(command, workspace, env)
     assert r.returncode == code, (command, r.stdout[-2000:], r.stderr[-2000:])
     assert "Traceback" not in r.stderr and "internal error" not in r.stderr
     if cause:
         verdict = [line for line in r.stdout.splitlines() if line.startswith("FAIL: ")]
         assert verdict and cause in verdict[-1], r.stdout[-2000:]
+    if command in samples():
+        page, shown = samples()[command]
+        assert_shows(r.stdout, shown.removeprefix(f"$ {command}\n"), page)
 
+
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?x?")
+
+
+def _shape(line: str) -> str:
+    return NUMBER.sub("#", line.rstrip())
+
+
+def assert_shows(printed: str, shown: str, page: str) -> None:
+    """Every line a page shows is a line printed, in that order; a `...` line stands for lines left
+    out. Figures are compared as figures (a CPU with other kernels prints other last digits: the
+    tests that own them check them); the verdict lines (PASS:/FAIL:) word for word."""
+    out = printed.splitlines()
+    runs = [[]]
+    for line in shown.splitlines():
+        if line.strip() == "...":
+            runs.append([])
+        else:
+            runs[-1].append(line)
+    at = 0
+    for run in filter(None, runs):
+        want = [_shape(line) for line in run]
+        found = next((i for i in range(at, len(out) - len(run) + 1)
+                      if [_shape(line) for line in out[i:i + len(run)]] == want), None)
+        assert found is not None, f"{page} shows lines this run does not print:\n" + "\n".join(run) + \
+            "\n--- it printed:\n" + printed
+        for line, real in zip(run, out[found:found + len(run)]):
+            if line.startswith(("PASS:", "FAIL:")):
+                assert line.rstrip() == real.rstrip(), (page, line, real)
+        at = found + len(run)
+
+
+def _kernel_test_failure() -> str:
+    """What pytest shows of the kernel-tests page's test when the kernel hard-codes eps 1e-5: the
+    AssertionError assert_norm_parity raises, each line after pytest's `E       `."""
+    import sys
+    import tempfile
+
+    import torch
+
+    from parity_cli.testing import assert_norm_parity
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "my_kernels.py").write_text(
+            "import torch\n\n\ndef fused_rms_norm(x, weight, eps):\n"
+            "    h = x.float()\n"
+            "    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * weight\n")
+        sys.path.insert(0, folder)
+        try:
+            from my_kernels import fused_rms_norm
+        finally:
+            sys.path.remove(folder)
+            sys.modules.pop("my_kernels", None)
+    with pytest.raises(AssertionError) as raised:
+        assert_norm_parity(fused_rms_norm, family="llama", hidden_size=4096, eps=1e-6, dtype=torch.bfloat16)
+    first, *rest = str(raised.value).splitlines()
+    return "\n".join([f"E       AssertionError: {first}", *(f"E       {line}" for line in rest)])
+
+
+# outputs shown that are not a `parity` command's: what prints them
+OWN_SAMPLES = {"pytest, a kernel with eps hard-coded to 1e-5": _kernel_test_failure}
+
+
+@pytest.mark.parametrize("said_by", list(OWN_SAMPLES))
+def test_an_output_a_page_shows_is_what_its_code_prints(said_by):
+    page, shown = samples()[said_by]
+    assert_shows(OWN_SAMPLES[said_by](), shown, page)
+
+
+def test_every_output_a_page_shows_is_checked_against_its_command():
+    """A sample is tied to a command this file runs (a case that is not skipped) or to a check of its
+    own below."""
+    for said_by, (page, _) in samples().items():
+        runs = isinstance(CASES.get(said_by), (int, tuple)) or said_by in OWN_SAMPLES
+        assert runs, f"{page}: the output shown for {said_by!r} is not checked by a test"
 
 
 def test_the_exact_example_fails_because_the_two_cast_orders_differ_bitwise():
