@@ -5,7 +5,7 @@ the site's navigation, and what the README quotes from a run is what that run pr
 import re
 
 from conftest import run_parity
-from pages import README, ROOT
+from pages import PAGES, README, ROOT
 
 
 def _nav_pages() -> set[str]:
@@ -51,3 +51,41 @@ def test_the_verdict_the_readme_quotes_is_the_demos():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert all(q in lines for q in quoted), (quoted, [line for line in lines if line.startswith(("PASS", "FAIL"))])
+
+
+# options the pages name that belong to the other tools they show
+OTHER_TOOLS = {"--index-url": "pip", "--no-deps": "pip", "--lf": "pytest", "--strict": "mkdocs build"}
+
+
+def _parity_options() -> set[str]:
+    """Every long option of every parity command (click's own declarations), --help, and the pytest
+    plugin's."""
+    import click
+
+    from parity_cli.cli import cli
+
+    found, commands = {"--help"}, [cli]
+    while commands:
+        command = commands.pop()
+        found.update(o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--"))
+        commands.extend(command.commands.values() if isinstance(command, click.Group) else ())
+    plugin = (ROOT / "parity_cli" / "testing" / "plugin.py").read_text(encoding="utf-8")
+    return found | set(re.findall(r'addoption\("(--[a-z-]+)"', plugin))
+
+
+def test_every_option_a_page_names_is_one_the_cli_has():
+    """An option renamed or removed in the code cannot live on in the prose."""
+    options = _parity_options()
+    named = {m: page for page, text in PAGES.items() if not page.startswith("docs/reference/")
+             for m in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)}
+    assert "--candidate" in named and "--parity-strata" in named
+    unknown = {o: page for o, page in named.items() if o not in options and o not in OTHER_TOOLS}
+    assert not unknown, unknown
+
+
+def test_no_page_writes_out_a_commands_options():
+    """A command's options are described once, by click, on the CLI reference: a synopsis written out
+    by hand (`parity fused CKPT [--dtype D] ...`) is a second copy that drifts."""
+    synopses = {page: m for page, text in PAGES.items() if not page.startswith("docs/reference/")
+                for m in re.findall(r"`parity [a-z]+ [^`]*\[--[^`]*`", text)}
+    assert not synopses, synopses
