@@ -336,6 +336,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     from parity_cli.model.layers import discover_layers
     from parity_cli.model.onnx_layers import candidate_layers
     from parity_cli.sources.gguf import MMPROJ
+    from parity_cli.sources.huggingface import written_by
     from parity_cli.sources.onnx_graph import is_onnx
     from parity_cli.sources.openvino_ir import is_openvino_ir
 
@@ -366,6 +367,9 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
                      "layers": len(found2.layers), "unmatched": found2.unmatched}
         if getattr(ckpt2, "architecture", None) == MMPROJ:
             described["mmproj"] = True  # the model's towers only: its language model is another file
+        exporter = written_by(ckpt2.files[0]) if ckpt2.format.startswith("safetensors") and ckpt2.files else None
+        if exporter:
+            described["exporter"] = exporter
         if ckpt2.format == "gguf":
             layers = _as_named(layers, reference_layers, fam2)
         dtype = None

@@ -91,21 +91,6 @@ def hub(tmp_path_factory):
         yield server, shas, root
 
 
-def _bfloat16(hf: Path) -> Path:
-    """A runnable checkpoint stored as most are published: bfloat16 tensors, torch_dtype bfloat16."""
-    import json
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    for shard in hf.glob("*.safetensors"):
-        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(shard).items()}, shard,
-                  metadata={"format": "pt"})
-    config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
-    return hf
-
-
 @pytest.fixture(scope="module")
 def bucket(hub):
     """A local S3 holding a copy of ORG/NAME under s3://bucket/exports/name."""
@@ -127,7 +112,7 @@ def workspace(tmp_path_factory):
     from parity_cli.sources.synthetic import hf_to_gguf, write_runnable
 
     root = tmp_path_factory.mktemp("examples")
-    hf = _bfloat16(write_runnable(root / "path" / "to" / "hf-model", "llama", layers=2, hidden=64, eps=1e-6))
+    hf = write_runnable(root / "path" / "to" / "hf-model", "llama", layers=2, hidden=64, eps=1e-6, dtype="bfloat16")
     hf_to_gguf(hf, root / "model.gguf", full=True)
     (root / "my_kernels.py").write_text(
         "import torch\n\n\n"

@@ -456,7 +456,7 @@ def _runtime_builtin(name: str, module) -> Implementation:
 
 # built-in -> (the modules it imports, the extra of pyproject.toml that installs it); the runtimes' own
 # from their files (parity_cli.backends.Runtime)
-OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers")}
+OPTIONAL_DEPENDENCIES = {"transformers": (("transformers",), "transformers"), "mlx-lm": (("mlx_lm", "mlx"), "mlx")}
 # built-ins that take --candidate-arg, and which: the runtimes' own declare theirs
 BUILTIN_ARGS: dict = {}
 

@@ -117,7 +117,11 @@ def _gain_finding(code: str, what: str, ref, cand, ref_dtype, cand_dtype, baked:
     }
     mean = float(delta.mean())
     shift = round(mean) if math.isfinite(mean) else 0  # a NaN gain has no shift to name
-    if count == ref64.numel() and shift and bool(((delta - shift).abs() < 1e-2).all()):
+    # a shift is whole up to 1e-2, or up to two roundings of the copy's dtype at its gains' size (a
+    # bfloat16 runtime that adds its own 1 to a gain already holding one: 1 + (1 + w), each sum rounded)
+    narrow = str(cand_dtype).removeprefix("torch.")
+    noise = 2 * half_step(cand64[bad], narrow) if narrow in ("bfloat16", "float16") else torch.zeros_like(delta)
+    if count == ref64.numel() and shift and bool(((delta - shift).abs() <= noise.clamp_min(1e-2)).all()):
         finding["uniform_shift"] = float(shift)
         if family_offset == 0 and shift > 0:  # a gain that is w, given a converter's + 1 (as for its 1 + w neighbours)
             finding["message"] += (f"; every channel is shifted by {shift:+g}: an offset added in the conversion to a "

@@ -1,6 +1,6 @@
 """What a deployed runtime computes at each norm, recorded inside the runtime on real tokens.
 
-`parity capture MODEL --runtime llama.cpp|onnxruntime|openvino` runs the runtime itself and keeps,
+`parity capture MODEL --runtime llama.cpp|onnxruntime|openvino|mlx-lm` runs the runtime itself and keeps,
 for every norm node its graph has, a bounded sample of (input row, output row) pairs and the
 parameters the runtime used: the eps it read (from the op or the node), the gain and bias it
 attached (the values it holds). `parity check REFERENCE --runtime-capture FILE` then judges each
@@ -30,7 +30,7 @@ from parity_cli.sampling import describe
 
 FORMAT = "parity runtime capture 1"
 META_KEY = "parity-runtime"
-RUNTIMES = ("llama.cpp", "onnxruntime", "openvino")
+RUNTIMES = ("llama.cpp", "onnxruntime", "openvino", "mlx-lm")
 MAX_LAYERS = 10_000
 KINDS = {"RMS_NORM": "rms_norm", "NORM": "layer_norm"}
 
@@ -75,6 +75,10 @@ def record(model, runtime: str, text: str | None = None, tokens: list[int] | Non
     say(f"running {model} in {runtime}")
     if runtime == "llama.cpp":
         raw = _llama_cpp(model, text, tokens, max_tokens, rows_per_layer, seed)
+    elif runtime == "mlx-lm":
+        from parity_cli.backends import mlx_lm_graph
+
+        raw = mlx_lm_graph.record(model, text, tokens, max_tokens)
     else:
         from parity_cli.backends.graph_capture import record as graph_record
 

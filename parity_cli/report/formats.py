@@ -209,7 +209,8 @@ def to_markdown(report: dict) -> str:
         lines.append(f"- runtime capture: {_code(conv['path'])}, {_text(grouping.runtime_words(conv))}; "
                      f"{_text(conv['findings'])} difference(s) from this checkpoint")
     elif conv:
-        lines.append(f"- candidate checkpoint: {_code(conv['path'])} ({_text(conv['format'])}), "
+        by = f"{_text(conv['exporter'])}, " if conv.get("exporter") else ""
+        lines.append(f"- candidate checkpoint: {_code(conv['path'])} ({by}{_text(conv['format'])}), "
                      f"eps {grouping.g(conv['eps']['value'])} ({_text(conv['eps']['source'])}), "
                      f"{_text(conv['findings'])} difference(s)")
     lines.append("")

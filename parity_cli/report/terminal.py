@@ -159,7 +159,8 @@ def render(d: dict, console, verbose: bool = False, written: list[str] | None = 
                     f"{grouping.g(conv['eps']['value'])} ({_e(conv['eps']['source'])}): {_e(conv['findings'])} "
                     "difference(s) from this checkpoint", width)
     elif conv:
-        out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({_e(conv['format'])}, family {_e(conv['family'])}), "
+        by = f"{_e(conv['exporter'])}, " if conv.get("exporter") else ""
+        out += wrap(f"candidate checkpoint [bold]{_e(conv['path'])}[/] ({by}{_e(conv['format'])}, family {_e(conv['family'])}), "
                     f"eps {grouping.g(conv['eps']['value'])} ({_e(conv['eps']['source'])}): {_e(conv['findings'])} "
                     "difference(s)", width)
     _print(console, out)

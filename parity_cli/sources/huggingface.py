@@ -82,6 +82,25 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
+# what a safetensors file's __metadata__ "format" says of the tool that wrote it -> the exporter's name
+EXPORTERS = {"mlx": "mlx-lm"}  # mlx_lm.convert saves with mx.save_safetensors(..., metadata={"format": "mlx"})
+
+
+def written_by(path: Path) -> str | None:
+    """The exporter a safetensors file names in its header's __metadata__ (mlx-lm writes
+    {"format": "mlx"}; transformers "pt"), None for one parity does not know. The header was
+    checked when the file was opened; one that cannot be read again names nobody."""
+    from parity_cli.sources.jsonfile import parse
+
+    try:
+        (n,) = struct.unpack("<Q", pread(path, 8, 0))
+        header = parse(pread(path, min(n, MAX_HEADER_BYTES), 8).decode("utf-8"), path, "the safetensors header")
+    except (OSError, InputError, UnicodeDecodeError, struct.error):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return EXPORTERS.get(meta.get("format")) if isinstance(meta, dict) else None
+
+
 @dataclass
 class Checkpoint:
     path: Path

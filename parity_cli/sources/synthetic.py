@@ -332,10 +332,11 @@ RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
 
 
 def write_runnable(directory, model_type: str = "llama", *, layers: int = 2, hidden: int = 64, eps: float = 1e-5,
-                   seed: int = 0) -> Path:
-    """A whole tiny transformers model (random weights, float32) that runs: every norm gain drawn
-    around its family's value (1 for w, 0 for Gemma's stored w), so that no two layers' gains agree.
-    Needs transformers."""
+                   seed: int = 0, dtype: str = "float32", tokenizer: bool = False) -> Path:
+    """A whole tiny transformers model (random weights, stored at `dtype`) that runs: every norm gain
+    drawn around its family's value (1 for w, 0 for Gemma's stored w), so that no two layers' gains
+    agree. `tokenizer`: a word-level tokenizer.json beside it (words w0 .. w39), what exporters such
+    as mlx_lm.convert load with the model. Needs transformers."""
     import torch
     import transformers
 
@@ -353,8 +354,24 @@ def write_runnable(directory, model_type: str = "llama", *, layers: int = 2, hid
             if name.endswith("norm.weight"):
                 p.copy_((0.0 if zero_centred else 1.0) + 0.1 * torch.randn_like(p))
     directory = Path(directory)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
+    if tokenizer:
+        write_word_tokenizer(directory)
     return directory
+
+
+def write_word_tokenizer(directory, words: int = 40) -> Path:
+    """tokenizer.json and tokenizer_config.json of a word-level tokenizer: <unk> <s> </s>, then the
+    words w0 .. w{words-1} split on whitespace (the `tokenizers` library's files: data, no code)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": 3 + i for i in range(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        directory)
+    return Path(directory)
 
 
 
