@@ -48,6 +48,10 @@ CASES = {
     "parity check HF_DIR --runtime-capture cap.safetensors": 0,
     # `llama` trained at eps 1e-5, its GGUF written with 1e-6: llama.cpp's own nodes say 1e-6
     "parity check llama --runtime-capture cap_eps.safetensors": (1, "eps_mismatch"),
+    # mlx_model: what mlx_lm.convert wrote from path/to/hf-model (the page's first line, run by the fixture)
+    "parity check path/to/hf-model --candidate-checkpoint mlx_model": 0,
+    "parity capture mlx_model --runtime mlx-lm --prompt \"...\" -o mlx-cap.safetensors": 0,
+    "parity check path/to/hf-model --runtime-capture mlx-cap.safetensors": 0,
 }
 
 
@@ -112,7 +116,8 @@ def workspace(tmp_path_factory):
     from parity_cli.sources.synthetic import hf_to_gguf, write_runnable
 
     root = tmp_path_factory.mktemp("examples")
-    hf = write_runnable(root / "path" / "to" / "hf-model", "llama", layers=2, hidden=64, eps=1e-6, dtype="bfloat16")
+    hf = write_runnable(root / "path" / "to" / "hf-model", "llama", layers=2, hidden=64, eps=1e-6, dtype="bfloat16",
+                        tokenizer=True)
     hf_to_gguf(hf, root / "model.gguf", full=True)
     (root / "my_kernels.py").write_text(
         "import torch\n\n\n"
@@ -126,6 +131,21 @@ def workspace(tmp_path_factory):
         "    def forward(self, x):\n"
         "        return rms_norm(x, self.weight, self.eps)\n")
     return root
+
+
+@pytest.fixture(scope="module")
+def mlx_model(workspace):
+    """mlx_model: path/to/hf-model as `mlx_lm.convert --hf-path path/to/hf-model --mlx-path mlx_model`
+    writes it (its Python API), and the capture of it the page's third line makes (run once)."""
+    pytest.importorskip("mlx_lm", reason="needs mlx-lm: pip install -e '.[mlx]'")
+    from mlx_lm import convert
+
+    shown = next(line for page, lang, body in blocks() for line in body.splitlines()
+                 if line.startswith("mlx_lm.convert "))
+    assert shown == "mlx_lm.convert --hf-path path/to/hf-model --mlx-path mlx_model", shown
+    convert(str(workspace / "path" / "to" / "hf-model"), mlx_path=str(workspace / "mlx_model"))
+    command = next(c for c in CASES if c.startswith("parity capture mlx_model "))
+    return {command: _run(command, workspace)}
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +195,10 @@ def test_the_example_runs_as_its_page_says(command, workspace, request):
                "HF_TOKEN": "", "HF_HUB_OFFLINE": ""}
     if "s3://" in command:
         env = {**env, **request.getfixturevalue("bucket").env()}
-    if "capture" in command:
+    if "mlx" in command:
+        made = request.getfixturevalue("mlx_model")
+        r = made.get(command) or _run(command, workspace, env)
+    elif "capture" in command:
         made = request.getfixturevalue("captures")
         r = made.get(command) or _run(command, workspace)
     else:

@@ -1,0 +1,79 @@
+"""MLX-LM's export path against `--candidate torch` on the same checkpoint, measured in the same run:
+a model of SmolLM2-135M's shape (random weights, bfloat16, a word-level tokenizer), converted by
+`mlx_lm.convert`; then the conversion check (`--candidate-checkpoint MLX_DIR`), the capture inside
+mlx-lm (`parity capture MLX_DIR --runtime mlx-lm`, 16 tokens) and the check of that capture.
+
+    python benchmarks/bench_mlx_lm.py [--repeat 3] [--tokens 16]
+
+Needs transformers and mlx-lm (pip install -e '.[mlx]'). Each command runs in a fresh interpreter
+(its cost includes the imports); medians of --repeat runs are printed, with each run's time."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                    tie_word_embeddings=True)
+
+
+def build(root: Path) -> tuple[Path, Path]:
+    import torch
+    from mlx_lm import convert
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from parity_cli.sources.synthetic import write_word_tokenizer
+
+    torch.manual_seed(0)
+    hf = root / "hf"
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(torch.bfloat16).save_pretrained(hf, safe_serialization=True)
+    write_word_tokenizer(hf)
+    convert(str(hf), mlx_path=str(root / "mlx"))
+    return hf, root / "mlx"
+
+
+def timed(args: list[str]) -> float:
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "parity_cli", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"parity {' '.join(args)} exited {r.returncode}: {(r.stdout + r.stderr).strip()[-400:]}")
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=16)
+    a = p.parse_args()
+    prompt = " ".join(f"w{i % 40}" for i in range(a.tokens))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        hf, mlx = build(root)
+        cap = root / "cap.safetensors"
+        rows = {
+            "check HF dir --candidate torch": ["check", str(hf), "--candidate", "torch", "-q"],
+            "check HF dir --candidate-checkpoint MLX": ["check", str(hf), "--candidate-checkpoint", str(mlx), "-q"],
+            "capture MLX --runtime mlx-lm": ["capture", str(mlx), "--runtime", "mlx-lm", "--prompt", prompt,
+                                             "--max-tokens", str(a.tokens), "-o", str(cap)],
+            "check HF dir --runtime-capture": ["check", str(hf), "--runtime-capture", str(cap), "-q"],
+        }
+        times = {name: [] for name in rows}
+        for _ in range(a.repeat):
+            for name, args in rows.items():
+                times[name].append(timed(args))
+        base = statistics.median(times["check HF dir --candidate torch"])
+        print(f"SmolLM2-135M shape (30 layers, 61 norms, bfloat16), {a.tokens} tokens, median of {a.repeat}:")
+        for name, values in times.items():
+            med = statistics.median(values)
+            runs = ", ".join(f"{v:.2f}" for v in values)
+            print(f"  {name:42s} {med:6.2f} s ({runs})  {med / base:.2f}x --candidate torch")
+
+
+if __name__ == "__main__":
+    main()
