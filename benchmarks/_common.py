@@ -284,6 +284,24 @@ def run_child(cmd, env: dict | None = None, check_rc=(0,)) -> dict:
     return collect(spawn(cmd, env), check_rc)
 
 
+def interleaved_commands(rows: dict, repeat: int) -> dict:
+    """`parity ARGS` for each {label: ARGS}, in fresh processes, interleaved over `repeat` rounds (a
+    slow spell hits every label): {label: [wall seconds]}. A run that exits non-zero stops the benchmark."""
+    times: dict = {label: [] for label in rows}
+    for _ in range(repeat):
+        for label, args in rows.items():
+            times[label].append(run_child(parity_cmd() + [str(a) for a in args])["wall"])
+    return times
+
+
+def print_against(times: dict, base: str, width: int = 42) -> None:
+    """Each label's median and runs, and its ratio to `base`'s median (measured in the same run)."""
+    ref = statistics.median(times[base])
+    for label, values in times.items():
+        med = statistics.median(values)
+        print(f"  {label:{width}s} {med:6.2f} s ({', '.join(f'{v:.2f}' for v in values)})  {med / ref:.2f}x {base}")
+
+
 # --- page cache ------------------------------------------------------------------------------
 
 _libc = None

@@ -11,12 +11,12 @@ Needs transformers and mlx-lm (pip install -e '.[mlx]'). Each command runs in a 
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import interleaved_commands, print_against  # noqa: E402
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=2048,
@@ -38,14 +38,6 @@ def build(root: Path) -> tuple[Path, Path]:
     return hf, root / "mlx"
 
 
-def timed(args: list[str]) -> float:
-    start = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "parity_cli", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"parity {' '.join(args)} exited {r.returncode}: {(r.stdout + r.stderr).strip()[-400:]}")
-    return time.perf_counter() - start
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeat", type=int, default=3)
@@ -63,16 +55,9 @@ def main() -> None:
                                              "--max-tokens", str(a.tokens), "-o", str(cap)],
             "check HF dir --runtime-capture": ["check", str(hf), "--runtime-capture", str(cap), "-q"],
         }
-        times = {name: [] for name in rows}
-        for _ in range(a.repeat):
-            for name, args in rows.items():
-                times[name].append(timed(args))
-        base = statistics.median(times["check HF dir --candidate torch"])
+        times = interleaved_commands(rows, a.repeat)
         print(f"SmolLM2-135M shape (30 layers, 61 norms, bfloat16), {a.tokens} tokens, median of {a.repeat}:")
-        for name, values in times.items():
-            med = statistics.median(values)
-            runs = ", ".join(f"{v:.2f}" for v in values)
-            print(f"  {name:42s} {med:6.2f} s ({runs})  {med / base:.2f}x --candidate torch")
+        print_against(times, "check HF dir --candidate torch")
 
 
 if __name__ == "__main__":
