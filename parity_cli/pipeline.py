@@ -367,7 +367,8 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
                      "layers": len(found2.layers), "unmatched": found2.unmatched}
         if getattr(ckpt2, "architecture", None) == MMPROJ:
             described["mmproj"] = True  # the model's towers only: its language model is another file
-        exporter = written_by(ckpt2.files[0]) if ckpt2.format.startswith("safetensors") and ckpt2.files else None
+        exporter = written_by(ckpt2.files[0]) if ckpt2.format.startswith("safetensors") and ckpt2.files else (
+            f"ctranslate2 ({ckpt2.spec})" if ckpt2.format == "ctranslate2" else None)
         if exporter:
             described["exporter"] = exporter
         if ckpt2.format == "gguf":

@@ -127,7 +127,7 @@ def _family_input(ckpt, path, family, gguf_file: bool) -> None:
     if family:
         family_by_name(family)
         return
-    if gguf_file:
+    if gguf_file or getattr(ckpt, "format", None) == "ctranslate2":  # the reference's model type is the copy's
         return
     try:
         family_for_model_type(ckpt.model_type, str(path / "config.json"))

@@ -38,6 +38,10 @@ def _open_local(path: Path, model) -> Checkpoint:
         if path.suffix in (".bin", ".pt", ".pth", ".ckpt"):
             raise InputError(f"{path}: a pickle file; it is never unpickled, convert the checkpoint to safetensors")
         raise InputError(f"{path}: not a checkpoint (expected a Hugging Face model directory or a .gguf file)")
+    from parity_cli.sources.ctranslate2 import is_ctranslate2, open_ctranslate2
+
+    if is_ctranslate2(path):  # its model.bin is CTranslate2's own format, not a pickle
+        return open_ctranslate2(path, model)
     return open_directory(path)
 
 
@@ -152,6 +156,6 @@ def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None,
             # eps = 0 is the bug this tool exists to catch, never a trained model's setting
             config = ckpt.path if ckpt.format == "gguf" else ckpt.path / "config.json"
             raise InputError(f"{config}: '{where}' must be a finite number > 0, got {value!r}")
-        return Eps(number, where if where.startswith("gguf:") else f"config:{where}")
+        return Eps(number, where if where.startswith(("gguf:", "ctranslate2:")) else f"config:{where}")
     inherited = sem.eps_keys == family.eps_keys and sem.eps_default == family.eps_default
     return Eps(family.eps_default_for(ckpt.model_type) if inherited else sem.eps_default, "family-default")

@@ -1,0 +1,215 @@
+"""A CTranslate2 model directory (`ct2-transformers-converter --model HF_DIR --output_dir OUT`: model.bin,
+config.json, the vocabulary) read as a copy of the Hugging Face checkpoint it was converted from.
+
+model.bin is CTranslate2's own binary spec, not a pickle (ctranslate2/specs/model_spec.py,
+`_serialize`): a uint32 binary version, the spec's name (a uint16 length, then that many bytes ending
+in NUL), a uint32 revision, a uint32 count of variables, each a name, a uint8 rank, that many uint32
+dimensions, a uint8 type (0 float32, 1 int8, 2 int16, 3 int32, 4 float16, 5 bfloat16), a uint32 byte
+count and the bytes; then the aliases. Every field is checked against the file before it is used;
+only the norm gains are read.
+
+A decoder's norms are named by CTranslate2's spec (decoder/layer_0/self_attention/layer_norm/gamma)
+and mapped back to the checkpoint's names (model.layers.0.input_layernorm.weight). A norm whose
+`layer_norm_use_residual` flag is set multiplies by 1 + gamma (Gemma's form): the copy's gain is what
+the runtime multiplies by, gamma plus that 1. The eps is config.json's `layer_norm_epsilon`; where the
+converter wrote none (null), CTranslate2's runtime uses 1e-6 (measured with ctranslate2 4.8.5: a
+Generator's logits with a null eps equal those with 1e-6, and differ from 1e-5's)."""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity_cli.errors import InputError
+from parity_cli.sources.localread import pread
+from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, TensorInfo
+
+DEFAULT_EPS = 1e-6  # what the runtime takes where config.json's layer_norm_epsilon is null
+TYPES = {0: ("float32", 4), 1: ("int8", 1), 2: ("int16", 2), 3: ("int32", 4), 4: ("float16", 2), 5: ("bfloat16", 2)}
+MAX_VARIABLES = 1 << 20
+MAX_RANK = 8
+EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+# CTranslate2's decoder names -> the Hugging Face checkpoint's
+NAMES = [
+    (r"decoder/layer_norm/gamma", "model.norm.weight"),
+    (r"decoder/layer_(\d+)/self_attention/layer_norm/gamma", r"model.layers.\1.input_layernorm.weight"),
+    (r"decoder/layer_(\d+)/ffn/layer_norm/gamma", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"decoder/layer_(\d+)/input_layer_norm/gamma", r"model.layers.\1.input_layernorm.weight"),
+    (r"decoder/layer_(\d+)/post_attention_layer_norm/gamma", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"decoder/layer_(\d+)/pre_feedforward_layer_norm/gamma", r"model.layers.\1.pre_feedforward_layernorm.weight"),
+    (r"decoder/layer_(\d+)/post_feedforward_layer_norm/gamma", r"model.layers.\1.post_feedforward_layernorm.weight"),
+    (r"decoder/layer_(\d+)/self_attention/q_norm/gamma", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"decoder/layer_(\d+)/self_attention/k_norm/gamma", r"model.layers.\1.self_attn.k_norm.weight"),
+]
+
+
+def is_ctranslate2(path: Path) -> bool:
+    """A directory holding a model.bin that starts as CTranslate2 writes one (a small binary version,
+    then a spec's name): a pickle starts with 0x80, a torch zip with PK."""
+    model = Path(path) / "model.bin"
+    if not (Path(path).is_dir() and model.is_file()):
+        return False
+    try:
+        head = pread(model, 6 + 64, 0)
+        version, n = struct.unpack_from("<IH", head)
+    except (OSError, struct.error):
+        return False
+    return 1 <= version <= 64 and 2 <= n <= 64 and head[6:6 + n - 1].endswith(b"Spec") and head[6 + n - 1] == 0
+
+
+@dataclass
+class Variable:
+    name: str
+    dtype: str
+    shape: tuple
+    offset: int
+    nbytes: int
+
+
+def read_variables(model: Path) -> tuple[str, dict]:
+    """(the spec's name, {name: Variable}) of a model.bin, every length checked against the file."""
+    size = model.stat().st_size
+    at = 0
+
+    def take(fmt: str):
+        nonlocal at
+        n = struct.calcsize("<" + fmt)
+        if at + n > size:
+            raise InputError(f"{model}: truncated CTranslate2 model (a field at byte {at} runs past the end)")
+        values = struct.unpack("<" + fmt, pread(model, n, at))
+        at += n
+        return values
+
+    def string() -> str:
+        nonlocal at
+        (n,) = take("H")
+        if n == 0 or at + n > size:
+            raise InputError(f"{model}: corrupt CTranslate2 model (a name of {n} bytes at byte {at})")
+        raw = pread(model, n, at)
+        at += n
+        if raw[-1] != 0:
+            raise InputError(f"{model}: corrupt CTranslate2 model (a name at byte {at - n} is not NUL-terminated)")
+        try:
+            return raw[:-1].decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"{model}: corrupt CTranslate2 model (a name at byte {at - n} is not UTF-8)") from None
+
+    (version,) = take("I")
+    spec = string()
+    take("I")  # the spec's revision
+    (count,) = take("I")
+    if count > MAX_VARIABLES:
+        raise InputError(f"{model}: declares {count} variables; refused (over {MAX_VARIABLES})")
+    out = {}
+    for _ in range(count):
+        name = string()
+        (rank,) = take("B")
+        if rank > MAX_RANK:
+            raise InputError(f"{model}: variable '{name}' declares rank {rank}; refused")
+        shape = take("I" * rank) if rank else ()
+        type_id, nbytes = take("BI")
+        if type_id not in TYPES:
+            raise InputError(f"{model}: variable '{name}' has type {type_id}, none CTranslate2 writes")
+        dtype, itemsize = TYPES[type_id]
+        if nbytes != math.prod(shape) * itemsize or at + nbytes > size:
+            raise InputError(f"{model}: variable '{name}' declares {nbytes} bytes for shape {list(shape)} "
+                             f"{dtype}; corrupt or truncated")
+        out[name] = Variable(name, dtype, tuple(shape), at, nbytes)
+        at += nbytes
+    del version
+    return spec, out
+
+
+@dataclass
+class CTranslate2Checkpoint:
+    path: Path
+    format: str
+    config: dict  # the reference's model_type, and the eps under every key a family reads
+    files: tuple
+    spec: str
+    _tensors: dict = field(repr=False)  # HF name -> (Variable, the 1 the runtime adds: 0.0 or 1.0)
+    _sources: dict = field(default_factory=dict, repr=False)
+    ct2_names: dict = field(default_factory=dict, repr=False)  # HF name -> CTranslate2's
+    offset_baked: bool = True  # the gain is what the runtime multiplies by (gamma, plus its own 1 where set)
+    notes: list = field(default_factory=list, repr=False)
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def info(self, name: str) -> TensorInfo:
+        var, _ = self._tensors[name]
+        return TensorInfo(name=name, file=self.files[0], dtype=var.dtype, shape=var.shape)
+
+    def read(self, name: str):
+        import torch
+
+        var, plus = self._tensors[name]
+        if var.dtype not in ("float32", "float16", "bfloat16"):
+            raise InputError(f"{self.files[0]}: norm gain {self.ct2_names[name]} is stored as {var.dtype}; only "
+                             "float32, float16 and bfloat16 gains can be checked")
+        if math.prod(var.shape) > MAX_NORM_ELEMENTS:
+            raise InputError(f"{self.files[0]}: norm gain {self.ct2_names[name]} declares {math.prod(var.shape)} "
+                             f"elements; no norm has more than {MAX_NORM_ELEMENTS}; refused")
+        raw = bytearray(pread(self.files[0], var.nbytes, var.offset))
+        value = torch.frombuffer(raw, dtype=getattr(torch, var.dtype)).reshape(var.shape).clone() if raw else \
+            torch.zeros(var.shape, dtype=getattr(torch, var.dtype))
+        return value if not plus else (value.double() + plus).to(torch.float32)
+
+    def config_value(self, key: str):
+        if key in self.config:
+            return self.config[key], self._sources.get(key, key)
+        return None, None
+
+
+def open_ctranslate2(path: Path, model=None) -> CTranslate2Checkpoint:
+    """`model` (family, model_type): the reference's, which CTranslate2's config does not record."""
+    from parity_cli.sources.jsonfile import parse
+
+    path = Path(path)
+    config_path = path / "config.json"
+    config = {}
+    if config_path.is_file():
+        config = parse(config_path.read_text(encoding="utf-8", errors="replace"), config_path, "the config")
+        if not isinstance(config, dict):
+            raise InputError(f"{config_path}: expected a JSON object")
+    spec, variables = read_variables(path / "model.bin")
+    if not spec.endswith("DecoderSpec"):
+        raise InputError(f"{path / 'model.bin'}: a CTranslate2 {spec}; parity reads the norms of decoder models "
+                         "(TransformerDecoderSpec) so far")
+    tensors, names = {}, {}
+    for name, var in variables.items():
+        for pattern, hf in NAMES:
+            if re.fullmatch(pattern, name):
+                hf_name = re.sub(pattern, hf, name)
+                flag = variables.get(name.rsplit("/", 1)[0] + "/layer_norm_use_residual")
+                plus = 1.0 if flag is not None and _flag(path / "model.bin", flag) else 0.0
+                tensors[hf_name], names[hf_name] = (var, plus), name
+                break
+    if not tensors:
+        raise InputError(f"{path / 'model.bin'}: no norm gain CTranslate2 names as parity knows them "
+                         f"({len(variables)} variables)")
+    eps = config.get("layer_norm_epsilon")
+    if eps is None:
+        value, source = DEFAULT_EPS, "ctranslate2: the runtime's default (config.json's layer_norm_epsilon is null)"
+    else:
+        value, source = eps, "ctranslate2: config.json layer_norm_epsilon"
+    model_type = model[1] if model else None
+    synthesised = {"model_type": model_type, **{key: value for key in EPS_KEYS}}
+    return CTranslate2Checkpoint(path=path, format="ctranslate2", config=synthesised, files=(path / "model.bin",),
+                                 spec=spec, _tensors=tensors, _sources={key: source for key in EPS_KEYS},
+                                 ct2_names=names)
+
+
+def _flag(model: Path, var: Variable) -> bool:
+    return var.nbytes >= 1 and pread(model, 1, var.offset) != b"\x00"
+

@@ -1,0 +1,174 @@
+"""Issue 51, CTranslate2: what `ct2-transformers-converter --model HF_DIR --output_dir OUT` writes (its
+Python API, TransformersConverter), checked as a copy of the source checkpoint: `parity check SRC
+--candidate-checkpoint OUT` reads CTranslate2's own model.bin (never as a pickle), maps its decoder
+norms back to the checkpoint's names, takes the eps from its config.json (or the runtime's default
+where the converter wrote none) and names the exporter.
+
+The sources are tiny whole models transformers writes at bfloat16. The faults are the converter's
+own (a Gemma 3 whose eps is not 1e-6) or planted into what it wrote, as a faulty converter would:
+the eps in config.json, Gemma's `layer_norm_use_residual` flag cleared (the runtime then multiplies
+by gamma, not 1 + gamma)."""
+
+import json
+import shutil
+import struct
+
+import pytest
+from conftest import load_json, run_parity
+
+pytest.importorskip("ctranslate2", reason="needs CTranslate2: pip install ctranslate2")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Factory: (source HF directory, the CTranslate2 directory converted from it), by model type and eps."""
+    from ctranslate2.converters import TransformersConverter
+
+    from parity_cli.sources.synthetic import write_runnable
+
+    root = tmp_path_factory.mktemp("ct2")
+    made = {}
+
+    def get(model_type, eps):
+        if (model_type, eps) not in made:
+            src = write_runnable(root / f"{model_type}-{eps:g}", model_type, layers=2, hidden=64, eps=eps,
+                                 dtype="bfloat16", tokenizer=True)
+            out = TransformersConverter(str(src)).convert(str(root / f"{model_type}-{eps:g}-ct2"), force=True)
+            made[model_type, eps] = (src, root / f"{model_type}-{eps:g}-ct2")
+            assert str(made[model_type, eps][1]) == str(out)
+        return made[model_type, eps]
+
+    return get
+
+
+def _check(src, copy, tmp_path):
+    report = tmp_path / "r.json"
+    r = run_parity("check", src, "--candidate-checkpoint", copy, "--json", report)
+    return r, (load_json(report) if report.exists() else None)
+
+
+def _codes(data) -> list[set]:
+    return [{d["code"] for d in layer["diagnoses"]} | {f["code"] for f in layer.get("findings", [])}
+            for layer in data["layers"]]
+
+
+@pytest.mark.parametrize("model_type, eps, layers", [("llama", 1e-5, 5), ("gemma3_text", 1e-6, 13)])
+def test_a_faithful_conversion_passes(converted, tmp_path, model_type, eps, layers):
+    src, copy = converted(model_type, eps)
+    r, data = _check(src, copy, tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    described = data["candidate"]["checkpoint"]
+    assert described["format"] == "ctranslate2" and described["exporter"] == "ctranslate2 (TransformerDecoderSpec)"
+    assert described["findings"] == 0 and len(data["layers"]) == layers
+    assert described["eps"]["value"] == eps
+
+
+def test_the_converter_writes_no_eps_for_gemma_3_and_the_runtime_takes_1e_6(converted, tmp_path):
+    """CTranslate2 4.8.5's Gemma3Loader never sets layer_norm_epsilon: config.json says null whatever
+    the model's rms_norm_eps, and the runtime then uses 1e-6. A Gemma 3 trained at 1e-5 is converted
+    into a model that computes at 1e-6: every norm fails with the eps named, and where it came from."""
+    src, copy = converted("gemma3_text", 1e-5)
+    assert json.loads((copy / "config.json").read_text())["layer_norm_epsilon"] is None
+    r, data = _check(src, copy, tmp_path)
+    assert r.returncode == 1
+    assert all({"eps_mismatch", "checkpoint_eps_mismatch"} <= codes for codes in _codes(data)), _codes(data)
+    eps = data["candidate"]["checkpoint"]["eps"]
+    assert eps["value"] == 1e-6 and "default" in eps["source"] and "null" in eps["source"]
+
+
+def test_the_runtime_computes_at_1e_6_where_the_config_says_null(converted, tmp_path):
+    """The default, through CTranslate2's own Generator and nothing of parity's: a Llama whose
+    embeddings are scaled to 1e-4 (so eps dominates the first norm) gives the same logits with
+    config.json's eps null as with 1e-6, and other logits with 1e-5."""
+    import ctranslate2
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    src, _ = converted("llama", 1e-5)
+    small = tmp_path / "small"
+    shutil.copytree(src, small)
+    tensors = load_file(small / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = (tensors["model.embed_tokens.weight"].float() * 1e-4).bfloat16()
+    save_file(tensors, small / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "small-ct2"
+    ctranslate2.converters.TransformersConverter(str(small)).convert(str(out), force=True)
+
+    def logits(eps):
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": eps}))
+        generator = ctranslate2.Generator(str(out), device="cpu", compute_type="float32")
+        return np.array(generator.forward_batch([["<s>", "w1", "w2", "w3"]]))
+
+    null, at_1e6, at_1e5 = logits(None), logits(1e-6), logits(1e-5)
+    assert np.array_equal(null, at_1e6) and np.abs(null - at_1e5).max() > 0.01
+
+
+@pytest.fixture
+def planted(converted, tmp_path):
+    def plant(model_type, eps, fault):
+        src, copy = converted(model_type, eps)
+        out = tmp_path / f"{model_type}-{fault}"
+        shutil.copytree(copy, out)
+        if fault == "eps":
+            config = json.loads((out / "config.json").read_text())
+            (out / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 1e-6}))
+        else:  # every layer_norm_use_residual flag cleared: gamma alone, Gemma's + 1 dropped
+            from parity_cli.sources.ctranslate2 import read_variables
+
+            _, variables = read_variables(out / "model.bin")
+            with open(out / "model.bin", "r+b") as f:
+                for name, var in variables.items():
+                    if name.endswith("/layer_norm_use_residual"):
+                        f.seek(var.offset)
+                        f.write(b"\x00")
+        return src, out
+
+    return plant
+
+
+@pytest.mark.parametrize("model_type, eps, fault, code, shift", [
+    ("llama", 1e-5, "eps", "eps_mismatch", None),
+    ("gemma3_text", 1e-6, "residual", "weight_offset_mismatch", -1.0),
+])
+def test_a_fault_planted_in_the_converted_model_is_named(planted, tmp_path, model_type, eps, fault, code, shift):
+    src, copy = planted(model_type, eps, fault)
+    r, data = _check(src, copy, tmp_path)
+    assert r.returncode == 1 and all(code in codes for codes in _codes(data)), _codes(data)
+    if shift is not None:
+        finding = next(f for f in data["layers"][0]["findings"] if f["code"] == "checkpoint_weight_mismatch")
+        assert finding["uniform_shift"] == shift
+
+
+def _model_bin(variables: list) -> bytes:
+    """A model.bin as CTranslate2 serialises one (model_spec._serialize)."""
+    def string(s):
+        return struct.pack("<H", len(s) + 1) + s.encode() + b"\0"
+
+    out = struct.pack("<I", 6) + string("TransformerDecoderSpec") + struct.pack("<II", 1, len(variables))
+    for name, shape, type_id, data in variables:
+        out += string(name) + struct.pack("<B", len(shape)) + b"".join(struct.pack("<I", d) for d in shape)
+        out += struct.pack("<BI", type_id, len(data)) + data
+    return out + struct.pack("<I", 0)
+
+
+@pytest.mark.parametrize("label, edit, words", [
+    ("truncated", lambda b: b[:-20], "truncated"),
+    ("bytes past the end", lambda b: b.replace(struct.pack("<BI", 0, 256), struct.pack("<BI", 0, 1 << 30)), "corrupt"),
+    ("a rank of 200", lambda b: b.replace(struct.pack("<B", 1) + struct.pack("<I", 64), struct.pack("<B", 200), 1),
+     "rank 200"),
+])
+def test_a_corrupt_model_bin_is_one_line(converted, tmp_path, label, edit, words):
+    from parity_cli.sources.ctranslate2 import read_variables
+
+    src, _ = converted("llama", 1e-5)
+    good = _model_bin([("decoder/layer_norm/gamma", (64,), 0, struct.pack("<64f", *([1.0] * 64)))])
+    (tmp_path / "good.bin").write_bytes(good)  # the file each case edits reads as written
+    spec, variables = read_variables(tmp_path / "good.bin")
+    assert spec == "TransformerDecoderSpec" and variables["decoder/layer_norm/gamma"].shape == (64,)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps({"layer_norm_epsilon": 1e-5}))
+    (copy / "model.bin").write_bytes(edit(good))
+    r = run_parity("check", src, "--candidate-checkpoint", copy)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and words in lines[0] and "model.bin" in lines[0], (label, r.stderr)
