@@ -368,7 +368,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
         if getattr(ckpt2, "architecture", None) == MMPROJ:
             described["mmproj"] = True  # the model's towers only: its language model is another file
         exporter = written_by(ckpt2.files[0]) if ckpt2.format.startswith("safetensors") and ckpt2.files else (
-            f"ctranslate2 ({ckpt2.spec})" if ckpt2.format == "ctranslate2" else None)
+            f"CTranslate2's converter ({ckpt2.spec})" if ckpt2.format == "ctranslate2" else None)
         if exporter:
             described["exporter"] = exporter
         if ckpt2.format == "gguf":

@@ -28,6 +28,7 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
     """Everything `parity check` can refuse without torch (outputs are cli.py's to check);
     `options` the numeric and free-form ones (option_values)."""
     option_values(**(options or {}))
+    _not_a_copy(checkpoint)
     checkpoint_input(checkpoint, family)
     if candidate_checkpoint:
         from parity_cli.sources.onnx_graph import is_onnx
@@ -67,7 +68,19 @@ def inspect_inputs(checkpoint, family=None) -> None:
         return onnx_input(checkpoint)
     if is_openvino_ir(checkpoint):
         return openvino_input(checkpoint)
+    _not_a_copy(checkpoint)
     return _inspect_inputs(checkpoint, family)
+
+
+def _not_a_copy(path) -> None:
+    """A CTranslate2 directory records no model type (its config.json has the eps and the tokens): it
+    is checked as the copy of the model it was converted from."""
+    from parity_cli.sources.ctranslate2 import is_ctranslate2
+    from parity_cli.sources.remote import is_url
+
+    if not is_url(path) and is_ctranslate2(Path(path)):
+        raise InputError(f"{path}: a CTranslate2 model records no model type to check against; check the model it "
+                         f"was converted from with --candidate-checkpoint {path}")
 
 
 def _inspect_inputs(checkpoint, family=None) -> None:

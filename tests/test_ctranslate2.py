@@ -58,7 +58,7 @@ def test_a_faithful_conversion_passes(converted, tmp_path, model_type, eps, laye
     r, data = _check(src, copy, tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr
     described = data["candidate"]["checkpoint"]
-    assert described["format"] == "ctranslate2" and described["exporter"] == "ctranslate2 (TransformerDecoderSpec)"
+    assert described["format"] == "ctranslate2" and described["exporter"] == "CTranslate2's converter (TransformerDecoderSpec)"
     assert described["findings"] == 0 and len(data["layers"]) == layers
     assert described["eps"]["value"] == eps
 
@@ -172,3 +172,34 @@ def test_a_corrupt_model_bin_is_one_line(converted, tmp_path, label, edit, words
     r = run_parity("check", src, "--candidate-checkpoint", copy)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and words in lines[0] and "model.bin" in lines[0], (label, r.stderr)
+
+
+@pytest.mark.parametrize("command", ["check", "inspect"])
+def test_a_ctranslate2_model_alone_is_refused_in_one_line_naming_how_to_check_it(converted, command):
+    _, copy = converted("llama", 1e-5)
+    r = run_parity(command, copy)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and f"--candidate-checkpoint {copy}" in lines[0], r.stderr
+
+
+def test_gains_equal_to_one_another_are_read_through_the_aliases_the_converter_writes(converted, tmp_path):
+    """CTranslate2 stores a variable equal to another once and the others as aliases: a Llama whose
+    norms all hold ones (as a fresh model's do) has one gain variable and four aliases of it."""
+    import torch
+    from ctranslate2.converters import TransformersConverter
+    from safetensors.torch import load_file, save_file
+
+    from parity_cli.sources.ctranslate2 import read_variables
+
+    src, _ = converted("llama", 1e-5)
+    ones = tmp_path / "ones"
+    shutil.copytree(src, ones)
+    tensors = load_file(ones / "model.safetensors")
+    tensors = {k: torch.ones_like(v) if k.endswith("norm.weight") else v for k, v in tensors.items()}
+    save_file(tensors, ones / "model.safetensors", metadata={"format": "pt"})
+    out = TransformersConverter(str(ones)).convert(str(tmp_path / "ones-ct2"))
+    _, variables = read_variables(tmp_path / "ones-ct2" / "model.bin")
+    gains = [v for name, v in variables.items() if name.endswith("gamma")]
+    assert len(gains) == 5 and len({v.offset for v in gains}) == 1  # one stored, four aliases of it
+    r, data = _check(ones, out, tmp_path)
+    assert r.returncode == 0 and len(data["layers"]) == 5, r.stdout[-2000:]

@@ -52,6 +52,8 @@ CASES = {
     "parity check path/to/hf-model --candidate-checkpoint mlx_model": 0,
     "parity capture mlx_model --runtime mlx-lm --prompt \"...\" -o mlx-cap.safetensors": 0,
     "parity check path/to/hf-model --runtime-capture mlx-cap.safetensors": 0,
+    # ct2_model: what ct2-transformers-converter wrote from path/to/hf-model (the page's line, run by the fixture)
+    "parity check path/to/hf-model --candidate-checkpoint ct2_model": 0,
 }
 
 
@@ -149,6 +151,20 @@ def mlx_model(workspace):
 
 
 @pytest.fixture(scope="module")
+def ct2_model(workspace):
+    """ct2_model: path/to/hf-model as `ct2-transformers-converter --model path/to/hf-model --output_dir
+    ct2_model` writes it (the converter's Python API, TransformersConverter)."""
+    pytest.importorskip("ctranslate2", reason="needs CTranslate2: pip install ctranslate2")
+    from ctranslate2.converters import TransformersConverter
+
+    shown = next(line for page, lang, body in blocks() for line in body.splitlines()
+                 if line.startswith("ct2-transformers-converter "))
+    assert shown == "ct2-transformers-converter --model path/to/hf-model --output_dir ct2_model", shown
+    TransformersConverter(str(workspace / "path" / "to" / "hf-model")).convert(str(workspace / "ct2_model"))
+    return workspace / "ct2_model"
+
+
+@pytest.fixture(scope="module")
 def captures(workspace):
     """What the capture examples read: cap.safetensors (model.gguf run in llama.cpp, by the page's own
     command), and cap_eps.safetensors: `llama`, a Llama trained at eps 1e-5, converted with the eps
@@ -195,6 +211,8 @@ def test_the_example_runs_as_its_page_says(command, workspace, request):
                "HF_TOKEN": "", "HF_HUB_OFFLINE": ""}
     if "s3://" in command:
         env = {**env, **request.getfixturevalue("bucket").env()}
+    if "ct2_model" in command:
+        request.getfixturevalue("ct2_model")
     if "mlx" in command:
         made = request.getfixturevalue("mlx_model")
         r = made.get(command) or _run(command, workspace, env)

@@ -5,13 +5,14 @@ model.bin is CTranslate2's own binary spec, not a pickle (ctranslate2/specs/mode
 `_serialize`): a uint32 binary version, the spec's name (a uint16 length, then that many bytes ending
 in NUL), a uint32 revision, a uint32 count of variables, each a name, a uint8 rank, that many uint32
 dimensions, a uint8 type (0 float32, 1 int8, 2 int16, 3 int32, 4 float16, 5 bfloat16), a uint32 byte
-count and the bytes; then the aliases. Every field is checked against the file before it is used;
+count and the bytes; then a uint32 count of aliases, each two names (the alias, the variable). Every field is checked against the file before it is used;
 only the norm gains are read.
 
 A decoder's norms are named by CTranslate2's spec (decoder/layer_0/self_attention/layer_norm/gamma)
 and mapped back to the checkpoint's names (model.layers.0.input_layernorm.weight). A norm whose
 `layer_norm_use_residual` flag is set multiplies by 1 + gamma (Gemma's form): the copy's gain is what
-the runtime multiplies by, gamma plus that 1. The eps is config.json's `layer_norm_epsilon`; where the
+the runtime multiplies by, gamma plus that 1. Variables equal to one another are stored once and
+the others as aliases of it (a model whose norms all hold ones). The eps is config.json's `layer_norm_epsilon`; where the
 converter wrote none (null), CTranslate2's runtime uses 1e-6 (measured with ctranslate2 4.8.5: a
 Generator's logits with a null eps equal those with 1e-6, and differ from 1e-5's)."""
 
@@ -119,6 +120,15 @@ def read_variables(model: Path) -> tuple[str, dict]:
                              f"{dtype}; corrupt or truncated")
         out[name] = Variable(name, dtype, tuple(shape), at, nbytes)
         at += nbytes
+    if at < size:  # a variable equal to another is stored once, the others as aliases of it
+        (count,) = take("I")
+        if count > MAX_VARIABLES:
+            raise InputError(f"{model}: declares {count} aliases; refused (over {MAX_VARIABLES})")
+        for _ in range(count):
+            alias, target = string(), string()
+            if target not in out:
+                raise InputError(f"{model}: alias '{alias}' names '{target}', which is not a variable")
+            out[alias] = Variable(alias, *(getattr(out[target], k) for k in ("dtype", "shape", "offset", "nbytes")))
     del version
     return spec, out
 

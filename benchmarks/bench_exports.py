@@ -1,12 +1,13 @@
-"""MLX-LM's export path against `--candidate torch` on the same checkpoint, measured in the same run:
-a model of SmolLM2-135M's shape (random weights, bfloat16, a word-level tokenizer), converted by
-`mlx_lm.convert`; then the conversion check (`--candidate-checkpoint MLX_DIR`), the capture inside
-mlx-lm (`parity capture MLX_DIR --runtime mlx-lm`, 16 tokens) and the check of that capture.
+"""The export paths against `--candidate torch` on the same checkpoint, measured in the same run: a
+model of SmolLM2-135M's shape (random weights, bfloat16, a word-level tokenizer), converted by
+`mlx_lm.convert` and by CTranslate2's TransformersConverter; then each conversion check
+(`--candidate-checkpoint DIR`), the capture inside mlx-lm (`parity capture MLX_DIR --runtime
+mlx-lm`, 16 tokens) and the check of that capture.
 
-    python benchmarks/bench_mlx_lm.py [--repeat 3] [--tokens 16]
+    python benchmarks/bench_exports.py [--repeat 3] [--tokens 16]
 
-Needs transformers and mlx-lm (pip install -e '.[mlx]'). Each command runs in a fresh interpreter
-(its cost includes the imports); medians of --repeat runs are printed, with each run's time."""
+Needs transformers, mlx-lm (pip install -e '.[mlx]') and ctranslate2. Each command runs in a fresh
+interpreter (its cost includes the imports); medians of --repeat runs are printed, with each run's time."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     tie_word_embeddings=True)
 
 
-def build(root: Path) -> tuple[Path, Path]:
+def build(root: Path) -> tuple[Path, Path, Path]:
     import torch
+    from ctranslate2.converters import TransformersConverter
     from mlx_lm import convert
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -35,7 +37,8 @@ def build(root: Path) -> tuple[Path, Path]:
     LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(torch.bfloat16).save_pretrained(hf, safe_serialization=True)
     write_word_tokenizer(hf)
     convert(str(hf), mlx_path=str(root / "mlx"))
-    return hf, root / "mlx"
+    TransformersConverter(str(hf)).convert(str(root / "ct2"))
+    return hf, root / "mlx", root / "ct2"
 
 
 def main() -> None:
@@ -46,7 +49,7 @@ def main() -> None:
     prompt = " ".join(f"w{i % 40}" for i in range(a.tokens))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        hf, mlx = build(root)
+        hf, mlx, ct2 = build(root)
         cap = root / "cap.safetensors"
         rows = {
             "check HF dir --candidate torch": ["check", str(hf), "--candidate", "torch", "-q"],
@@ -54,6 +57,7 @@ def main() -> None:
             "capture MLX --runtime mlx-lm": ["capture", str(mlx), "--runtime", "mlx-lm", "--prompt", prompt,
                                              "--max-tokens", str(a.tokens), "-o", str(cap)],
             "check HF dir --runtime-capture": ["check", str(hf), "--runtime-capture", str(cap), "-q"],
+            "check HF dir --candidate-checkpoint CT2": ["check", str(hf), "--candidate-checkpoint", str(ct2), "-q"],
         }
         times = interleaved_commands(rows, a.repeat)
         print(f"SmolLM2-135M shape (30 layers, 61 norms, bfloat16), {a.tokens} tokens, median of {a.repeat}:")
