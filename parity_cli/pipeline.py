@@ -347,6 +347,8 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
         described = {"path": recorded_path(opts.candidate_checkpoint), "format": "onnx",
                      "family": reference_layers[0].family if reference_layers else None, "model_type": None,
                      "eps": info["eps"], "layers": len(layers), "unmatched": [], "onnx": info}
+        if info.get("producer"):  # the tool the graph says wrote it: onnxruntime-genai's builder, pytorch, ...
+            described["exporter"] = info["producer"]
         dtype = info["dtype"]
     elif is_openvino_ir(opts.candidate_checkpoint):  # model.openvino_layers: the IR's norms and subgraphs
         from parity_cli.model.openvino_layers import candidate_layers as ir_layers

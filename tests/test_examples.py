@@ -54,6 +54,10 @@ CASES = {
     "parity check path/to/hf-model --runtime-capture mlx-cap.safetensors": 0,
     # ct2_model: what ct2-transformers-converter wrote from path/to/hf-model (the page's line, run by the fixture)
     "parity check path/to/hf-model --candidate-checkpoint ct2_model": 0,
+    # genai_model: what ONNX Runtime GenAI's builder wrote from path/to/hf-model (the page's line, run by the fixture)
+    "parity check path/to/hf-model --candidate-checkpoint genai_model/model.onnx": 0,
+    "parity capture genai_model/model.onnx --runtime onnxruntime --prompt \"...\" -o genai-cap.safetensors": 0,
+    "parity check path/to/hf-model --runtime-capture genai-cap.safetensors": 0,
 }
 
 
@@ -165,6 +169,23 @@ def ct2_model(workspace):
 
 
 @pytest.fixture(scope="module")
+def genai_model(workspace):
+    """genai_model: path/to/hf-model as the page's builder line writes it, and the capture of it the
+    page's third line makes (run once)."""
+    import shlex
+
+    pytest.importorskip("onnxruntime_genai", reason="needs onnxruntime-genai: pip install onnxruntime-genai")
+    from exporters import ort_genai_build
+
+    shown = next(line for page, lang, body in blocks() for line in body.splitlines()
+                 if line.startswith("python -m onnxruntime_genai.models.builder "))
+    ort_genai_build(*[workspace / a if a.startswith(("path/", "genai_model")) else a
+                      for a in shlex.split(shown)[3:]], "-c", workspace / "genai-cache")
+    command = next(c for c in CASES if c.startswith("parity capture genai_model/"))
+    return {command: _run(command, workspace)}
+
+
+@pytest.fixture(scope="module")
 def captures(workspace):
     """What the capture examples read: cap.safetensors (model.gguf run in llama.cpp, by the page's own
     command), and cap_eps.safetensors: `llama`, a Llama trained at eps 1e-5, converted with the eps
@@ -213,7 +234,10 @@ def test_the_example_runs_as_its_page_says(command, workspace, request):
         env = {**env, **request.getfixturevalue("bucket").env()}
     if "ct2_model" in command:
         request.getfixturevalue("ct2_model")
-    if "mlx" in command:
+    if "genai" in command:
+        made = request.getfixturevalue("genai_model")
+        r = made.get(command) or _run(command, workspace, env)
+    elif "mlx" in command:
         made = request.getfixturevalue("mlx_model")
         r = made.get(command) or _run(command, workspace, env)
     elif "capture" in command:

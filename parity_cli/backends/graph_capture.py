@@ -41,9 +41,29 @@ def tokenize(model, text: str) -> list[int]:
         raise InputError(f"{found}: not a tokenizer the tokenizers library reads ({type(exc).__name__})") from None
 
 
-def feeds(inputs, tokens: list[int]) -> dict:
-    """The model's inputs (name, element numpy dtype, shape with None for a dynamic axis) fed as a
-    language model's, or one line naming the input nothing here knows how to fill."""
+def _head_size(model) -> int | None:
+    """A cache's head size where the graph leaves it symbolic (ONNX Runtime GenAI's builder names it
+    kv_cache_dim): from genai_config.json beside the model, else config.json's head_dim or
+    hidden_size / num_attention_heads. Data files read as JSON, nothing executed."""
+    import json
+
+    folder = Path(model).parent
+    try:
+        genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+        return int(genai["model"]["decoder"]["head_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def feeds(inputs, tokens: list[int], model=None) -> dict:
+    """The model's inputs (name, element numpy dtype, shape: an int, a symbolic name, or None for a
+    dynamic axis) fed as a language model's, or one line naming the input nothing here knows how to
+    fill. An empty cache has no past positions; a symbolic head size is the model's (_head_size)."""
     import numpy as np
 
     n = len(tokens)
@@ -59,7 +79,20 @@ def feeds(inputs, tokens: list[int]) -> dict:
         elif "token_type_ids" in low:
             out[name] = np.zeros((1, n), dtype=dtype)
         elif "past" in low or "cache" in low:  # an empty cache: batch 1, no positions yet
-            dims = [1 if k == 0 else (0 if d is None else d) for k, d in enumerate(shape)]
+            dims = []
+            for k, d in enumerate(shape):
+                if isinstance(d, int):
+                    dims.append(d)
+                elif k == 0:
+                    dims.append(1)
+                elif isinstance(d, str) and k == len(shape) - 1 and not any(w in d for w in ("seq", "past")):
+                    head = _head_size(model) if model is not None else None
+                    if head is None:
+                        raise InputError(f"the cache input '{name}' leaves its last axis '{d}' symbolic, and no "
+                                         "genai_config.json or config.json beside the model gives its head size")
+                    dims.append(head)
+                else:
+                    dims.append(0)
             out[name] = np.zeros(dims, dtype=dtype)
         else:
             raise InputError(f"the model's input '{name}' is none a language model's (input_ids, attention_mask, "
@@ -115,9 +148,9 @@ def _onnxruntime(path: Path, tokens: list[int]) -> dict:
             model.graph.output.append(onnx.ValueInfoProto(name=name))
     try:
         session = _external_session(model, path) if _external(model) else _session(model, "cpu")
-        inputs = [(i.name, _numpy_type(i.type), [d if isinstance(d, int) else None for d in i.shape])
+        inputs = [(i.name, _numpy_type(i.type), [d if isinstance(d, (int, str)) else None for d in i.shape])
                   for i in session.get_inputs()]
-        values = session.run(None, feeds(inputs, tokens))
+        values = session.run(None, feeds(inputs, tokens, path))
     except InputError:
         raise
     except Exception as exc:
