@@ -1,17 +1,18 @@
 """The export paths against `--candidate torch` on the same checkpoint, measured in the same run: a
 model of SmolLM2-135M's shape (random weights, bfloat16, a word-level tokenizer), converted by
-`mlx_lm.convert` and by CTranslate2's TransformersConverter; then each conversion check
-(`--candidate-checkpoint DIR`), the capture inside mlx-lm (`parity capture MLX_DIR --runtime
-mlx-lm`, 16 tokens) and the check of that capture.
+`mlx_lm.convert`, by CTranslate2's TransformersConverter and by ONNX Runtime GenAI's builder (fp32,
+cpu); then each conversion check (`--candidate-checkpoint`), the captures inside mlx-lm and inside
+ONNX Runtime (16 tokens) and the checks of those captures.
 
     python benchmarks/bench_exports.py [--repeat 3] [--tokens 16]
 
-Needs transformers, mlx-lm (pip install -e '.[mlx]') and ctranslate2. Each command runs in a fresh
+Needs transformers, mlx-lm (pip install -e '.[mlx]'), ctranslate2 and onnxruntime-genai. Each command runs in a fresh
 interpreter (its cost includes the imports); medians of --repeat runs are printed, with each run's time."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +25,7 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     tie_word_embeddings=True)
 
 
-def build(root: Path) -> tuple[Path, Path, Path]:
+def build(root: Path) -> tuple[Path, Path, Path, Path]:
     import torch
     from ctranslate2.converters import TransformersConverter
     from mlx_lm import convert
@@ -38,7 +39,12 @@ def build(root: Path) -> tuple[Path, Path, Path]:
     write_word_tokenizer(hf)
     convert(str(hf), mlx_path=str(root / "mlx"))
     TransformersConverter(str(hf)).convert(str(root / "ct2"))
-    return hf, root / "mlx", root / "ct2"
+    genai = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o",
+                            str(root / "genai"), "-p", "fp32", "-e", "cpu", "-c", str(root / "genai-cache")],
+                           capture_output=True, text=True)
+    if genai.returncode:
+        raise SystemExit(f"the ONNX Runtime GenAI builder failed: {genai.stderr[-400:]}")
+    return hf, root / "mlx", root / "ct2", root / "genai" / "model.onnx"
 
 
 def main() -> None:
@@ -49,8 +55,8 @@ def main() -> None:
     prompt = " ".join(f"w{i % 40}" for i in range(a.tokens))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        hf, mlx, ct2 = build(root)
-        cap = root / "cap.safetensors"
+        hf, mlx, ct2, genai = build(root)
+        cap, genai_cap = root / "cap.safetensors", root / "genai-cap.safetensors"
         rows = {
             "check HF dir --candidate torch": ["check", str(hf), "--candidate", "torch", "-q"],
             "check HF dir --candidate-checkpoint MLX": ["check", str(hf), "--candidate-checkpoint", str(mlx), "-q"],
@@ -58,6 +64,10 @@ def main() -> None:
                                              "--max-tokens", str(a.tokens), "-o", str(cap)],
             "check HF dir --runtime-capture": ["check", str(hf), "--runtime-capture", str(cap), "-q"],
             "check HF dir --candidate-checkpoint CT2": ["check", str(hf), "--candidate-checkpoint", str(ct2), "-q"],
+            "check HF dir --candidate-checkpoint GenAI": ["check", str(hf), "--candidate-checkpoint", str(genai), "-q"],
+            "capture GenAI --runtime onnxruntime": ["capture", str(genai), "--runtime", "onnxruntime", "--prompt",
+                                                    prompt, "--max-tokens", str(a.tokens), "-o", str(genai_cap)],
+            "check HF dir --runtime-capture (GenAI)": ["check", str(hf), "--runtime-capture", str(genai_cap), "-q"],
         }
         times = interleaved_commands(rows, a.repeat)
         print(f"SmolLM2-135M shape (30 layers, 61 norms, bfloat16), {a.tokens} tokens, median of {a.repeat}:")
