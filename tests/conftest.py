@@ -41,10 +41,16 @@ def pytest_configure(config):
 def _restore_sys_path():
     """A FILE.py candidate resolved in this process puts its directory on sys.path for good (so
     that it can import its neighbours): a tmp_path's kernels.py must not shadow the `kernels`
-    package that transformers looks for in a later test."""
+    package that transformers looks for in a later test. A directory inside an installed package
+    stays: onnxruntime.transformers (imported by ONNX Runtime GenAI's builder, by ORT's quantization)
+    appends its own directory when first imported, and its later submodule imports need it there."""
+    import sysconfig
+
     saved = list(sys.path)
     yield
-    sys.path[:] = saved
+    installed = tuple(str(Path(sysconfig.get_paths()[key]).resolve()) for key in ("purelib", "platlib"))
+    kept = [p for p in sys.path if p not in saved and str(Path(p).resolve()).startswith(installed)]
+    sys.path[:] = saved + kept
 
 
 @pytest.fixture(scope="session")
