@@ -284,13 +284,45 @@ def run_child(cmd, env: dict | None = None, check_rc=(0,)) -> dict:
     return collect(spawn(cmd, env), check_rc)
 
 
-def interleaved_commands(rows: dict, repeat: int) -> dict:
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json): 30 layers, 61 norms
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                    tie_word_embeddings=True)
+
+
+def smollm2_shaped(directory: Path, dtype: str = "float32") -> Path:
+    """A Llama of SmolLM2-135M's shape (random weights, seed 0, stored at `dtype`) with a word-level
+    tokenizer (w0 .. w39): what the capture and export benchmarks run. Needs torch and transformers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from parity_cli.sources.synthetic import write_word_tokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(getattr(torch, dtype))
+    model.save_pretrained(directory, safe_serialization=True)
+    return write_word_tokenizer(directory)
+
+
+def token_bench_args():
+    """(--repeat, --tokens arguments, the prompt of that many words w0 .. w39) of a capture benchmark."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=16)
+    a = p.parse_args()
+    return a, " ".join(f"w{i % 40}" for i in range(a.tokens))
+
+
+def interleaved_commands(rows: dict, repeat: int, check_rc=(0,)) -> dict:
     """`parity ARGS` for each {label: ARGS}, in fresh processes, interleaved over `repeat` rounds (a
-    slow spell hits every label): {label: [wall seconds]}. A run that exits non-zero stops the benchmark."""
+    slow spell hits every label): {label: [wall seconds]}. A run that exits outside `check_rc` stops
+    the benchmark."""
     times: dict = {label: [] for label in rows}
     for _ in range(repeat):
         for label, args in rows.items():
-            times[label].append(run_child(parity_cmd() + [str(a) for a in args])["wall"])
+            times[label].append(run_child(parity_cmd() + [str(a) for a in args], check_rc=check_rc)["wall"])
     return times
 
 

@@ -11,32 +11,20 @@ interpreter (its cost includes the imports); medians of --repeat runs are printe
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved_commands, print_against  # noqa: E402
-
-SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=2048,
-                    tie_word_embeddings=True)
+from _common import interleaved_commands, print_against, smollm2_shaped, token_bench_args  # noqa: E402
 
 
 def build(root: Path) -> tuple[Path, Path, Path, Path]:
-    import torch
     from ctranslate2.converters import TransformersConverter
     from mlx_lm import convert
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from parity_cli.sources.synthetic import write_word_tokenizer
-
-    torch.manual_seed(0)
-    hf = root / "hf"
-    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(torch.bfloat16).save_pretrained(hf, safe_serialization=True)
-    write_word_tokenizer(hf)
+    hf = smollm2_shaped(root / "hf", "bfloat16")
     convert(str(hf), mlx_path=str(root / "mlx"))
     TransformersConverter(str(hf)).convert(str(root / "ct2"))
     genai = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-o",
@@ -48,11 +36,7 @@ def build(root: Path) -> tuple[Path, Path, Path, Path]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=16)
-    a = p.parse_args()
-    prompt = " ".join(f"w{i % 40}" for i in range(a.tokens))
+    a, prompt = token_bench_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         hf, mlx, ct2, genai = build(root)

@@ -157,6 +157,32 @@ def load_json(path):
     return json.loads(Path(path).read_text())
 
 
+def check_with_report(tmp_path, *args):
+    """`parity check ARGS --json tmp_path/r.json`: (the result, the report as a dict or None)."""
+    report = Path(tmp_path) / "r.json"
+    r = run_parity("check", *args, "--json", report)
+    return r, (load_json(report) if report.exists() else None)
+
+
+def capture_inside(runtime: str, model, tmp_path, prompt: str) -> Path:
+    """`parity capture MODEL --runtime RUNTIME --prompt PROMPT`, which must succeed: the file written."""
+    cap = Path(tmp_path) / f"{runtime}-cap.safetensors"
+    r = run_parity("capture", model, "--runtime", runtime, "--prompt", prompt, "-o", cap)
+    assert r.returncode == 0, r.stderr
+    return cap
+
+
+def finding_codes(data) -> list[set]:
+    """Each layer's diagnosis and finding codes."""
+    return [{d["code"] for d in layer["diagnoses"]} | {f["code"] for f in layer.get("findings", [])}
+            for layer in data["layers"]]
+
+
+def all_pass(data) -> bool:
+    """Every layer of a report passes (exit 0 alone would also hold for a report of none)."""
+    return bool(data["layers"]) and all(layer["status"] == "pass" for layer in data["layers"])
+
+
 RSS_LIMIT_KB = 700 * 1024  # torch itself is ~230 MB: a few hundred MB more would mean something was allocated
 _BOUNDED = []  # this worker's tests/bounded.py server, started at the first run_bounded
 

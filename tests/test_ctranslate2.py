@@ -14,7 +14,7 @@ import shutil
 import struct
 
 import pytest
-from conftest import load_json, run_parity
+from conftest import all_pass, check_with_report, finding_codes, run_parity
 
 pytest.importorskip("ctranslate2", reason="needs CTranslate2: pip install ctranslate2")
 
@@ -41,24 +41,14 @@ def converted(tmp_path_factory):
     return get
 
 
-def _check(src, copy, tmp_path):
-    report = tmp_path / "r.json"
-    r = run_parity("check", src, "--candidate-checkpoint", copy, "--json", report)
-    return r, (load_json(report) if report.exists() else None)
-
-
-def _codes(data) -> list[set]:
-    return [{d["code"] for d in layer["diagnoses"]} | {f["code"] for f in layer.get("findings", [])}
-            for layer in data["layers"]]
-
-
 @pytest.mark.parametrize("model_type, eps, layers", [("llama", 1e-5, 5), ("gemma3_text", 1e-6, 13)])
 def test_a_faithful_conversion_passes(converted, tmp_path, model_type, eps, layers):
     src, copy = converted(model_type, eps)
-    r, data = _check(src, copy, tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy)
+    assert r.returncode == 0 and all_pass(data), r.stdout[-3000:] + r.stderr
     described = data["candidate"]["checkpoint"]
-    assert described["format"] == "ctranslate2" and described["exporter"] == "CTranslate2's converter (TransformerDecoderSpec)"
+    assert described["format"] == "ctranslate2"
+    assert described["exporter"] == "CTranslate2's converter (TransformerDecoderSpec)"
     assert described["findings"] == 0 and len(data["layers"]) == layers
     assert described["eps"]["value"] == eps
 
@@ -69,9 +59,10 @@ def test_the_converter_writes_no_eps_for_gemma_3_and_the_runtime_takes_1e_6(conv
     into a model that computes at 1e-6: every norm fails with the eps named, and where it came from."""
     src, copy = converted("gemma3_text", 1e-5)
     assert json.loads((copy / "config.json").read_text())["layer_norm_epsilon"] is None
-    r, data = _check(src, copy, tmp_path)
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy)
     assert r.returncode == 1
-    assert all({"eps_mismatch", "checkpoint_eps_mismatch"} <= codes for codes in _codes(data)), _codes(data)
+    codes = finding_codes(data)
+    assert all({"eps_mismatch", "checkpoint_eps_mismatch"} <= layer for layer in codes), codes
     eps = data["candidate"]["checkpoint"]["eps"]
     assert eps["value"] == 1e-6 and "default" in eps["source"] and "null" in eps["source"]
 
@@ -132,8 +123,8 @@ def planted(converted, tmp_path):
 ])
 def test_a_fault_planted_in_the_converted_model_is_named(planted, tmp_path, model_type, eps, fault, code, shift):
     src, copy = planted(model_type, eps, fault)
-    r, data = _check(src, copy, tmp_path)
-    assert r.returncode == 1 and all(code in codes for codes in _codes(data)), _codes(data)
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy)
+    assert r.returncode == 1 and all(code in codes for codes in finding_codes(data)), finding_codes(data)
     if shift is not None:
         finding = next(f for f in data["layers"][0]["findings"] if f["code"] == "checkpoint_weight_mismatch")
         assert finding["uniform_shift"] == shift
@@ -201,5 +192,34 @@ def test_gains_equal_to_one_another_are_read_through_the_aliases_the_converter_w
     _, variables = read_variables(tmp_path / "ones-ct2" / "model.bin")
     gains = [v for name, v in variables.items() if name.endswith("gamma")]
     assert len(gains) == 5 and len({v.offset for v in gains}) == 1  # one stored, four aliases of it
-    r, data = _check(ones, out, tmp_path)
-    assert r.returncode == 0 and len(data["layers"]) == 5, r.stdout[-2000:]
+    r, data = check_with_report(tmp_path, ones, "--candidate-checkpoint", out)
+    assert r.returncode == 0 and all_pass(data) and len(data["layers"]) == 5, r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("config.json a FIFO", "not a regular file"),
+    ("eps not a number", "must be a finite number > 0"),
+    ("model.bin outside", "outside the checkpoint directory"),
+])
+def test_a_hostile_ctranslate2_directory_is_one_line(converted, tmp_path, case, words):
+    """What the directory around model.bin may lie with: a config.json that would block the first
+    read (before, a FIFO was skipped as absent and the default eps taken), an eps that is text, a
+    model.bin that is a link to a file elsewhere."""
+    import os
+
+    src, made = converted("llama", 1e-5)
+    copy = tmp_path / "copy"
+    shutil.copytree(made, copy)
+    if case == "config.json a FIFO":
+        (copy / "config.json").unlink()
+        os.mkfifo(copy / "config.json")
+    elif case == "eps not a number":
+        (copy / "config.json").write_text(json.dumps({"layer_norm_epsilon": "1e-5"}))
+    else:
+        elsewhere = tmp_path / "elsewhere.bin"
+        (copy / "model.bin").rename(elsewhere)
+        (copy / "model.bin").symlink_to(elsewhere)
+    r = run_parity("check", src, "--candidate-checkpoint", copy)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and words in lines[0], (case, r.stderr)
+    assert "Traceback" not in r.stderr

@@ -139,6 +139,12 @@ def workspace(tmp_path_factory):
     return root
 
 
+def _shown(start: str) -> str:
+    """The one line a page shows that starts so (an exporter's command, which a fixture runs)."""
+    (line,) = {line for _, _, body in blocks() for line in body.splitlines() if line.startswith(start)}
+    return line
+
+
 @pytest.fixture(scope="module")
 def mlx_model(workspace):
     """mlx_model: path/to/hf-model as `mlx_lm.convert --hf-path path/to/hf-model --mlx-path mlx_model`
@@ -146,8 +152,7 @@ def mlx_model(workspace):
     pytest.importorskip("mlx_lm", reason="needs mlx-lm: pip install -e '.[mlx]'")
     from mlx_lm import convert
 
-    shown = next(line for page, lang, body in blocks() for line in body.splitlines()
-                 if line.startswith("mlx_lm.convert "))
+    shown = _shown("mlx_lm.convert ")
     assert shown == "mlx_lm.convert --hf-path path/to/hf-model --mlx-path mlx_model", shown
     convert(str(workspace / "path" / "to" / "hf-model"), mlx_path=str(workspace / "mlx_model"))
     command = next(c for c in CASES if c.startswith("parity capture mlx_model "))
@@ -161,8 +166,7 @@ def ct2_model(workspace):
     pytest.importorskip("ctranslate2", reason="needs CTranslate2: pip install ctranslate2")
     from ctranslate2.converters import TransformersConverter
 
-    shown = next(line for page, lang, body in blocks() for line in body.splitlines()
-                 if line.startswith("ct2-transformers-converter "))
+    shown = _shown("ct2-transformers-converter ")
     assert shown == "ct2-transformers-converter --model path/to/hf-model --output_dir ct2_model", shown
     TransformersConverter(str(workspace / "path" / "to" / "hf-model")).convert(str(workspace / "ct2_model"))
     return workspace / "ct2_model"
@@ -177,8 +181,7 @@ def genai_model(workspace):
     pytest.importorskip("onnxruntime_genai", reason="needs onnxruntime-genai: pip install onnxruntime-genai")
     from exporters import ort_genai_build
 
-    shown = next(line for page, lang, body in blocks() for line in body.splitlines()
-                 if line.startswith("python -m onnxruntime_genai.models.builder "))
+    shown = _shown("python -m onnxruntime_genai.models.builder ")
     ort_genai_build(*[workspace / a if a.startswith(("path/", "genai_model")) else a
                       for a in shlex.split(shown)[3:]], "-c", workspace / "genai-cache")
     command = next(c for c in CASES if c.startswith("parity capture genai_model/"))

@@ -15,7 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import load_json, run_parity
+from conftest import all_pass, capture_inside, check_with_report, finding_codes, run_parity
 
 pytest.importorskip("mlx_lm", reason="needs mlx-lm: pip install mlx-lm (pip install -e '.[mlx]')")
 
@@ -39,29 +39,11 @@ def made(tmp_path_factory):
     return out
 
 
-def _check(src, tmp_path, *args):
-    report = tmp_path / "r.json"
-    r = run_parity("check", src, *args, "--json", report)
-    return r, (load_json(report) if report.exists() else None)
-
-
-def _capture(mlx_dir, tmp_path):
-    cap = tmp_path / "cap.safetensors"
-    r = run_parity("capture", mlx_dir, "--runtime", "mlx-lm", "--prompt", PROMPT, "-o", cap)
-    assert r.returncode == 0, r.stderr
-    return cap
-
-
-def _codes(data) -> list[set]:
-    return [{d["code"] for d in layer["diagnoses"]} | {f["code"] for f in layer.get("findings", [])}
-            for layer in data["layers"]]
-
-
 @pytest.mark.parametrize("model_type", list(SOURCES))
 def test_a_faithful_conversion_passes_and_names_mlx_lm(made, model_type, tmp_path):
     src, mlx_dir = made[model_type]
-    r, data = _check(src, tmp_path, "--candidate-checkpoint", mlx_dir)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", mlx_dir)
+    assert r.returncode == 0 and all_pass(data), r.stdout[-2000:] + r.stderr
     copy = data["candidate"]["checkpoint"]
     assert copy["exporter"] == "mlx-lm" and copy["findings"] == 0
     assert len(data["layers"]) == {"llama": 2 * 2 + 1, "gemma3_text": 6 * 6 + 1}[model_type]
@@ -71,10 +53,9 @@ def test_a_faithful_conversion_passes_and_names_mlx_lm(made, model_type, tmp_pat
 def test_a_faithful_llama_passes_inside_mlx_lm(made, tmp_path):
     """Every norm module mlx-lm runs, at bfloat16 (the checkpoint's dtype, which mlx_lm.convert keeps)."""
     src, mlx_dir = made["llama"]
-    cap = _capture(mlx_dir, tmp_path)
-    r, data = _check(src, tmp_path, "--runtime-capture", cap)
-    assert r.returncode == 0, r.stdout[-3000:]
-    assert len(data["layers"]) == 5 and all(layer["status"] == "pass" for layer in data["layers"])
+    cap = capture_inside("mlx-lm", mlx_dir, tmp_path, PROMPT)
+    r, data = check_with_report(tmp_path, src, "--runtime-capture", cap)
+    assert r.returncode == 0 and all_pass(data) and len(data["layers"]) == 5, r.stdout[-3000:]
     meta = data["candidate"]["checkpoint"]["runtime"]
     assert meta["name"] == "mlx-lm" and meta["computes_in"] == ["bfloat16"] and meta["version"].startswith("mlx-lm ")
 
@@ -85,11 +66,11 @@ def test_mlx_lms_bfloat16_gemma_multiplies_by_one_plus_w_rounded_to_bfloat16(mad
     stay inside the bfloat16 allowance; the gains mlx-lm multiplies by are not the model's, and the
     capture says so on every layer."""
     src, mlx_dir = made["gemma3_text"]
-    cap = _capture(mlx_dir, tmp_path)
-    r, data = _check(src, tmp_path, "--runtime-capture", cap)
+    cap = capture_inside("mlx-lm", mlx_dir, tmp_path, PROMPT)
+    r, data = check_with_report(tmp_path, src, "--runtime-capture", cap)
     assert r.returncode == 1
-    assert all(codes == {"channel_gain_mismatch", "checkpoint_weight_mismatch"} for codes in _codes(data)), \
-        _codes(data)
+    codes = finding_codes(data)
+    assert all(layer == {"channel_gain_mismatch", "checkpoint_weight_mismatch"} for layer in codes), codes
     strata = [s for layer in data["layers"] for s in layer["strata"]]
     assert len(strata) == 6 * 6 + 1 and all(s["name"] == "captured" and s["violations"] == 0 for s in strata)
 
@@ -146,10 +127,10 @@ def test_a_fault_planted_in_the_mlx_artifact_is_named_in_the_copy_and_inside_mlx
                                                                                     fault, code, tmp_path):
     src = made[model_type][0]
     copy = planted(model_type, fault)
-    r, data = _check(src, tmp_path, "--candidate-checkpoint", copy)
-    assert r.returncode == 1 and all(code in codes for codes in _codes(data)), _codes(data)
-    r, data = _check(src, tmp_path, "--runtime-capture", _capture(copy, tmp_path))
-    assert r.returncode == 1 and all(code in codes for codes in _codes(data)), _codes(data)
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy)
+    assert r.returncode == 1 and all(code in codes for codes in finding_codes(data)), finding_codes(data)
+    r, data = check_with_report(tmp_path, src, "--runtime-capture", capture_inside("mlx-lm", copy, tmp_path, PROMPT))
+    assert r.returncode == 1 and all(code in codes for codes in finding_codes(data)), finding_codes(data)
     if fault == "eps":  # read from mlx-lm's own modules, not estimated
         diagnosis = next(d for d in data["layers"][0]["diagnoses"] if d["code"] == "eps_mismatch")
         assert diagnosis["estimated_eps"] == pytest.approx(1e-6) and diagnosis["read_from_copy"] is True
@@ -168,3 +149,20 @@ def test_a_directory_mlx_lm_cannot_load_is_one_line(tmp_path):
     assert lines[-1].startswith("parity: error: ") and "mlx-lm could not load it" in lines[-1], r.stderr
     assert "no_such_model" in lines[-1] and "Traceback" not in r.stderr
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_code_a_directory_names_for_mlx_lm_to_import_never_runs(made, tmp_path):
+    """mlx-lm builds a model from `model_file` in its config when it is trusted: parity never trusts
+    it. The module, which would write a file, is not run; the capture is one line naming mlx-lm's
+    refusal, and nothing is written."""
+    copy = tmp_path / "custom"
+    shutil.copytree(made["llama"][1], copy)
+    marker = tmp_path / "ran"
+    (copy / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "model_file": "evil.py"}))
+    r = run_parity("capture", copy, "--runtime", "mlx-lm", "--prompt", PROMPT, "-o", tmp_path / "c.safetensors")
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and all(line.startswith("parity capture: ") for line in lines[:-1]), r.stderr
+    assert lines[-1].startswith("parity: error: ") and "custom module ('evil.py')" in lines[-1], r.stderr
+    assert not marker.exists() and not (tmp_path / "c.safetensors").exists()

@@ -11,7 +11,7 @@ copies beside the graph. The builder's GroupQueryAttention takes an empty KV cac
 the graph leaves symbolic (kv_cache_dim): the capture reads the head size from genai_config.json."""
 
 import pytest
-from conftest import load_json, run_parity
+from conftest import all_pass, capture_inside, check_with_report
 from exporters import ort_genai_build
 
 pytest.importorskip("onnxruntime_genai", reason="needs onnxruntime-genai: pip install onnxruntime-genai")
@@ -39,31 +39,19 @@ def built(tmp_path_factory):
     return get
 
 
-def _check(src, tmp_path, *args):
-    report = tmp_path / "r.json"
-    r = run_parity("check", src, *args, "--json", report)
-    return r, (load_json(report) if report.exists() else None)
-
-
-def _capture(graph, tmp_path):
-    cap = tmp_path / "cap.safetensors"
-    r = run_parity("capture", graph, "--runtime", "onnxruntime", "--prompt", PROMPT, "-o", cap)
-    assert r.returncode == 0, r.stderr
-    return cap
-
-
 @pytest.mark.parametrize("precision, computes_in", [("fp32", "float32"), ("fp16", "float16")])
 def test_a_built_model_passes_as_a_copy_and_inside_onnx_runtime(built, tmp_path, precision, computes_in):
     src, out = built(precision)
-    r, data = _check(src, tmp_path, "--candidate-checkpoint", out / "model.onnx")
-    assert r.returncode == 0, r.stdout[-3000:]
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", out / "model.onnx")
+    assert r.returncode == 0 and all_pass(data), r.stdout[-3000:]
     described = data["candidate"]["checkpoint"]
     assert described["exporter"].startswith("onnxruntime-genai ") and len(data["layers"]) == 5
     ops = {layer["name"]: layer for layer in data["layers"]}
     assert set(ops) == {"model.norm"} | {f"model.layers.{i}.{n}_layernorm" for i in (0, 1)
                                          for n in ("input", "post_attention")}
-    r, data = _check(src, tmp_path, "--runtime-capture", _capture(out / "model.onnx", tmp_path))
-    assert r.returncode == 0, r.stdout[-3000:]
+    cap = capture_inside("onnxruntime", out / "model.onnx", tmp_path, PROMPT)
+    r, data = check_with_report(tmp_path, src, "--runtime-capture", cap)
+    assert r.returncode == 0 and all_pass(data), r.stdout[-3000:]
     runtime = data["candidate"]["checkpoint"]["runtime"]
     assert runtime["name"] == "onnxruntime" and runtime["computes_in"] == [computes_in]
     assert len(data["layers"]) == 5
@@ -88,11 +76,33 @@ def test_an_eps_planted_in_the_built_graph_is_named_as_a_copy_and_inside_onnx_ru
                     attribute.f, planted = 1e-6, planted + 1
     assert planted == 5
     onnx.save(model, str(copy / "model.onnx"))
-    r, data = _check(src, tmp_path, "--candidate-checkpoint", copy / "model.onnx")
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy / "model.onnx")
     assert r.returncode == 1 and all("eps_mismatch" in {d["code"] for d in layer["diagnoses"]}
                                      for layer in data["layers"]), r.stdout[-2000:]
-    r, data = _check(src, tmp_path, "--runtime-capture", _capture(copy / "model.onnx", tmp_path))
+    cap = capture_inside("onnxruntime", copy / "model.onnx", tmp_path, PROMPT)
+    r, data = check_with_report(tmp_path, src, "--runtime-capture", cap)
     assert r.returncode == 1
     for layer in data["layers"]:
         diagnosis = next(d for d in layer["diagnoses"] if d["code"] == "eps_mismatch")
         assert diagnosis["estimated_eps"] == pytest.approx(1e-6) and diagnosis["read_from_copy"] is True
+
+
+def test_a_genai_config_that_is_a_fifo_is_one_line_not_a_hang(built, tmp_path):
+    """The head size is read from genai_config.json beside the graph: a FIFO there would block the
+    first read for ever; it is refused in one line naming the file, before ONNX Runtime runs."""
+    import os
+    import shutil
+
+    from conftest import run_parity
+
+    _, out = built("fp32")
+    copy = tmp_path / "fifo"
+    shutil.copytree(out, copy)
+    (copy / "genai_config.json").unlink()
+    os.mkfifo(copy / "genai_config.json")
+    r = run_parity("capture", copy / "model.onnx", "--runtime", "onnxruntime", "--prompt", PROMPT,
+                   "-o", tmp_path / "c.safetensors")
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and lines[-1].startswith("parity: error: "), r.stderr
+    assert "genai_config.json" in lines[-1] and "not a regular file" in lines[-1], r.stderr
+    assert not (tmp_path / "c.safetensors").exists()

@@ -44,20 +44,28 @@ def tokenize(model, text: str) -> list[int]:
 def _head_size(model) -> int | None:
     """A cache's head size where the graph leaves it symbolic (ONNX Runtime GenAI's builder names it
     kv_cache_dim): from genai_config.json beside the model, else config.json's head_dim or
-    hidden_size / num_attention_heads. Data files read as JSON, nothing executed."""
-    import json
+    hidden_size / num_attention_heads. Read as every JSON input is (bounded, a regular file: a FIFO
+    or an oversized one is one line), nothing executed; a file that is not there says nothing."""
+    from parity_cli.sources.jsonfile import load
 
     folder = Path(model).parent
-    try:
-        genai = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
-        return int(genai["model"]["decoder"]["head_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return None
+    read = {name: load(folder / name, f"the {name}") for name in ("genai_config.json", "config.json")
+            if (folder / name).exists() or (folder / name).is_symlink()}
+    for value in (_dig(read.get("genai_config.json"), "model", "decoder", "head_size"),
+                  _dig(read.get("config.json"), "head_dim")):
+        if type(value) is int and 0 < value <= 1 << 16:
+            return value
+    config = read.get("config.json")
+    hidden, heads = _dig(config, "hidden_size"), _dig(config, "num_attention_heads")
+    if type(hidden) is int and type(heads) is int and 0 < heads <= hidden:
+        return hidden // heads
+    return None
+
+
+def _dig(tree, *keys):
+    for key in keys:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
 
 
 def feeds(inputs, tokens: list[int], model=None) -> dict:

@@ -70,7 +70,8 @@ def record(path, text: str | None, tokens: list[int] | None, max_tokens: int) ->
     from mlx_lm import load
 
     try:
-        model, tokenizer = load(str(path))
+        # a config's model_file, a tokenizer's auto_map: code the directory holds, never run
+        model, tokenizer = load(str(path), tokenizer_config={"trust_remote_code": False}, trust_remote_code=False)
     except Exception as exc:
         raise InputError(f"{path}: mlx-lm could not load it: {' '.join(str(exc).split())[:240]}") from None
     if tokens is None:

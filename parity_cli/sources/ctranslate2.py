@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
-from parity_cli.sources.localread import pread
-from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, TensorInfo
+from parity_cli.sources.localread import checked_inside, pread
+from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, ConvertedTensors, TensorInfo
 
 DEFAULT_EPS = 1e-6  # what the runtime takes where config.json's layer_norm_epsilon is null
 TYPES = {0: ("float32", 4), 1: ("int8", 1), 2: ("int16", 2), 3: ("int32", 4), 4: ("float16", 2), 5: ("bfloat16", 2)}
@@ -134,7 +134,7 @@ def read_variables(model: Path) -> tuple[str, dict]:
 
 
 @dataclass
-class CTranslate2Checkpoint:
+class CTranslate2Checkpoint(ConvertedTensors):
     path: Path
     format: str
     config: dict  # the reference's model_type, and the eps under every key a family reads
@@ -145,16 +145,6 @@ class CTranslate2Checkpoint:
     ct2_names: dict = field(default_factory=dict, repr=False)  # HF name -> CTranslate2's
     offset_baked: bool = True  # the gain is what the runtime multiplies by (gamma, plus its own 1 where set)
     notes: list = field(default_factory=list, repr=False)
-
-    @property
-    def model_type(self) -> str | None:
-        return self.config.get("model_type")
-
-    def tensor_names(self) -> list[str]:
-        return sorted(self._tensors)
-
-    def has(self, name: str) -> bool:
-        return name in self._tensors
 
     def info(self, name: str) -> TensorInfo:
         var, _ = self._tensors[name]
@@ -175,24 +165,20 @@ class CTranslate2Checkpoint:
             torch.zeros(var.shape, dtype=getattr(torch, var.dtype))
         return value if not plus else (value.double() + plus).to(torch.float32)
 
-    def config_value(self, key: str):
-        if key in self.config:
-            return self.config[key], self._sources.get(key, key)
-        return None, None
 
 
 def open_ctranslate2(path: Path, model=None) -> CTranslate2Checkpoint:
     """`model` (family, model_type): the reference's, which CTranslate2's config does not record."""
-    from parity_cli.sources.jsonfile import parse
+    from parity_cli.sources.jsonfile import load
 
     path = Path(path)
     config_path = path / "config.json"
     config = {}
-    if config_path.is_file():
-        config = parse(config_path.read_text(encoding="utf-8", errors="replace"), config_path, "the config")
+    if config_path.exists() or config_path.is_symlink():  # bounded, a regular file, inside the directory
+        config = load(checked_inside(config_path, path, "config.json"), "the config")
         if not isinstance(config, dict):
             raise InputError(f"{config_path}: expected a JSON object")
-    spec, variables = read_variables(path / "model.bin")
+    spec, variables = read_variables(checked_inside(path / "model.bin", path, "model.bin"))
     if not spec.endswith("DecoderSpec"):
         raise InputError(f"{path / 'model.bin'}: a CTranslate2 {spec}; parity reads the norms of decoder models "
                          "(TransformerDecoderSpec) so far")
@@ -210,7 +196,8 @@ def open_ctranslate2(path: Path, model=None) -> CTranslate2Checkpoint:
                          f"({len(variables)} variables)")
     eps = config.get("layer_norm_epsilon")
     if eps is None:
-        value, source = DEFAULT_EPS, "ctranslate2: the runtime's default (config.json's layer_norm_epsilon is null)"
+        said = "is null" if "layer_norm_epsilon" in config else "is not there"
+        value, source = DEFAULT_EPS, f"ctranslate2: the runtime's default (config.json's layer_norm_epsilon {said})"
     else:
         value, source = eps, "ctranslate2: config.json layer_norm_epsilon"
     model_type = model[1] if model else None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from parity_cli.errors import InputError
 from parity_cli.sources.localread import pread
-from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, Eps, TensorInfo
+from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, ConvertedTensors, Eps, TensorInfo
 
 GGUF_MAGIC = b"GGUF"
 # GGUF types a norm weight may use, and the torch dtype they become.
@@ -71,7 +71,7 @@ def _count(gf, key: str, path, most: float = math.inf, what: str = "") -> int | 
 
 
 @dataclass
-class GGUFCheckpoint:
+class GGUFCheckpoint(ConvertedTensors):
     path: Path
     format: str
     config: dict  # Hugging Face keys synthesised from the GGUF metadata
@@ -92,16 +92,6 @@ class GGUFCheckpoint:
     # or configs/gguf.toml for an architecture only a derived family knows): the gain is the stored value
     offset_baked: bool = False
     notes: list = field(default_factory=list, repr=False)  # what reading the file set aside, and why
-
-    @property
-    def model_type(self) -> str | None:
-        return self.config.get("model_type")
-
-    def tensor_names(self) -> list[str]:
-        return sorted(self._tensors)
-
-    def has(self, name: str) -> bool:
-        return name in self._tensors
 
     def info(self, name: str) -> TensorInfo:
         t = self._tensors[name]
@@ -127,10 +117,6 @@ class GGUFCheckpoint:
         value = read_tensor(self._reader, t)
         return value.reshape(-1) if name in self._reshaped else value
 
-    def config_value(self, key: str):
-        if key in self.config:
-            return self.config[key], self._sources.get(key, key)
-        return None, None
 
 
 @cache

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from parity_cli.errors import InputError
 from parity_cli.sources.jsonfile import kind_words
-from parity_cli.sources.localread import pread
+from parity_cli.sources.localread import checked_inside, pread
 from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, Eps, TensorInfo  # noqa: F401  (Eps: the readers' type)
 
 # safetensors dtype code -> (torch dtype name, bytes per element)
@@ -187,22 +187,6 @@ class Checkpoint:
         return self.path / "config.json" if self.path.is_dir() else self.path
 
 
-def _inside(path: Path, root: Path) -> bool:
-    """Whether a file (after following symlinks) stays inside the checkpoint directory. A Hugging
-    Face cache snapshot (…/snapshots/<rev>/) links into its repository's blobs/, which counts."""
-    target = path.resolve()
-    roots = [root.resolve()]
-    if root.resolve().parent.name == "snapshots":
-        roots.append(root.resolve().parent.parent / "blobs")
-    return any(target == r or r in target.parents for r in roots)
-
-
-def _checked(path: Path, root: Path, what: str) -> Path:
-    if not _inside(path, root):
-        raise InputError(f"{path}: {what} resolves to {path.resolve()}, outside the checkpoint directory {root}; refused")
-    return path
-
-
 def _load_json(path: Path, kind: str = "config") -> object:
     from parity_cli.sources.jsonfile import load
 
@@ -216,14 +200,14 @@ def open_directory(path: Path) -> Checkpoint:
     config_path = path / "config.json"
     if not config_path.exists():
         raise InputError(f"{path}: no config.json in the checkpoint directory")
-    config = _load_json(_checked(config_path, path, "config.json"))
+    config = _load_json(checked_inside(config_path, path, "config.json"))
     if not isinstance(config, dict):
         raise InputError(f"{config_path}: expected a JSON object")
 
     index_path = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index_path.exists():
-        index = _load_json(_checked(index_path, path, "the index"), "index")
+        index = _load_json(checked_inside(index_path, path, "the index"), "index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise InputError(f"{index_path}: no valid 'weight_map' object")
@@ -234,7 +218,7 @@ def open_directory(path: Path) -> Checkpoint:
                 raise InputError(f"{index_path}: shard '{shard}' points outside the checkpoint directory")
             if not shard_path.is_file():
                 raise InputError(f"{index_path}: names shard '{shard}', which does not exist")
-            files[shard] = _checked(shard_path, path, f"shard '{shard}'")
+            files[shard] = checked_inside(shard_path, path, f"shard '{shard}'")
         return Checkpoint(
             path=path,
             format="safetensors-sharded",
@@ -243,7 +227,7 @@ def open_directory(path: Path) -> Checkpoint:
             _weight_map={k: files[v] for k, v in weight_map.items()},
         )
     if single.is_file():
-        headers = read_safetensors_header(_checked(single, path, "model.safetensors"))
+        headers = read_safetensors_header(checked_inside(single, path, "model.safetensors"))
         ckpt = Checkpoint(
             path=path,
             format="safetensors",

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
+
+from parity_cli.errors import InputError
 
 # (st_dev, st_ino) -> an object with ensure(offset, n, ahead: bool) (sources.remote.Blob)
 _BACKED: dict[tuple[int, int], object] = {}
@@ -87,3 +90,22 @@ def open_read(path, buffering: int = 1 << 16):
     if held is None:
         return open(path, "rb", buffering=buffering)
     return io.BufferedReader(_Backed(path, held), buffer_size=buffering)
+
+
+# --- files a checkpoint directory names ------------------------------------------------------------
+
+def inside(path: Path, root: Path) -> bool:
+    """Whether a file (after following symlinks) stays inside the checkpoint directory. A Hugging
+    Face cache snapshot (…/snapshots/<rev>/) links into its repository's blobs/, which counts."""
+    target = path.resolve()
+    roots = [root.resolve()]
+    if root.resolve().parent.name == "snapshots":
+        roots.append(root.resolve().parent.parent / "blobs")
+    return any(target == r or r in target.parents for r in roots)
+
+
+def checked_inside(path: Path, root: Path, what: str) -> Path:
+    """`path`, where it stays inside the checkpoint directory `root` (else one line, refused)."""
+    if not inside(path, root):
+        raise InputError(f"{path}: {what} resolves to {path.resolve()}, outside the checkpoint directory {root}; refused")
+    return path

@@ -26,3 +26,28 @@ class Eps:
 
     value: float
     source: str  # "config:rms_norm_eps", "family-default", "override", ...
+
+
+class ConvertedTensors:
+    """What a converted file's checkpoint (GGUF, CTranslate2) answers like a Hugging Face one: its
+    norm tensors under the checkpoint's names (`_tensors`: name -> the reader's handle), and a flat
+    config synthesised from the file, each key with where it was read (`_sources`)."""
+
+    config: dict
+    _tensors: dict
+    _sources: dict
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def config_value(self, key: str):
+        if key in self.config:
+            return self.config[key], self._sources.get(key, key)
+        return None, None
