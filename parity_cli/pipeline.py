@@ -373,7 +373,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
             f"CTranslate2's converter ({ckpt2.spec})" if ckpt2.format == "ctranslate2" else None)
         if exporter:
             described["exporter"] = exporter
-        if ckpt2.format == "gguf":
+        if ckpt2.format in ("gguf", "ctranslate2"):  # named as the runtime's loader read the model
             layers = _as_named(layers, reference_layers, fam2)
         dtype = None
     if opts.layers:  # a --layers run compares those layers, and reports no others as extra

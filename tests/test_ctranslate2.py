@@ -73,25 +73,38 @@ def test_the_runtime_computes_at_1e_6_where_the_config_says_null(converted, tmp_
     config.json's eps null as with 1e-6, and other logits with 1e-5."""
     import ctranslate2
     import numpy as np
-    from safetensors.torch import load_file, save_file
 
     src, _ = converted("llama", 1e-5)
-    small = tmp_path / "small"
-    shutil.copytree(src, small)
-    tensors = load_file(small / "model.safetensors")
-    tensors["model.embed_tokens.weight"] = (tensors["model.embed_tokens.weight"].float() * 1e-4).bfloat16()
-    save_file(tensors, small / "model.safetensors", metadata={"format": "pt"})
-    out = tmp_path / "small-ct2"
-    ctranslate2.converters.TransformersConverter(str(small)).convert(str(out), force=True)
+    at = _scaled_conversion(src, tmp_path, lambda name: name == "model.embed_tokens.weight")
 
     def logits(eps):
-        config = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": eps}))
-        generator = ctranslate2.Generator(str(out), device="cpu", compute_type="float32")
+        generator = ctranslate2.Generator(at(eps), device="cpu", compute_type="float32")
         return np.array(generator.forward_batch([["<s>", "w1", "w2", "w3"]]))
 
     null, at_1e6, at_1e5 = logits(None), logits(1e-6), logits(1e-5)
     assert np.array_equal(null, at_1e6) and np.abs(null - at_1e5).max() > 0.01
+
+def _scaled_conversion(src, tmp_path, scaled):
+    """src copied with the embedding tables `scaled` names multiplied by 1e-4 (so that eps dominates
+    the first norm), converted by CTranslate2: a function eps -> the converted directory with
+    config.json's layer_norm_epsilon set to eps."""
+    import ctranslate2
+    from safetensors.torch import load_file, save_file
+
+    small = tmp_path / "small"
+    shutil.copytree(src, small)
+    tensors = load_file(small / "model.safetensors")
+    tensors = {k: (v.float() * 1e-4).to(v.dtype) if scaled(k) else v for k, v in tensors.items()}
+    save_file(tensors, small / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "small-ct2"
+    ctranslate2.converters.TransformersConverter(str(small)).convert(str(out), force=True)
+
+    def at(eps):
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": eps}))
+        return str(out)
+
+    return at
 
 
 @pytest.fixture
@@ -223,3 +236,100 @@ def test_a_hostile_ctranslate2_directory_is_one_line(converted, tmp_path, case, 
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and words in lines[0], (case, r.stderr)
     assert "Traceback" not in r.stderr
+
+
+# --- encoders: BERT (TransformerEncoderSpec) and Whisper (WhisperSpec) -------------------------------
+
+
+def _edit_model_bin(model_bin, edit) -> None:
+    """edit(variables) -> {name: new bytes}: written in place, each the variable's own size."""
+    from parity_cli.sources.ctranslate2 import read_variables
+
+    _, variables = read_variables(model_bin)
+    with open(model_bin, "r+b") as f:
+        for name, data in edit(variables).items():
+            assert len(data) == variables[name].nbytes, name
+            f.seek(variables[name].offset)
+            f.write(data)
+
+
+def _read(model_bin, var) -> bytes:
+    with open(model_bin, "rb") as f:
+        f.seek(var.offset)
+        return f.read(var.nbytes)
+
+
+@pytest.mark.parametrize("model_type, eps, spec, layers, eps_source", [
+    # BERT's 1e-12, which the converter writes into config.json
+    ("bert", 1e-12, "TransformerEncoderSpec", 5, "config.json layer_norm_epsilon"),
+    # Whisper's code fixes nn.LayerNorm's 1e-5; the converter writes no eps and the runtime takes its
+    # LayerNorm default, 1e-5 (layers/common.cc): the two agree
+    ("whisper", 1e-5, "WhisperSpec", 12, "the runtime's default for a LayerNorm"),
+])
+def test_a_faithful_encoder_conversion_passes(converted, tmp_path, model_type, eps, spec, layers, eps_source):
+    src, copy = converted(model_type, eps)
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy)
+    assert r.returncode == 0 and all_pass(data), r.stdout[-3000:] + r.stderr
+    described = data["candidate"]["checkpoint"]
+    assert described["exporter"] == f"CTranslate2's converter ({spec})"
+    assert described["findings"] == 0 and len(data["layers"]) == layers
+    assert described["eps"]["value"] == eps and eps_source in described["eps"]["source"]
+    assert all(layer["kind"] == "layer_norm" for layer in data["layers"])
+
+
+def _zero_betas(variables):
+    return {name: bytes(var.nbytes) for name, var in variables.items() if name.endswith("/beta")}
+
+
+def _swap_first_two_gains(model_bin):
+    def edit(variables):
+        a, b = (variables[f"encoder/layer_0/{part}/layer_norm/gamma"] for part in ("self_attention", "ffn"))
+        return {"encoder/layer_0/self_attention/layer_norm/gamma": _read(model_bin, b),
+                "encoder/layer_0/ffn/layer_norm/gamma": _read(model_bin, a)}
+    return edit
+
+
+@pytest.mark.parametrize("model_type, eps, fault, layer, codes", [
+    # a converter that writes no eps for BERT: the runtime then takes 1e-5, not BERT's 1e-12
+    ("bert", 1e-12, "eps null", "embeddings.LayerNorm", {"eps_mismatch", "checkpoint_eps_mismatch"}),
+    ("bert", 1e-12, "betas zeroed", "embeddings.LayerNorm", {"checkpoint_bias_mismatch"}),
+    # Whisper run at an RMSNorm's default
+    ("whisper", 1e-5, "eps 1e-6", "model.encoder.layer_norm", {"eps_mismatch", "checkpoint_eps_mismatch"}),
+    ("whisper", 1e-5, "gains swapped", "model.encoder.layers.0.self_attn_layer_norm",
+     {"checkpoint_weight_mismatch", "checkpoint_gain_of_other_layer"}),
+])
+def test_a_fault_planted_in_a_converted_encoder_is_named(converted, tmp_path, model_type, eps, fault, layer, codes):
+    src, made = converted(model_type, eps)
+    copy = tmp_path / "copy"
+    shutil.copytree(made, copy)
+    config = json.loads((copy / "config.json").read_text())
+    if fault.startswith("eps"):
+        (copy / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": None if fault == "eps null"
+                                                      else 1e-6}))
+    else:
+        _edit_model_bin(copy / "model.bin", _zero_betas if fault == "betas zeroed" else
+                        _swap_first_two_gains(copy / "model.bin"))
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy)
+    found = dict(zip((entry["name"] for entry in data["layers"]), finding_codes(data)))
+    assert r.returncode == 1 and codes <= found[layer], (fault, found)
+    if fault == "eps null":
+        eps = data["candidate"]["checkpoint"]["eps"]
+        assert eps["value"] == 1e-5 and "default for a LayerNorm" in eps["source"] and "null" in eps["source"]
+
+
+def test_the_runtime_computes_a_layer_norm_at_1e_5_where_the_config_says_null(converted, tmp_path):
+    """The LayerNorm default, through CTranslate2's own Encoder and nothing of parity's: a BERT whose
+    embeddings are scaled to 1e-4 (so eps dominates the embeddings' LayerNorm) gives the same hidden
+    states with config.json's eps null as with 1e-5, and others with BERT's 1e-12."""
+    import ctranslate2
+    import numpy as np
+
+    src, _ = converted("bert", 1e-12)
+    at = _scaled_conversion(src, tmp_path, lambda name: name.endswith("_embeddings.weight"))
+
+    def hidden(eps):
+        encoder = ctranslate2.Encoder(at(eps), device="cpu", compute_type="float32")
+        return np.array(encoder.forward_batch([["<s>", "w1", "w2", "w3"]]).last_hidden_state)
+
+    null, at_1e5, at_1e12 = hidden(None), hidden(1e-5), hidden(1e-12)
+    assert np.array_equal(null, at_1e5) and np.abs(null - at_1e12).max() > 0.01

@@ -53,13 +53,23 @@ def test_its_256_wide_half_layer_norm_is_thousands_of_times_torchs_error(cells):
     assert report.layers[0].vs_torch["ratio"] > 1000
 
 
+def test_a_mean_far_above_the_spread_fails_its_float32_layer_norm_on_both_paths(cells):
+    """`--strata offset` (N(0, 1) rows shifted by 10, -100 and 1000): ExecuTorch's portable LayerNorm
+    takes the variance as E[x^2] - E[x]^2 (shown below), which cancels there; torch's passes."""
+    for candidate in ("executorch", "executorch@public"):
+        assert cells.verdict("layer_norm", candidate, "float32", strata=("offset",)) == \
+            fails("layer_norm", "variance_cancellation"), candidate
+    assert cells.verdict("layer_norm", "torch", "float32", strata=("offset",)) == passes("layer_norm")
+
+
 # --- the runtime facts behind the FAIL cells, through ExecuTorch's public API alone --------------
 
 
 @pytest.fixture(scope="module")
 def layer_norms():
-    """One program of five nn.LayerNorms (one export for all): 256 and 255 wide at float16 and
-    bfloat16 (eps 1e-5), and 64 wide at float16 and bfloat16 with BERT's eps 1e-12. Returns
+    """One program of six nn.LayerNorms (one export for all): 256 and 255 wide at float16 and
+    bfloat16 (eps 1e-5), 64 wide at float16 and bfloat16 with BERT's eps 1e-12, and 64 wide at
+    float32 (eps 1e-5) on rows far from 0. Returns
     {name: (module, input, ExecuTorch's output)}."""
     import torch
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
@@ -68,7 +78,7 @@ def layer_norms():
 
     shapes = {"f16x256": (256, torch.float16, 1e-5), "bf16x256": (256, torch.bfloat16, 1e-5),
               "f16x255": (255, torch.float16, 1e-5), "f16x64": (64, torch.float16, 1e-12),
-              "bf16x64": (64, torch.bfloat16, 1e-12)}
+              "bf16x64": (64, torch.bfloat16, 1e-12), "f32x64": (64, torch.float32, 1e-5)}
 
     class Norms(torch.nn.Module):
         def __init__(self):
@@ -89,6 +99,9 @@ def layer_norms():
     xs["f16x64"][0] = 0  # a zero row
     # rows of standard deviation 1e-7 (q/eps = 0.01 at eps 1e-12) and of 1, at bfloat16
     xs["bf16x64"] = torch.cat([1e-7 * torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen)]).bfloat16()
+    # rows of N(0, 1) + 1000, then the same rows centred on 0, at float32
+    noise = torch.randn(8, 64, generator=gen, dtype=torch.float64)
+    xs["f32x64"] = torch.cat([noise + 1000, noise]).float()
     inputs = tuple(xs.values())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -103,6 +116,20 @@ def _exact(norm, x):
 
     return torch.nn.functional.layer_norm(x.double(), norm.normalized_shape, norm.weight.double(),
                                           norm.bias.double(), norm.eps)
+
+
+def test_its_float32_layer_norm_of_a_row_far_from_zero_misses_by_percent(layer_norms):
+    """The portable native_layer_norm takes the variance as E[x^2] - E[x]^2 in the input dtype: rows
+    of N(0, 1) + 1000 at float32 miss the exact value by more than 1e-3 (eager torch: under 1e-3), the
+    same rows centred on 0 by less than 1e-5: the offset cell above."""
+    import torch
+
+    norm, x, y = layer_norms["f32x64"]
+    exact = _exact(norm, x)
+    with torch.no_grad():
+        eager = (norm(x).double() - exact).abs().max().item()
+    err = (y.double() - exact).abs().amax(-1)
+    assert eager < 1e-3 and err[:8].max() > 1e-3 and err[8:].max() < 1e-5, (eager, err)
 
 
 def test_its_half_layer_norm_is_off_by_whole_units_from_256_elements(layer_norms):

@@ -33,16 +33,19 @@ class Cells:
                                                                layers=1, hidden=width, heads=4, eps=eps)
         return self.written[model_type, width]
 
-    def report(self, kind: str, candidate: str, dtype: str):
-        """The cell's check, run once (a test of its details reads the one the verdict came from)."""
-        if (kind, candidate, dtype) not in self.reports:
-            self.reports[kind, candidate, dtype] = api.check(self.checkpoint(kind), candidate=candidate, dtype=dtype,
-                                                             layers=LAYERS[kind][1], isolation="none")
-        return self.reports[kind, candidate, dtype]
+    def report(self, kind: str, candidate: str, dtype: str, strata: tuple | None = None):
+        """The cell's check, run once (a test of its details reads the one the verdict came from);
+        `strata`: others than the default ones."""
+        key = (kind, candidate, dtype, strata)
+        if key not in self.reports:
+            self.reports[key] = api.check(self.checkpoint(kind), candidate=candidate, dtype=dtype,
+                                          layers=LAYERS[kind][1], isolation="none",
+                                          **({"strata": list(strata)} if strata else {}))
+        return self.reports[key]
 
-    def verdict(self, kind: str, candidate: str, dtype: str) -> tuple:
+    def verdict(self, kind: str, candidate: str, dtype: str, strata: tuple | None = None) -> tuple:
         """(the layer's kind, pass|fail|error, its diagnoses' codes): what the cell says, and why."""
-        (layer,) = self.report(kind, candidate, dtype).layers
+        (layer,) = self.report(kind, candidate, dtype, strata).layers
         assert layer.error is None, (candidate, dtype, layer.error)
         return layer.kind, layer.status, sorted(d.code for d in layer.diagnoses)
 

@@ -321,13 +321,11 @@ def affine_in_dtype_diagnosis(ctx: Context) -> Diagnosis | None:
     return None
 
 
-def row_statistics_diagnosis(ctx: Context) -> Diagnosis | None:
-    """Each failing row's output is exactly an affine function of that row, (x - m') / sqrt(v' + eps)
-    (x / sqrt(v' + eps) for RMSNorm), but with statistics that are not the row's: the normalisation's
-    form is right and its mean and variance are wrong (ExecuTorch 1.5.1's vectorised half LayerNorm
-    reads a row of variance 0.88 as 90). Said only where the per-row fit is exact to the dtype's
-    rounding on every failing row (a non-finite or constant row says nothing), and its variance off by
-    more than 1 % of the row's on nine in ten of them."""
+def _row_statistics(ctx: Context):
+    """[(x, the kernel's mean, its variance, the row's mean, its variance)] of every failing row whose
+    output is exactly an affine function of the row, (x - m') / sqrt(v' + eps) times the gain plus the
+    bias (x / sqrt(v' + eps) for RMSNorm); None where a failing row is not (another fault). A
+    non-finite or a constant row says nothing of a slope and is left out."""
     import torch
 
     if ctx.layer.kind not in ("layer_norm", "rms_norm") or ctx.gain.dim() > 1:
@@ -337,7 +335,7 @@ def row_statistics_diagnosis(ctx: Context) -> Diagnosis | None:
         return None
     unit = torch.finfo(ctx.dtype).eps if ctx.dtype.is_floating_point else 2.0 ** -52
     centred = ctx.layer.kind == "layer_norm"
-    rows, right, worst = 0, 0, None
+    out = []
     for s in ctx.strata:
         if s.cand is None or s.status != "fail":
             continue
@@ -347,25 +345,78 @@ def row_statistics_diagnosis(ctx: Context) -> Diagnosis | None:
         for i in torch.nonzero(bad).flatten().tolist():
             xi, zi = x[i], z[i]
             if not bool(torch.isfinite(zi).all() and torch.isfinite(xi).all()) or float(xi.std()) == 0:
-                continue  # a non-finite or a constant row says nothing of a slope
+                continue
             if centred:  # least squares z = scale x + offset, in closed form
                 dx = xi - xi.mean()
                 scale = float((dx * (zi - zi.mean())).sum() / (dx * dx).sum())
                 offset = float(zi.mean()) - scale * float(xi.mean())
             else:
                 scale, offset = float((xi * zi).sum() / (xi * xi).sum()), 0.0
-            if scale <= 0 or float((scale * xi + offset - zi).abs().max()) > 8 * unit * float(zi.abs().max()):
+            # the output rounds at its own size, and x - m' at the size of x (a row far from 0)
+            size = max(float(zi.abs().max()), abs(scale) * float(xi.abs().max()) if centred else 0.0)
+            if scale <= 0 or float((scale * xi + offset - zi).abs().max()) > 8 * unit * size:
                 return None  # not a row-wise affine map: another fault
-            v_kernel = 1.0 / scale ** 2 - ctx.eps
-            m_kernel = -offset / scale if centred else 0.0
             v_row = float(xi.var(unbiased=False)) if centred else float(xi.pow(2).mean())
-            if abs(v_kernel - v_row) <= 0.01 * v_row:
-                right += 1  # the statistics are the row's: this row's miss is something else
-                continue
-            rows += 1
-            if worst is None or abs(v_kernel / v_row) > abs(worst["kernel_variance"] / worst["row_variance"]):
-                worst = {"row_mean": float(xi.mean()), "row_variance": v_row, "kernel_mean": m_kernel,
+            out.append((xi, -offset / scale if centred else 0.0, 1.0 / scale ** 2 - ctx.eps, float(xi.mean()), v_row))
+    return out
+
+
+def variance_cancellation_diagnosis(ctx: Context) -> Diagnosis | None:
+    """A LayerNorm whose failing rows are each normalised exactly, with a variance off by more than
+    taking it from x - mean can lose and within what E[x^2] - E[x]^2 loses at the kernel's precision:
+    (n + 2) u (E[x^2] + m^2), which is far larger than the variance where the mean is large against
+    the spread (CTranslate2's CPU LayerNorm, ExecuTorch's portable one). Said only where every such
+    row is within that bound and one at least is past the two-pass bound."""
+    import torch
+
+    rows = _row_statistics(ctx) if ctx.layer.kind == "layer_norm" else None
+    if not rows:
+        return None
+    unit = max(torch.finfo(ctx.dtype).eps, 2.0 ** -23) if ctx.dtype.is_floating_point else 2.0 ** -23
+    n = ctx.layer.dim
+    past, worst = 0, None
+    for xi, _, v_kernel, m_row, v_row in rows:
+        one_pass = (n + 2) * unit * (float(xi.pow(2).mean()) + m_row ** 2)
+        off = abs(v_kernel - v_row)
+        if off > one_pass:
+            return None  # more than cancellation can lose: another fault
+        if off > 4 * (n + 2) * unit * v_row:
+            past += 1
+            if worst is None or off / v_row > worst["variance_error"]:
+                worst = {"variance_error": off / v_row, "row_mean": m_row, "row_variance": v_row,
                          "kernel_variance": v_kernel}
+    if not past:
+        return None
+    name = str(ctx.dtype).removeprefix("torch.")
+    return Diagnosis("variance_cancellation",
+                     f"each failing row is normalised exactly, but with a variance off by up to "
+                     f"{worst['variance_error']:.3g} of the row's (a row of mean {worst['row_mean']:.3g} and "
+                     f"variance {worst['row_variance']:.3g} normalised as if its variance were "
+                     f"{worst['kernel_variance']:.3g}): within what E[x^2] - E[x]^2 loses in {name} where the mean "
+                     "is large against the spread, past what the mean of (x - mean)^2 loses; the kernel takes the "
+                     "variance in one pass (compute it from x - mean: two passes, or Welford)",
+                     {"rows": past, **worst})
+
+
+def row_statistics_diagnosis(ctx: Context) -> Diagnosis | None:
+    """Each failing row's output is exactly an affine function of that row, but with statistics that
+    are not the row's: the normalisation's form is right and its mean and variance are wrong
+    (ExecuTorch 1.5.1's vectorised half LayerNorm reads a row of variance 0.88 as 90). Said only where
+    the per-row fit is exact to the dtype's rounding on every failing row, and its variance off by
+    more than 1 % of the row's on nine in ten of them."""
+    fitted = _row_statistics(ctx)
+    if not fitted:
+        return None
+    centred = ctx.layer.kind == "layer_norm"
+    rows, right, worst = 0, 0, None
+    for _, m_kernel, v_kernel, m_row, v_row in fitted:
+        if abs(v_kernel - v_row) <= 0.01 * v_row:
+            right += 1  # the statistics are the row's: this row's miss is something else
+            continue
+        rows += 1
+        if worst is None or abs(v_kernel / v_row) > abs(worst["kernel_variance"] / worst["row_variance"]):
+            worst = {"row_mean": m_row, "row_variance": v_row, "kernel_mean": m_kernel,
+                     "kernel_variance": v_kernel}
     if not rows or right > 0.1 * (rows + right):  # nearly every failing row, or it is not the cause
         return None
     what = "mean and variance" if centred else "mean square"
@@ -416,7 +467,8 @@ def diagnose(layer: NormLayer, strata: list[StratumResult], gain, tol: Tolerance
         if rest:  # other rows fail with finite values: what they show, as well
             out.append(_symptom(ctx, rest))
     if not out:
-        cast = cast_order_diagnosis(ctx) or affine_in_dtype_diagnosis(ctx) or row_statistics_diagnosis(ctx)
+        cast = cast_order_diagnosis(ctx) or affine_in_dtype_diagnosis(ctx) or variance_cancellation_diagnosis(ctx) \
+            or row_statistics_diagnosis(ctx)
         if cast:
             out.append(cast)
     if not out:

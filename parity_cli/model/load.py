@@ -138,6 +138,9 @@ def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None,
     `semantics` is a norm pattern's: an eps fixed by the model code (DeepSeek-V3's MLA norms)
     is reported as its own source and is not affected by the config or an override."""
     sem = semantics or family.semantics
+    own = getattr(ckpt, "runtime_eps", None)  # a runtime's copy: what it computes every norm with
+    if own is not None and override is None:
+        return own
     if sem.eps is not None:
         return Eps(float(sem.eps), sem.eps_source or "model-code")
     if override is not None:

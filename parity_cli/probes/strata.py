@@ -127,6 +127,14 @@ def _outlier(p, dim, eps, dtype, rng):
     return x
 
 
+def _offset(p, dim, eps, dtype, rng):
+    import torch
+
+    means = torch.tensor([float(m) for m in p["means"]], dtype=torch.float64)
+    means = means.repeat_interleave(int(p.get("vectors_per_mean", 1)))
+    return means[:, None] + torch.randn(len(means), dim, dtype=torch.float64, generator=rng)
+
+
 def _dtype_extreme(p, dim, eps, dtype, rng):
     import torch
 
@@ -142,6 +150,7 @@ GENERATORS = {
     "log_uniform": _log_uniform,
     "outlier": _outlier,
     "dtype_extreme": _dtype_extreme,
+    "offset": _offset,
 }
 
 

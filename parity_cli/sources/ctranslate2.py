@@ -26,24 +26,47 @@ from pathlib import Path
 
 from parity_cli.errors import InputError
 from parity_cli.sources.localread import checked_inside, pread
-from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, ConvertedTensors, TensorInfo
+from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, ConvertedTensors, Eps, TensorInfo
 
 DEFAULT_EPS = 1e-6  # what the runtime takes where config.json's layer_norm_epsilon is null
 TYPES = {0: ("float32", 4), 1: ("int8", 1), 2: ("int16", 2), 3: ("int32", 4), 4: ("float16", 2), 5: ("bfloat16", 2)}
 MAX_VARIABLES = 1 << 20
 MAX_RANK = 8
 EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
-# CTranslate2's decoder names -> the Hugging Face checkpoint's
-NAMES = [
-    (r"decoder/layer_norm/gamma", "model.norm.weight"),
-    (r"decoder/layer_(\d+)/self_attention/layer_norm/gamma", r"model.layers.\1.input_layernorm.weight"),
-    (r"decoder/layer_(\d+)/ffn/layer_norm/gamma", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"decoder/layer_(\d+)/input_layer_norm/gamma", r"model.layers.\1.input_layernorm.weight"),
-    (r"decoder/layer_(\d+)/post_attention_layer_norm/gamma", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"decoder/layer_(\d+)/pre_feedforward_layer_norm/gamma", r"model.layers.\1.pre_feedforward_layernorm.weight"),
-    (r"decoder/layer_(\d+)/post_feedforward_layer_norm/gamma", r"model.layers.\1.post_feedforward_layernorm.weight"),
-    (r"decoder/layer_(\d+)/self_attention/q_norm/gamma", r"model.layers.\1.self_attn.q_norm.weight"),
-    (r"decoder/layer_(\d+)/self_attention/k_norm/gamma", r"model.layers.\1.self_attn.k_norm.weight"),
+# CTranslate2's names -> the Hugging Face checkpoint's, by the layout the converter's loader read the
+# model in (the `root` a checkpoint adds, bert. or model., is settled against the reference's names)
+LLAMA = [
+    (r"decoder/layer_norm", "model.norm"),
+    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"model.layers.\1.input_layernorm"),
+    (r"decoder/layer_(\d+)/ffn/layer_norm", r"model.layers.\1.post_attention_layernorm"),
+    (r"decoder/layer_(\d+)/input_layer_norm", r"model.layers.\1.input_layernorm"),
+    (r"decoder/layer_(\d+)/post_attention_layer_norm", r"model.layers.\1.post_attention_layernorm"),
+    (r"decoder/layer_(\d+)/pre_feedforward_layer_norm", r"model.layers.\1.pre_feedforward_layernorm"),
+    (r"decoder/layer_(\d+)/post_feedforward_layer_norm", r"model.layers.\1.post_feedforward_layernorm"),
+    (r"decoder/layer_(\d+)/self_attention/q_norm", r"model.layers.\1.self_attn.q_norm"),
+    (r"decoder/layer_(\d+)/self_attention/k_norm", r"model.layers.\1.self_attn.k_norm"),
+]
+BERT = [  # BertLoader: post-norm, the embeddings' LayerNorm, two a layer (BertModel: no root)
+    (r"encoder/layernorm_embedding", "embeddings.LayerNorm"),
+    (r"encoder/layer_(\d+)/self_attention/layer_norm", r"encoder.layer.\1.attention.output.LayerNorm"),
+    (r"encoder/layer_(\d+)/ffn/layer_norm", r"encoder.layer.\1.output.LayerNorm"),
+]
+WHISPER = [  # WhisperLoader: pre-norm encoder and decoder, each with its final norm
+    (r"encoder/layer_(\d+)/self_attention/layer_norm", r"model.encoder.layers.\1.self_attn_layer_norm"),
+    (r"encoder/layer_(\d+)/ffn/layer_norm", r"model.encoder.layers.\1.final_layer_norm"),
+    (r"encoder/layer_norm", "model.encoder.layer_norm"),
+    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"model.decoder.layers.\1.self_attn_layer_norm"),
+    (r"decoder/layer_(\d+)/attention/layer_norm", r"model.decoder.layers.\1.encoder_attn_layer_norm"),
+    (r"decoder/layer_(\d+)/ffn/layer_norm", r"model.decoder.layers.\1.final_layer_norm"),
+    (r"decoder/layer_norm", "model.decoder.layer_norm"),
+]
+# (the spec's name, the reference's model types) -> its names; the converter's loaders for these types
+# build these specs (ctranslate2/converters/transformers.py)
+LAYOUTS = [
+    ("TransformerDecoderSpec", {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
+                                "phi3"}, LLAMA),
+    ("TransformerEncoderSpec", {"bert", "roberta", "camembert", "xlm-roberta"}, BERT),
+    ("WhisperSpec", {"whisper"}, WHISPER),
 ]
 
 
@@ -145,6 +168,7 @@ class CTranslate2Checkpoint(ConvertedTensors):
     ct2_names: dict = field(default_factory=dict, repr=False)  # HF name -> CTranslate2's
     offset_baked: bool = True  # the gain is what the runtime multiplies by (gamma, plus its own 1 where set)
     notes: list = field(default_factory=list, repr=False)
+    runtime_eps: Eps | None = None  # what every norm of the runtime computes with
 
     def info(self, name: str) -> TensorInfo:
         var, _ = self._tensors[name]
@@ -155,16 +179,15 @@ class CTranslate2Checkpoint(ConvertedTensors):
 
         var, plus = self._tensors[name]
         if var.dtype not in ("float32", "float16", "bfloat16"):
-            raise InputError(f"{self.files[0]}: norm gain {self.ct2_names[name]} is stored as {var.dtype}; only "
+            raise InputError(f"{self.files[0]}: norm tensor {self.ct2_names[name]} is stored as {var.dtype}; only "
                              "float32, float16 and bfloat16 gains can be checked")
         if math.prod(var.shape) > MAX_NORM_ELEMENTS:
-            raise InputError(f"{self.files[0]}: norm gain {self.ct2_names[name]} declares {math.prod(var.shape)} "
+            raise InputError(f"{self.files[0]}: norm tensor {self.ct2_names[name]} declares {math.prod(var.shape)} "
                              f"elements; no norm has more than {MAX_NORM_ELEMENTS}; refused")
         raw = bytearray(pread(self.files[0], var.nbytes, var.offset))
         value = torch.frombuffer(raw, dtype=getattr(torch, var.dtype)).reshape(var.shape).clone() if raw else \
             torch.zeros(var.shape, dtype=getattr(torch, var.dtype))
         return value if not plus else (value.double() + plus).to(torch.float32)
-
 
 
 def open_ctranslate2(path: Path, model=None) -> CTranslate2Checkpoint:
@@ -179,32 +202,53 @@ def open_ctranslate2(path: Path, model=None) -> CTranslate2Checkpoint:
         if not isinstance(config, dict):
             raise InputError(f"{config_path}: expected a JSON object")
     spec, variables = read_variables(checked_inside(path / "model.bin", path, "model.bin"))
-    if not spec.endswith("DecoderSpec"):
-        raise InputError(f"{path / 'model.bin'}: a CTranslate2 {spec}; parity reads the norms of decoder models "
-                         "(TransformerDecoderSpec) so far")
-    tensors, names = {}, {}
-    for name, var in variables.items():
-        for pattern, hf in NAMES:
-            if re.fullmatch(pattern, name):
-                hf_name = re.sub(pattern, hf, name)
-                flag = variables.get(name.rsplit("/", 1)[0] + "/layer_norm_use_residual")
-                plus = 1.0 if flag is not None and _flag(path / "model.bin", flag) else 0.0
-                tensors[hf_name], names[hf_name] = (var, plus), name
-                break
-    if not tensors:
-        raise InputError(f"{path / 'model.bin'}: no norm gain CTranslate2 names as parity knows them "
-                         f"({len(variables)} variables)")
+    model_type = model[1] if model else None
+    tensors, names = _norms(path / "model.bin", variables, _layout(path / "model.bin", spec, model_type))
     eps = config.get("layer_norm_epsilon")
-    if eps is None:
+    if eps is None:  # layers/common.cc: 1e-5 for a LayerNorm (it has a beta), 1e-6 for an RMSNorm
         said = "is null" if "layer_norm_epsilon" in config else "is not there"
-        value, source = DEFAULT_EPS, f"ctranslate2: the runtime's default (config.json's layer_norm_epsilon {said})"
+        biased = any(name.endswith(".bias") for name in tensors)
+        value = 1e-5 if biased else DEFAULT_EPS
+        source = (f"ctranslate2: the runtime's default for {'a LayerNorm' if biased else 'an RMSNorm'} "
+                  f"(config.json's layer_norm_epsilon {said})")
     else:
         value, source = eps, "ctranslate2: config.json layer_norm_epsilon"
-    model_type = model[1] if model else None
     synthesised = {"model_type": model_type, **{key: value for key in EPS_KEYS}}
-    return CTranslate2Checkpoint(path=path, format="ctranslate2", config=synthesised, files=(path / "model.bin",),
-                                 spec=spec, _tensors=tensors, _sources={key: source for key in EPS_KEYS},
-                                 ct2_names=names)
+    checkpoint = CTranslate2Checkpoint(path=path, format="ctranslate2", config=synthesised,
+                                       files=(path / "model.bin",), spec=spec, _tensors=tensors,
+                                       _sources={key: source for key in EPS_KEYS}, ct2_names=names)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # one eps for every norm, whatever a model's code fixes (Whisper's nn.LayerNorm default): the runtime's
+        checkpoint.runtime_eps = Eps(float(value), source)
+    return checkpoint
+
+
+def _layout(model: Path, spec: str, model_type: str | None) -> list:
+    for name, types, layout in LAYOUTS:
+        if name == spec and (model_type is None or model_type in types):
+            return layout
+    known = "; ".join(f"{name} ({', '.join(sorted(types))})" for name, types, _ in LAYOUTS)
+    raise InputError(f"{model}: a CTranslate2 {spec}" + (f" of a {model_type}" if model_type else "")
+                     + f"; parity maps the norms of {known}")
+
+
+def _norms(model: Path, variables: dict, layout: list) -> tuple[dict, dict]:
+    """({HF name: (Variable, the 1 the runtime adds)}, {HF name: CTranslate2's}) of every gain and bias."""
+    tensors, names = {}, {}
+    for name, var in variables.items():
+        scope, _, leaf = name.rpartition("/")
+        if leaf not in ("gamma", "beta"):
+            continue
+        for pattern, hf in layout:
+            if (m := re.fullmatch(pattern, scope)):
+                hf_name = m.expand(hf) + (".weight" if leaf == "gamma" else ".bias")
+                flag = variables.get(scope + "/layer_norm_use_residual")
+                plus = 1.0 if leaf == "gamma" and flag is not None and _flag(model, flag) else 0.0
+                tensors[hf_name], names[hf_name] = (var, plus), name
+                break
+    if not any(name.endswith(".weight") for name in tensors):
+        raise InputError(f"{model}: no norm gain CTranslate2 names as parity knows them ({len(variables)} variables)")
+    return tensors, names
 
 
 def _flag(model: Path, var: Variable) -> bool:

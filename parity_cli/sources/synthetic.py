@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import json
 import math
+import re
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -326,33 +327,57 @@ def _converted(name: str, t, config: dict, arch: str):
     return w.contiguous()
 
 
-RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-            "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 32})}
+def _decoder_config(hidden: int, layers: int, eps: float, extra: dict) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=hidden // 4, vocab_size=100, max_position_embeddings=512,
+                rms_norm_eps=eps, **extra)
+
+
+def _bert_config(hidden: int, layers: int, eps: float) -> dict:
+    """position_embedding_type: as published BERT configs hold it (transformers 5 dropped the key;
+    CTranslate2's converter still asserts it)."""
+    return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                vocab_size=100, max_position_embeddings=512, layer_norm_eps=eps, position_embedding_type="absolute")
+
+
+def _whisper_config(hidden: int, layers: int, eps: float) -> dict:
+    """Whisper's LayerNorms take nn.LayerNorm's 1e-5 in its code: `eps` has no key to go to."""
+    del eps
+    return dict(d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden, vocab_size=100,
+                num_mel_bins=80, max_source_positions=64, max_target_positions=64, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
+
+
+# model type -> (its config class, the model class written, its config's keyword arguments (hidden, layers, eps))
+RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
+            "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                            lambda h, n, e: _decoder_config(h, n, e, {"sliding_window": 32})),
+            "bert": ("BertConfig", "BertModel", _bert_config),
+            "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", _whisper_config)}
 
 
 def write_runnable(directory, model_type: str = "llama", *, layers: int = 2, hidden: int = 64, eps: float = 1e-5,
                    seed: int = 0, dtype: str = "float32", tokenizer: bool = False) -> Path:
     """A whole tiny transformers model (random weights, stored at `dtype`) that runs: every norm gain
-    drawn around its family's value (1 for w, 0 for Gemma's stored w), so that no two layers' gains
-    agree. `tokenizer`: a word-level tokenizer.json beside it (words w0 .. w39), what exporters such
-    as mlx_lm.convert load with the model. Needs transformers."""
+    drawn around its family's value (1 for w, 0 for Gemma's stored w), and every norm bias around 0,
+    so that no two layers' gains agree. `tokenizer`: a word-level tokenizer.json beside it (words w0 ..
+    w39), what exporters such as mlx_lm.convert load with the model. Needs transformers."""
     import torch
     import transformers
 
-    config_cls, model_cls, extra = RUNNABLE[model_type]
+    config_cls, model_cls, arguments = RUNNABLE[model_type]
     torch.manual_seed(seed)
-    eps_key = "rms_norm_eps"
-    config = getattr(transformers, config_cls)(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=hidden // 4, vocab_size=100, max_position_embeddings=512,
-        **{eps_key: eps}, **extra)
+    config = getattr(transformers, config_cls)(**arguments(hidden, layers, eps))
     model = getattr(transformers, model_cls)(config).eval()
     zero_centred = model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if re.search(r"(?i)norm\.weight$", name):
                 p.copy_((0.0 if zero_centred else 1.0) + 0.1 * torch.randn_like(p))
+            elif re.search(r"(?i)norm\.bias$", name):
+                p.copy_(0.05 * torch.randn_like(p))
     directory = Path(directory)
     model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
     if tokenizer:

@@ -10,6 +10,7 @@ default eps *and* the stored w as the gain; a hard-coded eps *and* no upcast).
   variance     divide by sqrt(var + eps) without centring x
   fp32_seq     the mean square summed sequentially in float32 (float32/float64 inputs)
   channels2    the gain of channels 1 and 2 times 1.5 (a mis-broadcast weight)
+  one_pass     (LayerNorm) the variance as E[x^2] - E[x]^2 in float32, clamped at 0 (CTranslate2's CPU kernel)
 For a BatchNorm (kind batch_norm, issue 26), in float32 as runtimes compute it:
   eps=V, eps_outside (x - mean) / (sqrt(var) + eps)
   batch_stats  the batch's mean and variance (a module left in training mode)
@@ -61,6 +62,11 @@ def planted(x, weight, eps, bias=None, faults="", offset=0.0, kind="rms_norm", r
                                                 else torch.float32)
     h = x.to(work)
     centred = (kind == "layer_norm") != bool(f.get("mean"))
+    if centred and f.get("one_pass"):
+        m = h.float().mean(-1, keepdim=True)
+        var = (h.float().pow(2).mean(-1, keepdim=True) - m * m).clamp_min(0)
+        y = (h.float() - m) * torch.rsqrt(var + eps) * (offset + weight.float())
+        return (y + (0 if bias is None else bias.float())).to(x.dtype)
     if centred:
         h = h - h.mean(-1, keepdim=True)
     if f.get("variance"):
