@@ -1,8 +1,9 @@
 """The export paths against `--candidate torch` on the same checkpoint, measured in the same run: a
 model of SmolLM2-135M's shape (random weights, bfloat16, a word-level tokenizer), converted by
 `mlx_lm.convert`, by CTranslate2's TransformersConverter and by ONNX Runtime GenAI's builder (fp32,
-cpu); then each conversion check (`--candidate-checkpoint`), the captures inside mlx-lm and inside
-ONNX Runtime (16 tokens) and the checks of those captures.
+cpu); then each conversion check (`--candidate-checkpoint`), CTranslate2's kernels as a candidate
+(float32, beside torch at float32), the captures inside mlx-lm and inside ONNX Runtime (16 tokens) and
+the checks of those captures.
 
     python benchmarks/bench_exports.py [--repeat 3] [--tokens 16]
 
@@ -48,6 +49,10 @@ def main() -> None:
                                              "--max-tokens", str(a.tokens), "-o", str(cap)],
             "check HF dir --runtime-capture": ["check", str(hf), "--runtime-capture", str(cap), "-q"],
             "check HF dir --candidate-checkpoint CT2": ["check", str(hf), "--candidate-checkpoint", str(ct2), "-q"],
+            "check HF dir --candidate torch --dtype float32": ["check", str(hf), "--candidate", "torch", "--dtype",
+                                                               "float32", "-q"],
+            "check HF dir --candidate ctranslate2 --dtype float32": ["check", str(hf), "--candidate", "ctranslate2",
+                                                                     "--dtype", "float32", "-q"],
             "check HF dir --candidate-checkpoint GenAI": ["check", str(hf), "--candidate-checkpoint", str(genai), "-q"],
             "capture GenAI --runtime onnxruntime": ["capture", str(genai), "--runtime", "onnxruntime", "--prompt",
                                                     prompt, "--max-tokens", str(a.tokens), "-o", str(genai_cap)],
