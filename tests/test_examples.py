@@ -56,6 +56,8 @@ CASES = {
     "parity check path/to/hf-model --candidate-checkpoint ct2_model": 0,
     # CTranslate2's CPU computes float32 only: the bfloat16 checkpoint is probed at float32
     "parity check path/to/hf-model --candidate ctranslate2 --dtype float32": 0,
+    # litert-torch converts no bfloat16 module: the bfloat16 checkpoint is probed at float32
+    "parity check path/to/hf-model --candidate litert --dtype float32": 0,
     # genai_model: what ONNX Runtime GenAI's builder wrote from path/to/hf-model (the page's line, run by the fixture)
     "parity check path/to/hf-model --candidate-checkpoint genai_model/model.onnx": 0,
     "parity capture genai_model/model.onnx --runtime onnxruntime --prompt \"...\" -o genai-cap.safetensors": 0,

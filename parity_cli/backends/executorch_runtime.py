@@ -21,11 +21,16 @@ torch; the runtime and the exporter need only flatbuffers, ruamel.yaml, pyyaml a
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 from parity_cli.backends import Runtime, distribution_version
-from parity_cli.backends.exporting import cia_ops_materialized_once
+from parity_cli.backends.exporting import (
+    cia_ops_materialized_once,
+    module_in,
+    native_stderr_muted,
+    program_key,
+    with_holder,
+)
 from parity_cli.errors import InputError
 
 NAME = "executorch"
@@ -62,63 +67,6 @@ def check_layer(layer, dtype: str | None = None) -> None:
                          f"here, not {dtype}")
 
 
-@contextlib.contextmanager
-def _native_stderr_muted():
-    import os
-    import sys
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _module_in(fn, depth: int = 3):
-    """The one torch module a prepared callable runs: itself, or one its closures hold (a
-    channels-first or feature-map wrapper around the family's class); None for a transcription."""
-    import torch
-
-    if isinstance(fn, torch.nn.Module):
-        return fn
-    if depth == 0 or not getattr(fn, "__closure__", None):
-        return None
-    found = [m for m in (_module_in(c.cell_contents, depth - 1) for c in fn.__closure__
-                         if not isinstance(c.cell_contents, (int, float, str, bytes, type(None))))
-             if m is not None]
-    return found[0] if len(found) == 1 else None
-
-
-def _holder(module, call):
-    """The module as a child (its tensors named module.*) beside the wrapper that calls it, so that
-    functional_call can swap the tensors a closure's module holds."""
-    import torch
-
-    class Holder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.module, self.call = module, call
-
-        def forward(self, x):
-            return self.call(x)
-
-    return Holder()
-
-
-def _key(module, layer, dtype, eps: float, names) -> tuple:
-    """Everything the exported graph depends on but the tensors fed to it: the module's class and
-    scalars, the wrapper's shapes (layout, groups, positions), the dtype and eps."""
-    scalars = tuple(sorted((k, v) for k, v in vars(module).items()
-                           if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple))))
-    state = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in names)
-    return (type(module).__module__, type(module).__qualname__, repr(module), scalars, state, layer.kind,
-            layer.layout, layer.groups, layer.spatial, layer.width, str(dtype), float(eps))
-
-
 def _export(fn, example: tuple, rows: int):
     """fn(x, *state) -> an ExecuTorch method (the lowered program, loaded by the runtime)."""
     import torch
@@ -139,7 +87,7 @@ def _export(fn, example: tuple, rows: int):
         warnings.simplefilter("ignore", DeprecationWarning)
         exported = export(Program().eval(), example, dynamic_shapes=shapes, strict=False)
         buffer = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
-    with _native_stderr_muted():  # XNNPACK's CPU probe prints each file it could not read (cpuinfo_utils.cpp)
+    with native_stderr_muted():  # XNNPACK's CPU probe prints each file it could not read (cpuinfo_utils.cpp)
         program = Runtime.get().load_program(buffer)
         method = program.load_method("forward")
     _KEEP.append((buffer, program))  # a method outlives neither its program nor the bytes it was read from
@@ -155,14 +103,14 @@ def prepare(layer, weight, bias, eps: float, eager):
     width = layer.width
     rows = max(1, min(4096, _PLAN_BYTES // (4 * max(1, width))))
     example = torch.zeros(2, width, dtype=weight.dtype)
-    module = _module_in(eager)
+    module = module_in(eager)
     if module is not None:  # its tensors become inputs: one program for every layer like it
         named = [(n, t.detach()) for n, t in (*module.named_parameters(), *module.named_buffers())
                  if t.is_floating_point()]
-        key = (*_key(module, layer, weight.dtype, eps, named), rows)  # rows: the plan's largest batch
+        key = (*program_key(module, layer, weight.dtype, eps, named), rows)  # rows: the plan's largest batch
         if key not in _PROGRAMS:
             names = [n for n, _ in named]
-            holder = _holder(module, eager)
+            holder = with_holder(module, eager)
 
             def functional(x, *state):  # the module's tensors swapped for the inputs, whatever wraps it
                 return torch.func.functional_call(holder, {f"module.{n}": t for n, t in zip(names, state)}, (x,))
@@ -226,7 +174,7 @@ def _public_program(layer, weight, bias, eps: float, rows: int):
         exported = torch.export.export(module, example, dynamic_shapes=({0: torch.export.Dim("rows", min=1, max=rows)},))
         program = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()]).to_executorch()
     buffer = program.buffer
-    with _native_stderr_muted():
+    with native_stderr_muted():
         loaded = Runtime.get().load_program(buffer)
         method = loaded.load_method("forward")
     _KEEP.append((buffer, loaded))  # a method outlives neither its program nor the bytes it was read from

@@ -1,4 +1,7 @@
-"""What every torch.export-based public path shares (ExecuTorch's lowering, ONNX's dynamo exporter).
+"""What every torch.export-based path shares (ExecuTorch's lowering, LiteRT's converter, ONNX's dynamo
+exporter): the CompositeImplicitAutograd op list materialised once an export, the module a prepared
+callable runs (its tensors fed as program inputs, so that one program serves every layer like it),
+the key of such a program, and native stderr muted around a runtime's chatter.
 
 `run_decompositions` asks the C++ dispatcher for the list of CompositeImplicitAutograd ops and
 getattr()s each into `torch.ops`, once for every op namespace (about 200 with ExecuTorch and
@@ -46,3 +49,66 @@ def cia_ops_materialized_once():
             _state["depth"] -= 1
             if _state["depth"] == 0:
                 utils._materialize_cpp_cia_ops = _state["original"]
+
+
+@contextlib.contextmanager
+def native_stderr_muted(*fds: int):
+    """Native writes to stderr (and the other descriptors given, 1 for stdout) go to /dev/null: a
+    runtime's own logging (XNNPACK's CPU probe, LiteRT's converter progress) is not parity's output."""
+    import os
+    import sys
+
+    fds = fds or (2,)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in fds}
+    try:
+        with open(os.devnull, "wb") as null:
+            for fd in fds:
+                os.dup2(null.fileno(), fd)
+        yield
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
+def module_in(fn, depth: int = 3):
+    """The one torch module a prepared callable runs: itself, or one its closures hold (a
+    channels-first or feature-map wrapper around the family's class); None for a transcription."""
+    import torch
+
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    if depth == 0 or not getattr(fn, "__closure__", None):
+        return None
+    found = [m for m in (module_in(c.cell_contents, depth - 1) for c in fn.__closure__
+                         if not isinstance(c.cell_contents, (int, float, str, bytes, type(None))))
+             if m is not None]
+    return found[0] if len(found) == 1 else None
+
+
+def with_holder(module, call):
+    """The module as a child (its tensors named module.*) beside the wrapper that calls it, so that
+    functional_call can swap the tensors a closure's module holds."""
+    import torch
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module, self.call = module, call
+
+        def forward(self, x):
+            return self.call(x)
+
+    return Holder()
+
+
+def program_key(module, layer, dtype, eps: float, names) -> tuple:
+    """Everything the exported graph depends on but the tensors fed to it: the module's class and
+    scalars, the wrapper's shapes (layout, groups, positions), the dtype and eps."""
+    scalars = tuple(sorted((k, v) for k, v in vars(module).items()
+                           if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple))))
+    state = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in names)
+    return (type(module).__module__, type(module).__qualname__, repr(module), scalars, state, layer.kind,
+            layer.layout, layer.groups, layer.spatial, layer.width, str(dtype), float(eps))

@@ -1,0 +1,60 @@
+"""Issue 46, item 1, and issue 51, for LiteRT: every kind parity's `litert` built-in claims at every
+dtype it takes, checked through parity's adapter (one program per module class, width, dtype and eps
+converted by litert_torch.convert with the tensors as program inputs, run by ai_edge_litert's
+Interpreter) and through LiteRT's public path (`litert@public`: the model's own module with its
+parameters, litert_torch.convert, the converted model called as litert_torch documents it). Both
+give the same verdict; what the converter cannot convert is one line on both paths, the converter's
+own reason on the public path."""
+
+import pytest
+from truth_cells import LAYERS, Cells, passes
+
+pytest.importorskip("litert_torch", reason="needs LiteRT: see parity_cli/backends/litert_runtime.py's INSTALL")
+pytest.importorskip("ai_edge_litert", reason="needs LiteRT's interpreter: pip install --no-deps ai-edge-litert")
+
+from parity_cli.errors import InputError  # noqa: E402
+
+EXPECTED = {(kind, "float32"): passes(kind) for kind in LAYERS}
+EXPECTED.update({(kind, "float16"): passes(kind) for kind in ("rms_norm/llama", "rms_norm/gemma", "group_norm",
+                                                               "gated_rms_norm")})
+# what litert-torch 0.10.0's converter refuses, in its own words on the public path
+REFUSED = {("layer_norm", "float16"): "expects operand and result to have compatible element type",
+           ("batch_norm", "float16"): "Failed to export flatbuffer"}
+
+
+@pytest.fixture(scope="module")
+def cells(tmp_path_factory):
+    return Cells(tmp_path_factory.mktemp("truth-litert"))
+
+
+@pytest.mark.parametrize("kind, dtype", list(EXPECTED))
+def test_the_adapter_and_litert_torchs_converted_model_give_one_verdict(cells, kind, dtype):
+    ours = cells.verdict(kind, "litert", dtype)
+    theirs = cells.verdict(kind, "litert@public", dtype)
+    assert ours == theirs == EXPECTED[kind, dtype], (ours, theirs)
+
+
+@pytest.mark.parametrize("candidate", ["litert", "litert@public"])
+@pytest.mark.parametrize("kind, dtype", list(REFUSED))
+def test_what_the_converter_cannot_convert_is_one_line_on_both_paths(cells, candidate, kind, dtype):
+    with pytest.raises(InputError, match=REFUSED[kind, dtype]):
+        cells.verdict(kind, candidate, dtype)
+
+
+def test_no_module_holding_bfloat16_parameters_converts(cells):
+    """The public path converts the module as a deployment holds it: litert_torch.convert fails on
+    bfloat16 parameters ("Got unsupported ScalarType BFloat16"). parity's adapter, which feeds the
+    tensors as inputs and could convert, refuses bfloat16 with that reason rather than check a program
+    no deployment can make."""
+    with pytest.raises(InputError, match="Got unsupported ScalarType BFloat16"):
+        cells.verdict("rms_norm/llama", "litert@public", "bfloat16")
+    with pytest.raises(InputError, match="converts no module holding bfloat16 parameters"):
+        cells.verdict("rms_norm/llama", "litert", "bfloat16")
+
+
+@pytest.mark.parametrize("candidate", ["litert", "litert@public"])
+def test_its_layer_norm_takes_the_variance_from_x_minus_the_mean(cells, candidate):
+    """`--strata offset` (N(0, 1) rows shifted by 10, -100 and 1000), where a variance taken as
+    E[x^2] - E[x]^2 cancels (CTranslate2's and ExecuTorch's LayerNorms fail there): LiteRT's converted
+    LayerNorm (MEAN, SQUARED_DIFFERENCE, MEAN) passes, as torch's does."""
+    assert cells.verdict("layer_norm", candidate, "float32", strata=("offset",)) == passes("layer_norm")
