@@ -1,14 +1,15 @@
 """The export paths against `--candidate torch` on the same checkpoint, measured in the same run: a
 model of SmolLM2-135M's shape (random weights, bfloat16, a word-level tokenizer), converted by
 `mlx_lm.convert`, by CTranslate2's TransformersConverter and by ONNX Runtime GenAI's builder (fp32,
-cpu); then each conversion check (`--candidate-checkpoint`), CTranslate2's kernels as a candidate
-(float32, beside torch at float32), the captures inside mlx-lm and inside ONNX Runtime (16 tokens) and
-the checks of those captures.
+cpu); then each conversion check (`--candidate-checkpoint`), CTranslate2's kernels and LiteRT's
+converted program as candidates (float32, beside torch at float32), the captures inside mlx-lm and
+inside ONNX Runtime (16 tokens) and the checks of those captures.
 
     python benchmarks/bench_exports.py [--repeat 3] [--tokens 16]
 
-Needs transformers, mlx-lm (pip install -e '.[mlx]'), ctranslate2 and onnxruntime-genai. Each command runs in a fresh
-interpreter (its cost includes the imports); medians of --repeat runs are printed, with each run's time."""
+Needs transformers, mlx-lm (pip install -e '.[mlx]'), ctranslate2, onnxruntime-genai and litert-torch.
+Each command runs in a fresh interpreter (its cost includes the imports); medians of --repeat runs
+are printed, with each run's time."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def main() -> None:
                                                                "float32", "-q"],
             "check HF dir --candidate ctranslate2 --dtype float32": ["check", str(hf), "--candidate", "ctranslate2",
                                                                      "--dtype", "float32", "-q"],
+            "check HF dir --candidate litert --dtype float32": ["check", str(hf), "--candidate", "litert", "--dtype",
+                                                                "float32", "-q"],
             "check HF dir --candidate-checkpoint GenAI": ["check", str(hf), "--candidate-checkpoint", str(genai), "-q"],
             "capture GenAI --runtime onnxruntime": ["capture", str(genai), "--runtime", "onnxruntime", "--prompt",
                                                     prompt, "--max-tokens", str(a.tokens), "-o", str(genai_cap)],
