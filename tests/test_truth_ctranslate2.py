@@ -79,3 +79,30 @@ def test_its_layer_norm_of_a_row_far_from_zero_misses_by_percent(tmp_path):
     exact = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
     err = (y - exact).abs().amax(-1)
     assert err[:8].max() > 1e-3 and err[8:].max() < 1e-5, err
+
+
+# --- CUDA: the half compute types CTranslate2 has there -------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["rms_norm/llama", "rms_norm/gemma", "layer_norm"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_on_cuda_its_half_compute_types_give_one_verdict_on_both_paths(tmp_path, kind, dtype):
+    """Where CTranslate2 was built with CUDA it computes float16 and bfloat16 (its CPU does not): both
+    paths run there, the candidate's tensors and the model on the GPU, and pass."""
+    import ctranslate2
+
+    if ctranslate2.get_cuda_device_count() == 0:
+        pytest.skip("needs a CUDA device and a CUDA build of CTranslate2")
+    from truth_cells import LAYERS
+
+    from parity_cli import api
+
+    cells = Cells(tmp_path)
+    verdicts = []
+    for candidate in ("ctranslate2", "ctranslate2@public"):
+        report = api.check(cells.checkpoint(kind), candidate=candidate, dtype=dtype, device="cuda",
+                           layers=LAYERS[kind][1], isolation="none")
+        assert report.header["candidate"]["device"].startswith("cuda")
+        verdicts.append([(layer.status, sorted(d.code for d in layer.diagnoses)) for layer in report.layers])
+    assert verdicts[0] == verdicts[1] == [("pass", [])], verdicts
