@@ -1,6 +1,6 @@
 """Issue 46, item 7: `parity runtimes` on an all-MiniLM-L6-v2-shaped BERT (6 layers, width 384,
-13 LayerNorms plus the head's: 14; random weights, same shapes) over every runtime and dtype (27
-cells), and each runtime candidate against `--candidate torch` on a SmolLM2-135M-shaped Llama (30
+13 LayerNorms plus the head's: 14; random weights, same shapes) over every runtime and dtype (3 cells
+a runtime, torch and transformers included), and each runtime candidate against `--candidate torch` on a SmolLM2-135M-shaped Llama (30
 layers, width 576: 61 RMSNorms) at float32, measured in the same run. Every figure is a whole
 process (`parity ...` under the launcher of _common), interleaved over --repeat rounds so a slow
 spell hits every label; medians. The table's baseline is `parity check --candidate torch` on the
@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import busy_note, median, parity_cmd, print_machine, run_child, wait_quiet  # noqa: E402
 
-CANDIDATES = ["onnxruntime", "openvino", "vllm", "llama.cpp", "mlx", "torch.compile", "executorch"]
+CANDIDATES = ["onnxruntime", "openvino", "vllm", "llama.cpp", "mlx", "ctranslate2", "torch.compile", "executorch",
+              "litert"]
 
 
 def main(argv=None) -> int:
@@ -50,7 +51,10 @@ def main(argv=None) -> int:
             wait_quiet(args.quiet_wait)
             runs.setdefault(label, []).append(run_child(cmd, check_rc=(0, 1)))
     wall = {label: median([r["wall"] for r in rs]) for label, rs in runs.items()}
-    print(f"\n== parity runtimes, MiniLM-shaped BERT (27 cells), median of {args.repeat} ==")
+    from parity_cli.backends import registered
+
+    cells = 3 * (2 + len(registered()))  # torch and transformers beside every runtime file, at 3 dtypes
+    print(f"\n== parity runtimes, MiniLM-shaped BERT ({cells} cells), median of {args.repeat} ==")
     table_runs = " ".join(f"{r['wall']:.1f}" for r in runs["table"])
     print(f"  table {wall['table']:.1f} s (runs {table_runs}); "
           f"{wall['table'] / wall['torch (bert)']:.1f}x one torch check ({wall['torch (bert)']:.1f} s)")

@@ -255,10 +255,14 @@ def _warm_cells(path, chosen: list, dtypes: list, options: dict, workers: int, r
     slowest runtimes first); a process that dies or hangs leaves its remaining cells `error`."""
     from multiprocessing.connection import wait
 
+    from parity_cli.backends import runtime as runtime_file
     from parity_cli.isolation.supervisor import DEFAULT_TIMEOUT, Task
 
-    slow = {"executorch": 0, "torch.compile": 1}
-    queue = sorted(chosen, key=lambda r: slow.get(r, 2))
+    def start_cost(name: str) -> float:  # what the runtime's file declares (torch and transformers: none)
+        module = runtime_file(name)
+        return module.RUNTIME.start_seconds if module is not None else 0.0
+
+    queue = sorted(chosen, key=lambda r: -start_cost(r))  # stable: table order among equals
     running: dict = {}  # connection -> (task, runtime, dtypes still to come)
     cells: dict = {}
     per_cell = DEFAULT_TIMEOUT * 4 if options.get("timeout") is None else float(options["timeout"]) * 4

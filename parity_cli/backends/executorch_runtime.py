@@ -39,7 +39,8 @@ INSTALL = ("pip install --no-deps executorch==1.5.1 'torchao>=0.18,<0.19' && pip
 RUNTIME = Runtime(
     "executorch", "the family's module class exported with torch.export, lowered to the XNNPACK delegate and run by "
     "the ExecuTorch runtime", package="executorch", install=INSTALL, needs="the ExecuTorch runtime",
-    public="torch.export + to_edge_transform_and_lower(XNNPACK), run by executorch.runtime", order=80)
+    public="torch.export + to_edge_transform_and_lower(XNNPACK), run by executorch.runtime", order=80,
+    start_seconds=7.0)  # executorch.runtime imports executorch.exir; a first lowering
 DTYPES = ("float32", "bfloat16", "float16")
 _PROGRAMS: dict = {}
 _KEEP: list = []

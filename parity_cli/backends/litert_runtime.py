@@ -43,7 +43,8 @@ RUNTIME = Runtime(
     "litert", "the family's module class converted by litert_torch.convert (TFLite ops) and run by LiteRT's "
     "interpreter (XNNPACK on CPU)", package="litert_torch", install=INSTALL, requires=("litert_torch", "ai_edge_litert"),
     distributions=("litert-torch",), needs="LiteRT (litert-torch and ai-edge-litert)",
-    public="litert_torch.convert of the module, run as the converted model (LiteRTModel.__call__)", order=85)
+    public="litert_torch.convert of the module, run as the converted model (LiteRTModel.__call__)", order=85,
+    start_seconds=5.0)  # litert-torch, jax and its MLIR converter; a first conversion
 DTYPES = ("float32", "bfloat16", "float16")  # bfloat16 is refused by check_layer, with the converter's reason
 ROWS = 64  # the rows a converted program takes (its shapes are static)
 _PROGRAMS: dict = {}

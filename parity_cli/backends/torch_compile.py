@@ -19,7 +19,8 @@ RUNTIME = Runtime(
     "torch.compile", "the family's module class (else the hf transcription) compiled by torch.compile with inductor "
     "(generated C++ on CPU, Triton on CUDA), dynamic shapes; seconds to compile each width and dtype", package="torch",
     install="pip install torch", distributions=("torch",), public="torch.compile of the module, default options",
-    order=70)
+    order=70,
+    start_seconds=6.0)  # inductor's import and a first compile
 # dynamo keeps at most config.recompile_limit (8) compiled variants of one code object and then runs
 # it eagerly, saying only a warning: one module class (or the one wrapper every compiled callable
 # shares) at a few kinds and three dtypes in one process reaches it, and eager torch would be
