@@ -5,16 +5,19 @@ model.bin is CTranslate2's own binary spec, not a pickle (ctranslate2/specs/mode
 `_serialize`): a uint32 binary version, the spec's name (a uint16 length, then that many bytes ending
 in NUL), a uint32 revision, a uint32 count of variables, each a name, a uint8 rank, that many uint32
 dimensions, a uint8 type (0 float32, 1 int8, 2 int16, 3 int32, 4 float16, 5 bfloat16), a uint32 byte
-count and the bytes; then a uint32 count of aliases, each two names (the alias, the variable). Every field is checked against the file before it is used;
-only the norm gains are read.
+count and the bytes; then a uint32 count of aliases, each two names (the alias, the variable). Every
+field is checked against the file before it is used; only the norm gains and biases are read.
 
-A decoder's norms are named by CTranslate2's spec (decoder/layer_0/self_attention/layer_norm/gamma)
-and mapped back to the checkpoint's names (model.layers.0.input_layernorm.weight). A norm whose
-`layer_norm_use_residual` flag is set multiplies by 1 + gamma (Gemma's form): the copy's gain is what
-the runtime multiplies by, gamma plus that 1. Variables equal to one another are stored once and
-the others as aliases of it (a model whose norms all hold ones). The eps is config.json's `layer_norm_epsilon`; where the
-converter wrote none (null), CTranslate2's runtime uses 1e-6 (measured with ctranslate2 4.8.5: a
-Generator's logits with a null eps equal those with 1e-6, and differ from 1e-5's)."""
+The norms are named by CTranslate2's spec (decoder/layer_0/self_attention/layer_norm/gamma and
+/beta) and mapped back to the checkpoint's names by the layout the converter's loader read the model
+in (LAYOUTS: Llama-like decoders, BERT-like encoders, Whisper), the root a checkpoint adds (bert.,
+model.) settled against the reference's names. A norm whose `layer_norm_use_residual` flag is set
+multiplies by 1 + gamma (Gemma's form): the copy's gain is what the runtime multiplies by, gamma plus
+that 1. Variables equal to one another are stored once and the others as aliases of it (a model
+whose norms all hold ones). The eps is config.json's `layer_norm_epsilon`, the one value the runtime
+uses for every norm; where the converter wrote none (null), the runtime takes 1e-5 for a LayerNorm
+(a norm with a beta) and 1e-6 for an RMSNorm (layers/common.cc; measured with ctranslate2 4.8.5
+through its own Generator and Encoder)."""
 
 from __future__ import annotations
 
