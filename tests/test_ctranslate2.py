@@ -265,6 +265,9 @@ def _read(model_bin, var) -> bytes:
     # Whisper's code fixes nn.LayerNorm's 1e-5; the converter writes no eps and the runtime takes its
     # LayerNorm default, 1e-5 (layers/common.cc): the two agree
     ("whisper", 1e-5, "WhisperSpec", 12, "the runtime's default for a LayerNorm"),
+    # OpenNMT's own use: translation models, post-norm; BART with its embeddings' norms
+    ("bart", 1e-5, "TransformerSpec", 12, "the runtime's default for a LayerNorm"),
+    ("marian", 1e-5, "TransformerSpec", 10, "the runtime's default for a LayerNorm"),
 ])
 def test_a_faithful_encoder_conversion_passes(converted, tmp_path, model_type, eps, spec, layers, eps_source):
     src, copy = converted(model_type, eps)
@@ -297,6 +300,8 @@ def _swap_first_two_gains(model_bin):
     ("whisper", 1e-5, "eps 1e-6", "model.encoder.layer_norm", {"eps_mismatch", "checkpoint_eps_mismatch"}),
     ("whisper", 1e-5, "gains swapped", "model.encoder.layers.0.self_attn_layer_norm",
      {"checkpoint_weight_mismatch", "checkpoint_gain_of_other_layer"}),
+    ("marian", 1e-5, "eps 1e-6", "model.decoder.layers.1.final_layer_norm",
+     {"eps_mismatch", "checkpoint_eps_mismatch"}),
 ])
 def test_a_fault_planted_in_a_converted_encoder_is_named(converted, tmp_path, model_type, eps, fault, layer, codes):
     src, made = converted(model_type, eps)

@@ -349,13 +349,28 @@ def _whisper_config(hidden: int, layers: int, eps: float) -> dict:
                 eos_token_id=2, decoder_start_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
 
 
+def _seq2seq_config(hidden: int, layers: int, eps: float) -> dict:
+    """BART and Marian: nn.LayerNorm's 1e-5 in their code, as Whisper's. normalize_before: as published
+    BART configs hold it (transformers 5 dropped the key; CTranslate2's converter still reads it). The
+    vocabulary is the word-level tokenizer's (43 words), which the converter takes as the model's."""
+    del eps
+    return dict(d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden, vocab_size=43,
+                max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                forced_eos_token_id=2, normalize_before=False)
+
+
 # model type -> (its config class, the model class written, its config's keyword arguments (hidden, layers, eps))
 RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
             "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                             lambda h, n, e: _decoder_config(h, n, e, {"sliding_window": 32})),
             "bert": ("BertConfig", "BertModel", _bert_config),
-            "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", _whisper_config)}
+            "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", _whisper_config),
+            "bart": ("BartConfig", "BartForConditionalGeneration", _seq2seq_config),
+            # Marian's converter takes a vocabulary one shorter than the model's (its pad is added back)
+            "marian": ("MarianConfig", "MarianMTModel",
+                       lambda h, n, e: {**_seq2seq_config(h, n, e), "vocab_size": 44})}
 
 
 def write_runnable(directory, model_type: str = "llama", *, layers: int = 2, hidden: int = 64, eps: float = 1e-5,
