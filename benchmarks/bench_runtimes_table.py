@@ -20,9 +20,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import busy_note, median, parity_cmd, print_machine, run_child, wait_quiet  # noqa: E402
 
-CANDIDATES = ["onnxruntime", "openvino", "vllm", "llama.cpp", "mlx", "ctranslate2", "torch.compile", "executorch",
-              "litert"]
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -38,7 +35,9 @@ def main(argv=None) -> int:
     smol = write_checkpoint(root / "smollm2", "llama", layers=30, hidden=576, heads=9, kv_heads=3, eps=1e-5,
                             dtype="float32")
     print_machine(bert)
-    chosen = [r for r in CANDIDATES if installed(r)]
+    from parity_cli.backends import registered
+
+    chosen = [r for r in registered() if installed(r)]  # every runtime file, in the table's order
     print("runtimes: " + ", ".join(f"{r} ({version(r)})" for r in ["torch", *chosen]))
     labels = {"table": parity_cmd() + ["runtimes", str(bert), "-q"],
               "torch (bert)": parity_cmd() + ["check", str(bert), "-q", "--candidate", "torch"]}
@@ -51,8 +50,6 @@ def main(argv=None) -> int:
             wait_quiet(args.quiet_wait)
             runs.setdefault(label, []).append(run_child(cmd, check_rc=(0, 1)))
     wall = {label: median([r["wall"] for r in rs]) for label, rs in runs.items()}
-    from parity_cli.backends import registered
-
     cells = 3 * (2 + len(registered()))  # torch and transformers beside every runtime file, at 3 dtypes
     print(f"\n== parity runtimes, MiniLM-shaped BERT ({cells} cells), median of {args.repeat} ==")
     table_runs = " ".join(f"{r['wall']:.1f}" for r in runs["table"])

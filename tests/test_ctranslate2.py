@@ -143,8 +143,9 @@ def test_a_fault_planted_in_the_converted_model_is_named(planted, tmp_path, mode
         assert finding["uniform_shift"] == shift
 
 
-def _model_bin(variables: list) -> bytes:
-    """A model.bin as CTranslate2 serialises one (model_spec._serialize)."""
+def _model_bin(variables: list, aliases: tuple = ()) -> bytes:
+    """A model.bin as CTranslate2 serialises one (model_spec._serialize): variables (name, shape, type
+    id, bytes), then aliases (alias, variable)."""
     def string(s):
         return struct.pack("<H", len(s) + 1) + s.encode() + b"\0"
 
@@ -152,7 +153,80 @@ def _model_bin(variables: list) -> bytes:
     for name, shape, type_id, data in variables:
         out += string(name) + struct.pack("<B", len(shape)) + b"".join(struct.pack("<I", d) for d in shape)
         out += struct.pack("<BI", type_id, len(data)) + data
-    return out + struct.pack("<I", 0)
+    out += struct.pack("<I", len(aliases))
+    return out + b"".join(string(a) + string(t) for a, t in aliases)
+
+
+ONES, TWOS = struct.pack("<64f", *([1.0] * 64)), struct.pack("<64f", *([2.0] * 64))
+GAIN = "decoder/layer_norm/gamma"
+
+
+@pytest.mark.parametrize("label, variables, aliases, words", [
+    # CTranslate2 keeps the first of a name registered twice: reading the second checks a gain it never uses
+    ("a gain stored twice", [(GAIN, (64,), 0, ONES), (GAIN, (64,), 0, TWOS)], (), "stored twice"),
+    ("an alias shadowing a gain", [(GAIN, (64,), 0, ONES), ("other/gamma", (64,), 0, TWOS)],
+     ((GAIN, "other/gamma"),), "also a variable's name"),
+    # the flag is an int8 scalar: as a float32 1.0 its first byte is 0, and it would read as unset
+    ("a flag stored as float32", [(GAIN, (64,), 0, ONES),
+                                  ("decoder/layer_norm/layer_norm_use_residual", (), 0, struct.pack("<f", 1.0))],
+     (), "CTranslate2 writes the flag as one int8"),
+    ("a gain past the end, its shape consistent", [(GAIN, (1 << 28,), 0, b"")], (), "corrupt or truncated"),
+])
+def test_a_lying_model_bin_is_one_line(converted, tmp_path, label, variables, aliases, words):
+    src, _ = converted("llama", 1e-5)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps({"layer_norm_epsilon": 1e-5}))
+    raw = _model_bin([(n, shape, t, data) for n, shape, t, data in variables], aliases)
+    if label.startswith("a gain past the end"):  # declares 2^30 bytes it does not hold
+        raw = raw.replace(struct.pack("<BI", 0, 0), struct.pack("<BI", 0, 1 << 30), 1)
+    (copy / "model.bin").write_bytes(raw)
+    r = run_parity("check", src, "--candidate-checkpoint", copy)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and words in lines[0] and "model.bin" in lines[0], (label, r.stderr)
+
+
+def test_a_use_residual_flag_on_a_layer_norm_adds_nothing(tmp_path):
+    """CTranslate2 hands the flag to its RMSNorm only: on a norm with a beta (a LayerNorm) the gain the
+    runtime multiplies by is gamma, whatever the flag says."""
+    from parity_cli.sources.ctranslate2 import open_ctranslate2
+
+    (tmp_path / "config.json").write_text(json.dumps({"layer_norm_epsilon": 1e-5}))
+    scope = "encoder/layernorm_embedding"
+    raw = _model_bin([(f"{scope}/gamma", (64,), 0, ONES), (f"{scope}/beta", (64,), 0, struct.pack("<64f", *[0.0] * 64)),
+                      (f"{scope}/layer_norm_use_residual", (), 1, b"\x01")])
+    (tmp_path / "model.bin").write_bytes(raw.replace(b"TransformerDecoderSpec", b"TransformerEncoderSpec"))
+    ckpt = open_ctranslate2(tmp_path, (None, "bert"))
+    assert ckpt.read("embeddings.LayerNorm.weight").tolist() == [1.0] * 64
+
+
+@pytest.mark.parametrize("eps, words", [
+    (0, "must be a finite number > 0"), (-1e-5, "must be a finite number > 0"),
+    ("NaN", "must be a finite number > 0"), ("1e999", "must be a finite number > 0"),
+    ("9" * 400, "must be a finite number > 0"),
+])
+def test_an_eps_no_runtime_can_take_is_one_line(converted, tmp_path, eps, words):
+    """config.json's layer_norm_epsilon is the runtime's one eps: 0, a negative, NaN, an infinity (1e999
+    in JSON) and a 400-digit integer are each refused in one line naming the key, as a checkpoint's own."""
+    src, made = converted("llama", 1e-5)
+    copy = tmp_path / "copy"
+    shutil.copytree(made, copy)
+    config = json.loads((copy / "config.json").read_text())
+    text = json.dumps({**config, "layer_norm_epsilon": "EPS"}).replace('"EPS"', str(eps))
+    (copy / "config.json").write_text(text)
+    r = run_parity("check", src, "--candidate-checkpoint", copy)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and words in lines[0] and "layer_norm_epsilon" in lines[0], r.stderr
+
+
+def test_a_model_bin_shorter_than_its_header_is_not_taken_for_one(tmp_path):
+    """A model.bin whose spec name runs past its end: not CTranslate2's (before, an IndexError)."""
+    from parity_cli.sources.ctranslate2 import is_ctranslate2
+
+    (tmp_path / "model.bin").write_bytes(struct.pack("<IH", 6, 30) + b"abSpec")
+    assert is_ctranslate2(tmp_path) is False
+    (tmp_path / "model.bin").write_bytes(_model_bin([(GAIN, (64,), 0, ONES)]))
+    assert is_ctranslate2(tmp_path) is True
 
 
 @pytest.mark.parametrize("label, edit, words", [

@@ -55,9 +55,10 @@ def test_a_mean_far_above_the_spread_fails_its_layer_norm_with_the_variance_name
 
 
 def test_its_layer_norm_of_a_row_far_from_zero_misses_by_percent(tmp_path):
-    """A converted GPT-2 whose output is its final LayerNorm (one layer adding 0, an identity head),
-    through TransformersConverter and ctranslate2.Generator only: rows of N(0, 1) + 1000 miss the
-    exact LayerNorm by more than 1e-3, the same rows centred on 0 by less than 1e-5."""
+    """A converted GPT-2 whose output is its final LayerNorm (one layer adding 0, an identity head):
+    the transformers model is the one the public path writes (written by transformers), and from there
+    only TransformersConverter and ctranslate2.Generator run it. Rows of N(0, 1) + 1000 miss the exact
+    LayerNorm by more than 1e-3, the same rows centred on 0 by less than 1e-5."""
     from types import SimpleNamespace
 
     import ctranslate2

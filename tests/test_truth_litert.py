@@ -58,3 +58,14 @@ def test_its_layer_norm_takes_the_variance_from_x_minus_the_mean(cells, candidat
     E[x^2] - E[x]^2 cancels (CTranslate2's and ExecuTorch's LayerNorms fail there): LiteRT's converted
     LayerNorm (MEAN, SQUARED_DIFFERENCE, MEAN) passes, as torch's does."""
     assert cells.verdict("layer_norm", candidate, "float32", strata=("offset",)) == passes("layer_norm")
+
+
+def test_more_rows_than_a_program_takes_run_in_pieces(tmp_path, monkeypatch):
+    """A converted program takes a fixed number of rows: the probes' 36 rows a stratum group run as
+    pieces of 4, the last one padded, through both paths, and pass as they do in one piece."""
+    from parity_cli.backends import litert_runtime
+
+    monkeypatch.setattr(litert_runtime, "ROWS", 4)
+    cells = Cells(tmp_path)
+    assert cells.verdict("layer_norm", "litert", "float32") == cells.verdict("layer_norm", "litert@public", "float32") \
+        == passes("layer_norm")

@@ -27,7 +27,6 @@ RUNTIME = Runtime(
     install=INSTALL, public="a model written by ct2-transformers-converter's Python API, run by ctranslate2.Generator",
     order=65)
 KINDS = ("rms_norm", "layer_norm")
-COMPUTE = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
 def _device(weight) -> str:
@@ -47,14 +46,15 @@ def check_layer(layer, dtype: str | None = None, device: str | None = None) -> N
 
 
 def _compute_type(dtype: str, device: str) -> str:
+    """The compute type CTranslate2 is asked for: the dtype's own name, where the device has it."""
     import ctranslate2
 
     where = "cuda" if device.startswith("cuda") else "cpu"
     have = ctranslate2.get_supported_compute_types(where)
-    if COMPUTE.get(dtype) not in have:
+    if dtype not in have:
         raise InputError(f"--candidate ctranslate2: no {dtype} compute type on {where} (CTranslate2's there: "
                          f"{', '.join(sorted(have))})")
-    return COMPUTE[dtype]
+    return dtype
 
 
 def describe(device: str = "cpu") -> dict:
@@ -63,10 +63,6 @@ def describe(device: str = "cpu") -> dict:
     return {"runtime": f"ctranslate2 {version('ctranslate2')}", "device": "cuda" if device.startswith("cuda") else "cpu",
             "kernel": "layers::LayerNorm (ops::LayerNorm with a beta, else ops::RMSNorm), in a one-norm encoder",
             "computes_in": "the compute type: float32 on CPU (the variance as E[x^2] - E[x]^2)"}
-
-
-def computes_in(dtype: str, described: dict | None) -> str:
-    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
 
 
 def _gain(layer, weight):
@@ -82,18 +78,31 @@ def prepare(layer, weight, bias, eps: float):
     """x -> y through a one-norm encoder in CTranslate2 (see the module doc), at the candidate's dtype."""
     import torch
 
+    device, compute = _checked(layer, weight)
+    gamma, residual = _gain(layer, weight)
+    beta = None if bias is None else bias.detach().float().cpu().numpy()
+    return _row_wise(lambda rows: torch.from_numpy(
+        _encode(rows.numpy(), gamma.numpy(), beta, eps, residual, compute, device)))
+
+
+def _checked(layer, weight) -> tuple[str, str]:
+    """(the device, the compute type) of a layer both paths build, or its one line."""
     device = _device(weight)
     dtype = str(weight.dtype).removeprefix("torch.")
-    check_layer(layer, dtype, device)
-    compute = _compute_type(dtype, device)
-    gamma, residual = _gain(layer, weight)
-    beta = None if bias is None else bias.detach().float().cpu()
+    check_layer(layer, None, device)
+    return device, _compute_type(dtype, device)
+
+
+def _row_wise(norm):
+    """x -> norm(its rows as float32 on the CPU), back in x's shape, dtype and device. No rows: no
+    model (CTranslate2 cannot build an empty embedding table, and its Generator dies on an empty batch)."""
+    import torch
 
     def run(x):
         rows = x.detach().reshape(-1, x.shape[-1]).to(device="cpu", dtype=torch.float32)
-        y = _encode(rows.numpy(), gamma.numpy(), None if beta is None else beta.numpy(), eps, residual, compute,
-                    device)
-        return torch.from_numpy(y).to(dtype=x.dtype, device=x.device).reshape(x.shape)
+        if rows.shape[0] == 0:
+            return torch.empty_like(x)
+        return norm(rows).to(dtype=x.dtype, device=x.device).reshape(x.shape)
 
     return run
 
@@ -102,22 +111,24 @@ def _encode(rows, gamma, beta, eps: float, residual: bool, compute: str, device:
     import tempfile
 
     import ctranslate2
-    import numpy as np
 
     with tempfile.TemporaryDirectory(prefix="parity-ct2-") as where:
         _one_norm_encoder(rows, gamma, beta, eps, residual).save(where)
         encoder = ctranslate2.Encoder(where, device=device, compute_type=compute, intra_threads=1)
         out = encoder.forward_batch([[i] for i in range(len(rows))]).last_hidden_state
-        y = np.array(out, copy=True) if device == "cpu" else _from_cuda(out)
+        y = _to_numpy(out, device)
         del encoder
     return y.reshape(len(rows), -1)
 
 
-def _from_cuda(out):
+def _to_numpy(out, device: str):
+    """A StorageView as a float32 array: on the CPU as it is, from CUDA through torch."""
     import numpy as np
     import torch
 
-    return torch.as_tensor(out, device="cuda").float().cpu().numpy().astype(np.float32)
+    if device == "cpu":
+        return np.array(out, copy=True)
+    return torch.as_tensor(out, device="cuda").float().cpu().numpy()
 
 
 def _one_norm_encoder(rows, gamma, beta, eps: float, residual: bool):
@@ -165,24 +176,14 @@ def public_path(layer, weight, bias, eps: float):
     LayerNorm with a bias; one decoder layer whose weights are all 0. config.json's layer_norm_epsilon
     is the layer's eps, as the converter writes it for Llama and BERT (its GPT-2 and Gemma 3 loaders
     write none, and the runtime takes its defaults: sources.ctranslate2 reads that of a real export)."""
-    import torch
 
-    device = _device(weight)
-    dtype = str(weight.dtype).removeprefix("torch.")
-    check_layer(layer, dtype, device)
-    compute = _compute_type(dtype, device)
+    device, compute = _checked(layer, weight)
     if layer.gain_offset not in (0.0, 1.0) or (layer.gain_offset and layer.kind != "rms_norm"):
         raise InputError(f"--candidate ctranslate2@public: {layer.name}'s gain is {layer.gain_offset:g} + w; the "
                          "converter writes 1 + w only as Gemma's RMSNorm")
     w = weight.detach().float().cpu()
     b = None if bias is None else bias.detach().float().cpu()
-
-    def run(x):
-        rows = x.detach().reshape(-1, x.shape[-1]).to(device="cpu", dtype=torch.float32)
-        y = _converted_logits(layer, rows, w, b, eps, compute, device)
-        return y.to(dtype=x.dtype, device=x.device).reshape(x.shape)
-
-    return run
+    return _row_wise(lambda rows: _converted_logits(layer, rows, w, b, eps, compute, device))
 
 
 def _converted_logits(layer, rows, w, b, eps: float, compute: str, device: str):
@@ -191,7 +192,6 @@ def _converted_logits(layer, rows, w, b, eps: float, compute: str, device: str):
     from pathlib import Path
 
     import ctranslate2
-    import numpy as np
     import torch
     from ctranslate2.converters import TransformersConverter
 
@@ -203,11 +203,7 @@ def _converted_logits(layer, rows, w, b, eps: float, compute: str, device: str):
         config = Path(out) / "config.json"  # the eps as the converter writes it for Llama and BERT
         config.write_text(json.dumps({**json.loads(config.read_text()), "layer_norm_epsilon": float(eps)}))
         generator = ctranslate2.Generator(out, device=device, compute_type=compute, intra_threads=1)
-        logits = generator.forward_batch([[i] for i in range(n)])
-        if device == "cpu":
-            y = torch.from_numpy(np.array(logits, copy=True)).float()
-        else:
-            y = torch.as_tensor(logits, device="cuda").float().cpu()
+        y = torch.from_numpy(_to_numpy(generator.forward_batch([[i] for i in range(n)]), device))
         del generator
     return y.reshape(n, -1)[:, :d]
 
@@ -231,9 +227,9 @@ def _write_norm_model(directory, layer, rows, w, b, eps: float) -> None:
         model = transformers.GPT2LMHeadModel(config)
         final, embed = model.transformer.ln_f, model.transformer.wte
     else:
-        gemma = layer.gain_offset == 1.0
         kwargs = dict(hidden_size=d, intermediate_size=1, num_hidden_layers=1, num_attention_heads=1,
                       num_key_value_heads=1, head_dim=2, max_position_embeddings=8, rms_norm_eps=eps, **common)
+        gemma = layer.gain_offset == 1.0
         config = transformers.Gemma3TextConfig(**kwargs, sliding_window=8) if gemma else \
             transformers.LlamaConfig(**kwargs)
         model = (transformers.Gemma3ForCausalLM if gemma else transformers.LlamaForCausalLM)(config)
@@ -243,7 +239,7 @@ def _write_norm_model(directory, layer, rows, w, b, eps: float) -> None:
             p.zero_()
         table = torch.zeros(vocab, d, dtype=torch.float64)
         table[:n] = rows.double()
-        if layer.kind == "rms_norm" and layer.gain_offset == 1.0:  # the runtime multiplies by sqrt(d) first
+        if layer.kind == "rms_norm" and layer.gain_offset == 1.0:  # Gemma: the runtime multiplies by sqrt(d) first
             table /= math.sqrt(d)
         embed.weight.copy_(table.float())
         final.weight.copy_(w)

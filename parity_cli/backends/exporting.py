@@ -51,26 +51,43 @@ def cia_ops_materialized_once():
                 utils._materialize_cpp_cia_ops = _state["original"]
 
 
+_muted: dict = {}  # fd -> [depth, the descriptor it is restored to]
+
+
 @contextlib.contextmanager
 def native_stderr_muted(*fds: int):
     """Native writes to stderr (and the other descriptors given, 1 for stdout) go to /dev/null: a
-    runtime's own logging (XNNPACK's CPU probe, LiteRT's converter progress) is not parity's output."""
+    runtime's own logging (XNNPACK's CPU probe, LiteRT's converter progress) is not parity's output.
+    The descriptors are the process's: overlapping uses from two threads are counted, the first mutes
+    and the last restores (two that each restored their own would leave the output muted for good)."""
     import os
     import sys
 
     fds = fds or (2,)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in fds}
+    with _lock:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd in fds:
+            entry = _muted.setdefault(fd, [0, None])
+            if entry[0] == 0:
+                entry[1] = os.dup(fd)
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+            entry[0] += 1
     try:
-        with open(os.devnull, "wb") as null:
-            for fd in fds:
-                os.dup2(null.fileno(), fd)
         yield
     finally:
-        for fd, copy in saved.items():
-            os.dup2(copy, fd)
-            os.close(copy)
+        with _lock:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd in fds:
+                entry = _muted[fd]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    os.dup2(entry[1], fd)
+                    os.close(entry[1])
+                    entry[1] = None
 
 
 def module_in(fn, depth: int = 3):

@@ -13,7 +13,8 @@ flatbuffer is not written).
 
 A program is converted once per module class, width, dtype and eps, with the gain (and bias) as
 program inputs. The converter's native_layer_norm lowering needs static shapes, so a program takes
-64 rows; more are run in pieces and fewer padded with zeros, which a row-wise norm allows.
+64 rows (fewer where 64 would pass 64 MiB); more are run in pieces and fewer padded with zeros, which
+a row-wise norm allows.
 
 It loads beside torch 2.13 with `pip install --no-deps litert-torch litert-converter ai-edge-litert
 ai-edge-quantizer litert-lm-builder xdsl` (xdsl 0.28 pins typing-extensions < 4.13; --no-deps keeps
@@ -22,7 +23,6 @@ yours) and jax, jaxlib, immutabledict, backports.strenum and multipledispatch fr
 from __future__ import annotations
 
 import contextlib
-import io
 import warnings
 
 from parity_cli.backends import Runtime, distribution_version
@@ -45,9 +45,11 @@ RUNTIME = Runtime(
     distributions=("litert-torch",), needs="LiteRT (litert-torch and ai-edge-litert)",
     public="litert_torch.convert of the module, run as the converted model (LiteRTModel.__call__)", order=85,
     start_seconds=5.0)  # litert-torch, jax and its MLIR converter; a first conversion
-DTYPES = ("float32", "bfloat16", "float16")  # bfloat16 is refused by check_layer, with the converter's reason
-ROWS = 64  # the rows a converted program takes (its shapes are static)
+DTYPES = ("float32", "float16")  # bfloat16: no deployment converts it (check_layer says why)
+ROWS = 64  # the rows a converted program takes (its shapes are static), fewer where a row is wide
+_PLAN_BYTES = 1 << 26  # and the bytes a piece of rows holds at most
 _PROGRAMS: dict = {}
+_WARM: set = set()  # the runners whose first invoke (XNNPACK's delegate, and its log line) is past
 
 
 def version() -> str | None:
@@ -59,23 +61,26 @@ def describe(device: str = "cpu") -> dict:
         raise InputError(f"--candidate litert runs LiteRT's CPU interpreter (XNNPACK), not {device}")
     return {"runtime": f"{version()}, {distribution_version('ai-edge-litert')}", "backend": "XNNPACK delegate",
             "kernel": "litert_torch.convert of the family's module -> .tflite, run by ai_edge_litert's Interpreter",
-            "computes_in": "the graph's dtypes: LayerNorm in float32 with casts around it at bfloat16"}
+            "computes_in": "the graph's dtypes"}
 
 
 def check_layer(layer, dtype: str | None = None) -> None:
-    if dtype is not None and dtype not in DTYPES:
-        raise InputError(f"--candidate litert: LiteRT computes {', '.join(DTYPES)} here, not {dtype}")
     if dtype == "bfloat16":  # prepare feeds the tensors as inputs and could: no deployment can (public_path)
         raise InputError("--candidate litert: litert_torch.convert converts no module holding bfloat16 parameters "
                          "(\"Got unsupported ScalarType BFloat16\"); a bfloat16 model is converted at float32")
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(f"--candidate litert: LiteRT computes {', '.join(DTYPES)} here, not {dtype}")
+
+
+def _rows(width: int) -> int:
+    return max(1, min(ROWS, _PLAN_BYTES // (4 * max(1, width))))
 
 
 @contextlib.contextmanager
 def _quiet():
     """The converter's progress lines (stdout), absl's and XNNPACK's logging (stderr) and torch.export's
     deprecation noise: the runtime's chatter, not parity's output."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()), native_stderr_muted(1, 2):
+    with warnings.catch_warnings(), native_stderr_muted(1, 2):
         warnings.simplefilter("ignore")
         yield
 
@@ -89,19 +94,15 @@ def _convert(module, example: tuple, layer):
         with _quiet(), cia_ops_materialized_once():
             converted = litert_torch.convert(module.eval(), example)
             return converted, bytes(converted.model_content())
-    except Exception as exc:  # the converter's refusal of this norm: its first line, the layer named
-        said = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    except (Exception, SystemExit) as exc:  # the converter's refusal of this norm: its first line, the layer named
+        said = type(exc).__name__ + (": " + str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "")
         raise InputError(f"litert: litert_torch.convert cannot convert {layer.name} ({layer.kind}) at "
                          f"{str(example[0].dtype).removeprefix('torch.')}: {said}") from None
 
 
 def _numpy(t):
-    import ml_dtypes
     import numpy as np
-    import torch
 
-    if t.dtype == torch.bfloat16:
-        return t.detach().float().cpu().numpy().astype(ml_dtypes.bfloat16)
     return np.ascontiguousarray(t.detach().cpu().numpy())
 
 
@@ -109,18 +110,18 @@ def _torch(a, like):
     import numpy as np
     import torch
 
-    return torch.from_numpy(np.asarray(a).astype(np.float32)).to(dtype=like.dtype, device=like.device)
+    return torch.from_numpy(np.asarray(a)).to(dtype=like.dtype, device=like.device)
 
 
-def _in_pieces(x, call):
-    """call(rows of exactly ROWS) over x's rows: the last piece padded with zero rows, dropped after."""
+def _in_pieces(x, call, rows: int):
+    """call(exactly `rows` rows) over x's rows: the last piece padded with zero rows, dropped after."""
     import torch
 
     flat = x.reshape(-1, x.shape[-1])
     out = []
-    for i in range(0, flat.shape[0], ROWS):
-        piece = flat[i:i + ROWS]
-        padded = torch.cat([piece, piece.new_zeros(ROWS - piece.shape[0], piece.shape[1])]) if piece.shape[0] < ROWS \
+    for i in range(0, flat.shape[0], rows):
+        piece = flat[i:i + rows]
+        padded = torch.cat([piece, piece.new_zeros(rows - piece.shape[0], piece.shape[1])]) if piece.shape[0] < rows \
             else piece
         out.append(call(padded.contiguous())[:piece.shape[0]])
     y = torch.cat(out) if out else flat.clone()
@@ -133,11 +134,11 @@ def prepare(layer, weight, bias, eps: float, eager):
     import torch
 
     check_layer(layer, str(weight.dtype).removeprefix("torch."))
-    example = torch.zeros(ROWS, layer.width, dtype=weight.dtype)
+    example = torch.zeros(_rows(layer.width), layer.width, dtype=weight.dtype)
     module = module_in(eager)
     named = [] if module is None else [(n, t.detach()) for n, t in (*module.named_parameters(),
                                                                      *module.named_buffers()) if t.is_floating_point()]
-    key = (*program_key(module, layer, weight.dtype, eps, named), ROWS) if module is not None else None
+    key = (*program_key(module, layer, weight.dtype, eps, named), example.shape[0]) if module is not None else None
     if key is None or key not in _PROGRAMS:
         if module is not None:
             names = [n for n, _ in named]
@@ -153,29 +154,33 @@ def prepare(layer, weight, bias, eps: float, eager):
         with torch.no_grad():
             program = _interpreter(_convert(Program(), (example, *[t for _, t in named]), layer))
         if key is None:
-            return _runner(program, [])
+            return _runner(program, [], example)
         _PROGRAMS[key] = program
-    return _runner(_PROGRAMS[key], [t.contiguous() for _, t in named])
+    return _runner(_PROGRAMS[key], [t.contiguous() for _, t in named], example)
 
 
 def _interpreter(converted):
-    """The converted program's .tflite bytes in LiteRT's interpreter: its default signature's runner."""
+    """The converted program's .tflite bytes in LiteRT's interpreter: its default signature's runner
+    (which holds its interpreter)."""
     from ai_edge_litert.interpreter import Interpreter
 
     with _quiet():
-        interpreter = Interpreter(model_content=converted[1])
-        return interpreter, interpreter.get_signature_runner()
+        return Interpreter(model_content=converted[1]).get_signature_runner()
 
 
-def _runner(program, state: list):
-    """program: (the interpreter, its signature runner); the closure keeps both alive."""
+def _runner(runner, state: list, example):
+    """x -> y in pieces of the program's rows; its first invoke (where XNNPACK's delegate is made, and
+    logs) runs muted, on the example."""
     fed = {f"args_{i + 1}": _numpy(t) for i, t in enumerate(state)}
 
     def call(rows):
-        out = program[1](args_0=_numpy(rows), **fed)
-        return _torch(out["output_0"], rows)
+        return _torch(runner(args_0=_numpy(rows), **fed)["output_0"], rows)
 
-    return lambda x: _in_pieces(x, call)
+    if id(runner) not in _WARM:
+        with _quiet():
+            call(example)
+        _WARM.add(id(runner))
+    return lambda x: _in_pieces(x, call, example.shape[0])
 
 
 _PUBLIC: dict = {}
@@ -186,7 +191,7 @@ def public_path(layer, weight, bias, eps: float):
     prepare (issue 46's differential truth): the model's own module with its tensors as parameters
     (backends.deployed), `litert_torch.convert(module, (x,))`, and the converted model called as
     litert_torch documents it (LiteRTModel.__call__, its own interpreter). One program per layer,
-    its tensors baked in; 64 rows a call, as prepare's. Built once per layer, dtype and eps."""
+    its tensors baked in; as many rows a call as prepare's. Built once per layer, dtype and eps."""
     import torch
 
     from parity_cli.backends.deployed import Built, fingerprint, norm_module
@@ -194,15 +199,15 @@ def public_path(layer, weight, bias, eps: float):
     check_layer(layer)  # a bfloat16 module goes to the converter, whose refusal is the fact check_layer states
     built = _PUBLIC.setdefault("built", Built())
 
+    rows = _rows(layer.width)
+    example = torch.zeros(rows, layer.width, dtype=weight.dtype)
+
     def convert():
-        module = norm_module(layer, weight, bias, eps)
         with torch.no_grad():
-            return _convert(module, (torch.zeros(ROWS, layer.width, dtype=weight.dtype),), layer)
+            converted, _ = _convert(norm_module(layer, weight, bias, eps), (example,), layer)
+        with _quiet():  # its first call makes the interpreter and XNNPACK's delegate, which log
+            converted(_numpy(example))
+        return converted
 
-    converted, _ = built.get(fingerprint(layer, weight, bias, eps), convert)
-
-    def call(rows):
-        with _quiet():
-            return _torch(converted(_numpy(rows)), rows)
-
-    return lambda x: _in_pieces(x, call)
+    converted = built.get((fingerprint(layer, weight, bias, eps), rows), convert)
+    return lambda x: _in_pieces(x, lambda piece: _torch(converted(_numpy(piece)), piece), rows)

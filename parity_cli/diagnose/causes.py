@@ -325,7 +325,14 @@ def _row_statistics(ctx: Context):
     """[(x, the kernel's mean, its variance, the row's mean, its variance)] of every failing row whose
     output is exactly an affine function of the row, (x - m') / sqrt(v' + eps) times the gain plus the
     bias (x / sqrt(v' + eps) for RMSNorm); None where a failing row is not (another fault). A
-    non-finite or a constant row says nothing of a slope and is left out."""
+    non-finite or a constant row says nothing of a slope and is left out. Fitted once a layer (both
+    per-row diagnoses read it)."""
+    if "row_statistics" not in ctx.cache:
+        ctx.cache["row_statistics"] = _fit_rows(ctx)
+    return ctx.cache["row_statistics"]
+
+
+def _fit_rows(ctx: Context):
     import torch
 
     if ctx.layer.kind not in ("layer_norm", "rms_norm") or ctx.gain.dim() > 1:

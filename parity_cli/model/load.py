@@ -159,6 +159,6 @@ def resolve_eps(ckpt: Checkpoint, family: Family, override: float | None = None,
             # eps = 0 is the bug this tool exists to catch, never a trained model's setting
             config = ckpt.path if ckpt.format == "gguf" else ckpt.path / "config.json"
             raise InputError(f"{config}: '{where}' must be a finite number > 0, got {value!r}")
-        return Eps(number, where if where.startswith(("gguf:", "ctranslate2:")) else f"config:{where}")
+        return Eps(number, where if where.startswith("gguf:") else f"config:{where}")
     inherited = sem.eps_keys == family.eps_keys and sem.eps_default == family.eps_default
     return Eps(family.eps_default_for(ckpt.model_type) if inherited else sem.eps_default, "family-default")

@@ -31,11 +31,11 @@ from parity_cli.errors import InputError
 from parity_cli.sources.localread import checked_inside, pread
 from parity_cli.sources.tensors import MAX_NORM_ELEMENTS, ConvertedTensors, Eps, TensorInfo
 
-DEFAULT_EPS = 1e-6  # what the runtime takes where config.json's layer_norm_epsilon is null
+DEFAULT_EPS = 1e-6  # what the runtime takes where config.json's layer_norm_epsilon is null: an RMSNorm's
+LAYER_NORM_DEFAULT_EPS = 1e-5  # and a LayerNorm's (a norm with a beta)
 TYPES = {0: ("float32", 4), 1: ("int8", 1), 2: ("int16", 2), 3: ("int32", 4), 4: ("float16", 2), 5: ("bfloat16", 2)}
 MAX_VARIABLES = 1 << 20
 MAX_RANK = 8
-EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
 # CTranslate2's names -> the Hugging Face checkpoint's, by the layout the converter's loader read the
 # model in (the `root` a checkpoint adds, bert. or model., is settled against the reference's names)
 LLAMA = [
@@ -89,38 +89,55 @@ def is_ctranslate2(path: Path) -> bool:
         version, n = struct.unpack_from("<IH", head)
     except (OSError, struct.error):
         return False
-    return 1 <= version <= 64 and 2 <= n <= 64 and head[6:6 + n - 1].endswith(b"Spec") and head[6 + n - 1] == 0
+    return 1 <= version <= 64 and 2 <= n <= 64 and head[6:6 + n - 1].endswith(b"Spec") and head[6 + n - 1:6 + n] == b"\0"
 
 
 @dataclass
 class Variable:
-    name: str
     dtype: str
     shape: tuple
     offset: int
     nbytes: int
+    small: bytes = b""  # the bytes of a variable of at most 8 (a flag, a scalar), read with the header
 
 
 def read_variables(model: Path) -> tuple[str, dict]:
-    """(the spec's name, {name: Variable}) of a model.bin, every length checked against the file."""
-    size = model.stat().st_size
+    """(the spec's name, {name: Variable}) of a model.bin, every length checked against the file, read
+    through one descriptor. A name given twice, or an alias named as a variable, is refused: CTranslate2
+    keeps the first of each (Model::register_variable), and reading another would check a gain the
+    runtime does not use."""
+    import os
+
+    from parity_cli.sources.jsonfile import regular_file
+
+    size = regular_file(model, "model.bin", 1 << 50, "refused")
+    fd = os.open(model, os.O_RDONLY)
+    try:
+        return _parse(model, size, lambda n, at: os.pread(fd, n, at))
+    except OSError as exc:
+        raise InputError(f"{model}: cannot read model.bin: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _parse(model: Path, size: int, read) -> tuple[str, dict]:
     at = 0
 
     def take(fmt: str):
         nonlocal at
         n = struct.calcsize("<" + fmt)
-        if at + n > size:
+        raw = read(n, at) if at + n <= size else b""
+        if len(raw) != n:
             raise InputError(f"{model}: truncated CTranslate2 model (a field at byte {at} runs past the end)")
-        values = struct.unpack("<" + fmt, pread(model, n, at))
         at += n
-        return values
+        return struct.unpack("<" + fmt, raw)
 
     def string() -> str:
         nonlocal at
         (n,) = take("H")
-        if n == 0 or at + n > size:
+        raw = read(n, at) if 0 < n and at + n <= size else b""
+        if len(raw) != n or n == 0:
             raise InputError(f"{model}: corrupt CTranslate2 model (a name of {n} bytes at byte {at})")
-        raw = pread(model, n, at)
         at += n
         if raw[-1] != 0:
             raise InputError(f"{model}: corrupt CTranslate2 model (a name at byte {at - n} is not NUL-terminated)")
@@ -129,7 +146,7 @@ def read_variables(model: Path) -> tuple[str, dict]:
         except UnicodeDecodeError:
             raise InputError(f"{model}: corrupt CTranslate2 model (a name at byte {at - n} is not UTF-8)") from None
 
-    (version,) = take("I")
+    take("I")  # the binary version (is_ctranslate2 bounds it)
     spec = string()
     take("I")  # the spec's revision
     (count,) = take("I")
@@ -149,7 +166,9 @@ def read_variables(model: Path) -> tuple[str, dict]:
         if nbytes != math.prod(shape) * itemsize or at + nbytes > size:
             raise InputError(f"{model}: variable '{name}' declares {nbytes} bytes for shape {list(shape)} "
                              f"{dtype}; corrupt or truncated")
-        out[name] = Variable(name, dtype, tuple(shape), at, nbytes)
+        if name in out:
+            raise InputError(f"{model}: variable '{name}' is stored twice; refused (CTranslate2 keeps the first)")
+        out[name] = Variable(dtype, tuple(shape), at, nbytes, read(nbytes, at) if nbytes <= 8 else b"")
         at += nbytes
     if at < size:  # a variable equal to another is stored once, the others as aliases of it
         (count,) = take("I")
@@ -159,8 +178,10 @@ def read_variables(model: Path) -> tuple[str, dict]:
             alias, target = string(), string()
             if target not in out:
                 raise InputError(f"{model}: alias '{alias}' names '{target}', which is not a variable")
-            out[alias] = Variable(alias, *(getattr(out[target], k) for k in ("dtype", "shape", "offset", "nbytes")))
-    del version
+            if alias in out:
+                raise InputError(f"{model}: alias '{alias}' is also a variable's name; refused (CTranslate2 keeps "
+                                 "the variable)")
+            out[alias] = out[target]
     return spec, out
 
 
@@ -168,14 +189,13 @@ def read_variables(model: Path) -> tuple[str, dict]:
 class CTranslate2Checkpoint(ConvertedTensors):
     path: Path
     format: str
-    config: dict  # the reference's model_type, and the eps under every key a family reads
+    config: dict  # the reference's model_type (the eps is runtime_eps)
     files: tuple
     spec: str
     _tensors: dict = field(repr=False)  # HF name -> (Variable, the 1 the runtime adds: 0.0 or 1.0)
     _sources: dict = field(default_factory=dict, repr=False)
     ct2_names: dict = field(default_factory=dict, repr=False)  # HF name -> CTranslate2's
     offset_baked: bool = True  # the gain is what the runtime multiplies by (gamma, plus its own 1 where set)
-    notes: list = field(default_factory=list, repr=False)
     runtime_eps: Eps | None = None  # what every norm of the runtime computes with
 
     def info(self, name: str) -> TensorInfo:
@@ -192,8 +212,13 @@ class CTranslate2Checkpoint(ConvertedTensors):
         if math.prod(var.shape) > MAX_NORM_ELEMENTS:
             raise InputError(f"{self.files[0]}: norm tensor {self.ct2_names[name]} declares {math.prod(var.shape)} "
                              f"elements; no norm has more than {MAX_NORM_ELEMENTS}; refused")
-        raw = bytearray(pread(self.files[0], var.nbytes, var.offset))
-        value = torch.frombuffer(raw, dtype=getattr(torch, var.dtype)).reshape(var.shape).clone() if raw else \
+        try:
+            raw = bytearray(pread(self.files[0], var.nbytes, var.offset))
+        except OSError as exc:
+            raise InputError(f"{self.files[0]}: cannot read {self.ct2_names[name]}: {exc.strerror or exc}") from None
+        if len(raw) != var.nbytes:
+            raise InputError(f"{self.files[0]}: {self.ct2_names[name]} is cut short (the file changed while read)")
+        value = torch.frombuffer(raw, dtype=getattr(torch, var.dtype)).reshape(var.shape) if raw else \
             torch.zeros(var.shape, dtype=getattr(torch, var.dtype))
         return value if not plus else (value.double() + plus).to(torch.float32)
 
@@ -216,19 +241,27 @@ def open_ctranslate2(path: Path, model=None) -> CTranslate2Checkpoint:
     if eps is None:  # layers/common.cc: 1e-5 for a LayerNorm (it has a beta), 1e-6 for an RMSNorm
         said = "is null" if "layer_norm_epsilon" in config else "is not there"
         biased = any(name.endswith(".bias") for name in tensors)
-        value = 1e-5 if biased else DEFAULT_EPS
+        value = LAYER_NORM_DEFAULT_EPS if biased else DEFAULT_EPS
         source = (f"ctranslate2: the runtime's default for {'a LayerNorm' if biased else 'an RMSNorm'} "
                   f"(config.json's layer_norm_epsilon {said})")
     else:
-        value, source = eps, "ctranslate2: config.json layer_norm_epsilon"
-    synthesised = {"model_type": model_type, **{key: value for key in EPS_KEYS}}
-    checkpoint = CTranslate2Checkpoint(path=path, format="ctranslate2", config=synthesised,
-                                       files=(path / "model.bin",), spec=spec, _tensors=tensors,
-                                       _sources={key: source for key in EPS_KEYS}, ct2_names=names)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        # one eps for every norm, whatever a model's code fixes (Whisper's nn.LayerNorm default): the runtime's
-        checkpoint.runtime_eps = Eps(float(value), source)
-    return checkpoint
+        value, source = _eps(config_path, eps), "ctranslate2: config.json layer_norm_epsilon"
+    # one eps for every norm, whatever a model's code fixes (Whisper's nn.LayerNorm default): the runtime's
+    return CTranslate2Checkpoint(path=path, format="ctranslate2", config={"model_type": model_type},
+                                 files=(path / "model.bin",), spec=spec, _tensors=tensors, ct2_names=names,
+                                 runtime_eps=Eps(value, source))
+
+
+def _eps(config_path: Path, eps) -> float:
+    """config.json's layer_norm_epsilon as the runtime's one eps: a finite number > 0, else one line
+    (eps = 0 is the bug this tool exists to catch, never a trained model's setting)."""
+    try:
+        value = float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else math.nan
+    except OverflowError:
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise InputError(f"{config_path}: 'layer_norm_epsilon' must be a finite number > 0, got {str(eps)[:40]!r}")
+    return value
 
 
 def _layout(model: Path, spec: str, model_type: str | None) -> list:
@@ -250,8 +283,7 @@ def _norms(model: Path, variables: dict, layout: list) -> tuple[dict, dict]:
         for pattern, hf in layout:
             if (m := re.fullmatch(pattern, scope)):
                 hf_name = m.expand(hf) + (".weight" if leaf == "gamma" else ".bias")
-                flag = variables.get(scope + "/layer_norm_use_residual")
-                plus = 1.0 if leaf == "gamma" and flag is not None and _flag(model, flag) else 0.0
+                plus = 1.0 if leaf == "gamma" and _use_residual(model, variables, scope) else 0.0
                 tensors[hf_name], names[hf_name] = (var, plus), name
                 break
     if not any(name.endswith(".weight") for name in tensors):
@@ -259,6 +291,14 @@ def _norms(model: Path, variables: dict, layout: list) -> tuple[dict, dict]:
     return tensors, names
 
 
-def _flag(model: Path, var: Variable) -> bool:
-    return var.nbytes >= 1 and pread(model, 1, var.offset) != b"\x00"
+def _use_residual(model: Path, variables: dict, scope: str) -> bool:
+    """The norm's `layer_norm_use_residual` flag, as CTranslate2 reads it: an int8 scalar, taken by an
+    RMSNorm only (a norm with a beta is a LayerNorm, which ignores it). Stored any other way, refused."""
+    flag = variables.get(scope + "/layer_norm_use_residual")
+    if flag is None:
+        return False
+    if flag.dtype != "int8" or flag.nbytes != 1:
+        raise InputError(f"{model}: {scope}/layer_norm_use_residual is {flag.nbytes} bytes of {flag.dtype}; "
+                         "CTranslate2 writes the flag as one int8")
+    return flag.small != b"\x00" and scope + "/beta" not in variables
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import array
 import json
 import math
-import re
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -340,9 +339,15 @@ def _bert_config(hidden: int, layers: int, eps: float) -> dict:
                 vocab_size=100, max_position_embeddings=512, layer_norm_eps=eps, position_embedding_type="absolute")
 
 
+def _code_eps(model_type: str, eps: float) -> None:
+    """Whisper's, BART's and Marian's LayerNorms take nn.LayerNorm's 1e-5 in their code: another eps
+    has no key to go to, and is refused rather than dropped."""
+    if eps != 1e-5:
+        raise ValueError(f"{model_type} fixes its LayerNorms' eps at 1e-5 in its code; {eps:g} has no config key")
+
+
 def _whisper_config(hidden: int, layers: int, eps: float) -> dict:
-    """Whisper's LayerNorms take nn.LayerNorm's 1e-5 in its code: `eps` has no key to go to."""
-    del eps
+    _code_eps("whisper", eps)
     return dict(d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
                 decoder_attention_heads=4, encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden, vocab_size=100,
                 num_mel_bins=80, max_source_positions=64, max_target_positions=64, pad_token_id=0, bos_token_id=1,
@@ -350,10 +355,10 @@ def _whisper_config(hidden: int, layers: int, eps: float) -> dict:
 
 
 def _seq2seq_config(hidden: int, layers: int, eps: float) -> dict:
-    """BART and Marian: nn.LayerNorm's 1e-5 in their code, as Whisper's. normalize_before: as published
-    BART configs hold it (transformers 5 dropped the key; CTranslate2's converter still reads it). The
-    vocabulary is the word-level tokenizer's (43 words), which the converter takes as the model's."""
-    del eps
+    """BART and Marian (eps: _code_eps). normalize_before: as published BART configs hold it
+    (transformers 5 dropped the key; CTranslate2's converter still reads it). The vocabulary is the
+    word-level tokenizer's (43 words), which the converter takes as the model's."""
+    _code_eps("bart/marian", eps)
     return dict(d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
                 decoder_attention_heads=4, encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden, vocab_size=43,
                 max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
@@ -389,9 +394,9 @@ def write_runnable(directory, model_type: str = "llama", *, layers: int = 2, hid
     zero_centred = model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if re.search(r"(?i)norm\.weight$", name):
+            if name.lower().endswith("norm.weight"):  # LayerNorm.weight (BERT) too
                 p.copy_((0.0 if zero_centred else 1.0) + 0.1 * torch.randn_like(p))
-            elif re.search(r"(?i)norm\.bias$", name):
+            elif name.lower().endswith("norm.bias"):
                 p.copy_(0.05 * torch.randn_like(p))
     directory = Path(directory)
     model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
