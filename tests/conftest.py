@@ -9,11 +9,51 @@ import pytest
 from parity_cli.sources.synthetic import write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Issue 49: where PYTHONDONTWRITEBYTECODE is set (the development machine sets it), every worker and
+# each of the suite's `python -m parity_cli` children and fork servers compiled the package and the
+# tests from source again: about a second a process, a minute or two a run. The suite writes the
+# bytecode (into __pycache__, which git ignores), for itself and the processes it starts. The
+# installed libraries keep theirs from the install either way.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 PLUGINS = Path(__file__).resolve().parent / "plugins" / "norms.py"
 
 
 def plugin(name: str) -> str:
     return f"{PLUGINS}:{name}"
+
+
+# Issue 49: two tiers, every test in exactly one. The default run (the README's test command) leaves
+# out what is marked `slow`: a runtime's export, lowering or compile per case beyond the one case of
+# each runtime and exporter that stays in it, the model zoo's drawn sample beyond the most deployed
+# types, the docs' examples that export. `--tier slow` runs those alone (CI runs it after the
+# default), `--tier all` both.
+SLOW = pytest.mark.slow
+
+
+def slow_unless(keep: bool):
+    """The marks of a parametrized case: none for the case kept in the default run, else `slow`."""
+    return () if keep else (SLOW,)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("default", "slow", "all"), default="default",
+                     help="default: every test not marked slow (the README's command); slow: only those "
+                          "(CI runs them after the default); all: both")
+
+
+def pytest_collection_modifyitems(config, items):
+    tier = config.getoption("--tier")
+    if tier == "all":
+        return
+    kept, dropped = [], []
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        (kept if slow == (tier == "slow") else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def pytest_configure(config):

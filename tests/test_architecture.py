@@ -2,6 +2,7 @@
 wheel carries every stage, and ruff finds no dead code. Each contract is also shown to fail on a
 planted violation, so that a contract that checks nothing cannot pass here."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -120,18 +121,34 @@ def test_a_runtime_is_one_file_found_by_the_registry(tmp_path, ckpt):
     shutil.copytree(ROOT / "configs", copy / "configs")
     (copy / "parity_cli" / "backends" / "toy_runtime.py").write_text(TOY_RUNTIME)
     env = {**__import__("os").environ, "PYTHONPATH": str(copy), "COLUMNS": "200"}
-
-    def parity(*args):
-        return subprocess.run([sys.executable, "-m", "parity_cli", *map(str, args)], capture_output=True, text=True,
-                              env=env, cwd=tmp_path)
-
-    listed = parity("implementations")
+    commands = [["implementations"], ["check", ckpt("llama", layers=1, eps=1e-6, dtype="float32"), "--candidate", "toy",
+                                      "-q"],
+                ["runtimes", ckpt("bert", layers=1, eps=1e-12, dtype="float32"), "--runtimes", "torch,toy",
+                 "--dtypes", "float32"]]
+    # the three commands in one interpreter (one torch import, not three), each through main() as
+    # `python -m parity_cli` calls it
+    driver = """
+import json, sys
+from click.testing import CliRunner
+import parity_cli.cli
+assert parity_cli.cli.__file__.startswith(sys.argv[2]), parity_cli.cli.__file__
+results = []
+for argv in json.loads(sys.argv[1]):
+    with CliRunner().isolation() as (out, err, _):
+        try:
+            parity_cli.cli.main(argv)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        results.append((code, out.getvalue().decode(), err.getvalue().decode()))
+print(json.dumps(results))
+"""
+    ran = subprocess.run([sys.executable, "-c", driver, json.dumps([[str(w) for w in c] for c in commands]), str(copy)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    listed, r, table = (subprocess.CompletedProcess(c, *result) for c, result in zip(commands, json.loads(ran.stdout)))
     assert listed.returncode == 0 and "torch's rms_norm, as a runtime file" in listed.stdout, listed.stderr
-    llama = ckpt("llama", layers=1, eps=1e-6, dtype="float32")
-    r = parity("check", llama, "--candidate", "toy", "-q")
     assert r.returncode == 0 and r.stdout.startswith("PASS"), r.stdout + r.stderr
-    table = parity("runtimes", ckpt("bert", layers=1, eps=1e-12, dtype="float32"), "--runtimes", "torch,toy",
-                   "--dtypes", "float32")
     assert table.returncode == 0, table.stdout + table.stderr
     rows = [line for line in table.stdout.splitlines() if line.startswith("toy ")]
     assert len(rows) == 1 and " refused [1]" in rows[0], table.stdout

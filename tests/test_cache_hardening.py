@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import SLOW
 
 from parity_cli.sources import remote
 from tests.test_remote import _check, _repo, env, hub  # noqa: F401  (fixtures)
@@ -158,6 +159,7 @@ def _cached_blob(base, size):
     return blob
 
 
+@SLOW
 def test_a_poisoned_blob_is_fetched_again_never_judged(hub, env, tmp_path):  # noqa: F811
     """The cached blob of hf://org/good@<sha> with model.norm.weight rewritten (NaN) and its claim left in
     .ranges: the bytes differ from the digest recorded when they were fetched, so they are fetched

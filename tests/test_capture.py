@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import load_json, run_parity
+from conftest import SLOW, load_json, run_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -543,6 +543,7 @@ def test_the_summary_states_the_rows_the_file_holds(copies, tmp_path):
     assert per[-1] <= 12 < sum(per)
 
 
+@SLOW
 def test_third_party_progress_bars_and_warnings_stay_out(copies, monkeypatch, capfd, tmp_path):
     """transformers' GGUF loader draws a tqdm bar ("Converting and de-quantizing GGUF tensors...")
     and logs; neither reaches parity's output, by parity's own loader or by transformers' when it takes

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import run_parity
+from conftest import run_parity, slow_unless
 from pages import blocks, samples
 
 HUB = "needs the Hub: tests/test_remote.py runs hf:// and https:// against a local one"
@@ -224,7 +224,12 @@ def _run(command: str, cwd: Path, env: dict | None = None):
     return run_parity(*shlex.split(command)[1:], cwd=cwd, env={"COLUMNS": COLUMNS, **(env or {})})
 
 
-@pytest.mark.parametrize("command", sorted(CASES), ids=lambda command: command[:90])
+# a runtime whose first conversion in a process costs seconds (issue 49: run in `--tier slow`)
+SLOW_RUNTIMES = ("litert", "executorch", "vllm", "mlx")
+
+
+@pytest.mark.parametrize("command", [pytest.param(c, marks=slow_unless(not any(r in c for r in SLOW_RUNTIMES)))
+                                     for c in sorted(CASES)], ids=lambda command: command[:90])
 def test_the_example_runs_as_its_page_says(command, workspace, request):
     """Exits as the page says; where a page shows what it prints, it prints that."""
     expected = CASES[command]
@@ -440,7 +445,9 @@ def test_every_python_block_has_its_case():
     assert set(python_blocks()) == set(PY_CASES)
 
 
-@pytest.mark.parametrize("key", list(PY_CASES), ids=lambda k: k.splitlines()[-1][:40])
+@pytest.mark.parametrize("key", [pytest.param(k, marks=slow_unless(not any(r in python_blocks().get(k, "")
+                                                                          for r in SLOW_RUNTIMES)))
+                                 for k in PY_CASES], ids=lambda k: k.splitlines()[-1][:40])
 def test_the_python_block_shows_what_its_page_says(key):
     """Each block in a fresh interpreter (a vLLM library loaded twice in one process is refused),
     its values read back as JSON and held to what the page says of them."""

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import SLOW
 
 from parity_cli.backends.exporting import cia_ops_materialized_once
 
@@ -30,6 +31,7 @@ def _decomposed():
     return exported.run_decompositions().graph_module.code
 
 
+@SLOW
 def test_an_op_registered_between_two_exports_is_materialised(materialisations):
     plain_calls = materialisations[0]
     plain = _decomposed()
@@ -49,6 +51,7 @@ def test_an_op_registered_between_two_exports_is_materialised(materialisations):
     assert utils._materialize_cpp_cia_ops.__name__ == "counted"  # torch's own function back after the export
 
 
+@SLOW
 def test_an_executorch_program_is_byte_for_byte_the_one_without_it(materialisations):
     pytest.importorskip("executorch", reason="needs ExecuTorch: pip install --no-deps executorch==1.5.1 torchao")
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner

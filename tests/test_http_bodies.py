@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import SLOW
 
 from tests.liar_server import Liar, gzip_bomb, response
 
@@ -104,6 +105,7 @@ def test_an_encoded_200_body_is_refused(tmp_path):
     assert "encoded as 'gzip'" in _one_line(code, err)
 
 
+@SLOW
 def test_headers_dripped_forever_end_in_one_line(tmp_path):
     """A byte of header every 0.25 s, inside the 1 s read timeout, forever: the whole-read deadline
     ends each try (it ran past 150 s with PARITY_HTTP_TIMEOUT=5)."""
@@ -118,7 +120,7 @@ def test_headers_dripped_forever_end_in_one_line(tmp_path):
     assert "no response headers within 2 s" in line and "2 tries" in line, line
 
 
-@pytest.mark.parametrize("status", ["404 Not Found", "302 Found"])
+@pytest.mark.parametrize("status", [pytest.param("404 Not Found", marks=SLOW), "302 Found"])
 def test_a_dripped_error_or_redirect_body_ends_in_one_line(tmp_path, status):
     """Content-Length 60000, one byte every 0.5 s: the body has the deadline every body has."""
     headers = {"Content-Length": 60000}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import load_json, plugin, run_parity
+from conftest import SLOW, load_json, plugin, run_parity
 from safetensors.torch import load_file, save_file
 
 from parity_cli import api
@@ -79,6 +79,7 @@ def test_unknown_candidate_arg_is_a_clear_error(ckpt):
 
 # --- entry points ----------------------------------------------------------------------------------------
 
+@SLOW
 def test_entry_point_plugin_is_found_by_name(tmp_path, ckpt, monkeypatch):
     pkg = tmp_path / "pkg"
     (pkg / "parity_ep_demo").mkdir(parents=True)

@@ -14,7 +14,7 @@ outputs transcribed in float64 from the op's formula."""
 
 import numpy as np
 import pytest
-from conftest import run_parity
+from conftest import SLOW, run_parity
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -88,6 +88,7 @@ def _probe_rows(stored, layer, n=48, seed=0):
 # --- the real export -------------------------------------------------------------------------------
 
 
+@SLOW
 def test_the_export_keeps_every_batch_norm_and_the_reader_finds_them(resnet):
     from parity_cli.model.onnx_layers import candidate_layers
 

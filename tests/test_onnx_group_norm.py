@@ -16,7 +16,7 @@ safetensors file, the outputs transcribed in float64 from GroupNorm's formula.""
 
 import numpy as np
 import pytest
-from conftest import failing, run_parity
+from conftest import SLOW, failing, run_parity
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -127,6 +127,7 @@ def _rows(channels, spatial, n=16, seed=0):
 # --- what the exporter emits ----------------------------------------------------------------------
 
 
+@SLOW
 def test_dynamo_at_opset_21_emits_group_normalization_under_the_state_dict_names(m2f):
     graph = onnx.load(str(m2f["onnx"])).graph
     nodes = [n for n in graph.node if n.op_type == "GroupNormalization"]

@@ -7,6 +7,7 @@ import contextlib
 import io
 
 import pytest
+from conftest import SLOW
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -25,7 +26,7 @@ def _codes(report):
 
 
 @pytest.mark.parametrize("model_type, exporter", [("llama", "torchscript"), ("bert", "torchscript"),
-                                                  ("llama", "dynamo")])
+                                                  pytest.param("llama", "dynamo", marks=SLOW)])
 def test_a_wrapped_export_with_two_gains_swapped_fails(ckpt, tmp_path, model_type, exporter):
     if exporter == "dynamo":
         pytest.importorskip("onnxscript")
@@ -314,6 +315,7 @@ def _swap_gains(path, out, hf, a, b):
     return out
 
 
+@SLOW
 def test_an_optimised_gemma3_export_with_gains_swapped_inside_a_block_fails(gemma3):
     """Issue 35's false pass: ORT's optimised Gemma 3 pairs by value, and two gains of one block
     exchanged (input_layernorm and post_attention_layernorm, same width) passed, since each is
@@ -338,6 +340,7 @@ def test_an_optimised_gemma3_export_with_gains_swapped_inside_a_block_fails(gemm
     assert order[a]["graph_position"] == b and order[b]["graph_position"] == a
 
 
+@SLOW
 def test_a_float16_conversion_of_gemma3_names_every_rounded_gain(gemma3):
     """Issue 35's regression: ORT's float16 conversion of the optimised Gemma 3 rounds each folded
     gain 1 + w to float16, and no layer said so (an allowance for llama.cpp's converter, which adds

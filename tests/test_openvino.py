@@ -14,7 +14,7 @@ import struct
 import warnings
 
 import pytest
-from conftest import failing, run_parity
+from conftest import SLOW, failing, run_parity
 
 from parity_cli import api
 from parity_cli.sources.synthetic import write_checkpoint
@@ -192,7 +192,7 @@ def _churn():
     return [torch.full((n,), 7.0 + i, dtype=torch.bfloat16) for i in range(500) for n in (4, 64)]
 
 
-@pytest.mark.parametrize("gains", [ODD_GAINS, tuple(_wide_gains())], ids=["4", "64"])
+@pytest.mark.parametrize("gains", [ODD_GAINS, pytest.param(tuple(_wide_gains()), marks=SLOW)], ids=["4", "64"])
 def test_bf16_gains_are_owned_by_the_model(tmp_path, gains):
     """The gain Constant of a bf16 model reads back bit for bit after the tensor it was built from is
     gone; the compiled model, fed a row of ones (q = 1, eps 1e-6: the scale 1/sqrt(1 + 1e-6) rounds to
@@ -679,6 +679,7 @@ def _one_input(src, out, eps=None):
     return out, model
 
 
+@SLOW
 def test_norms_sharing_one_statistic_are_each_a_norm(irs, tmp_path):
     """Issue 35: OpenVINO merged the Power/ReduceMean/Add/Sqrt/Divide of five norms fed one input,
     then five gain Multiplies, and the IR was 'no norm found'. Each gain Multiply after the shared

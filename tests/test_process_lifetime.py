@@ -12,6 +12,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import SLOW
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -120,7 +121,7 @@ def test_kill_9_of_parity_leaves_no_process_behind(ckpt, tmp_path):
 
 
 @pytest.mark.skipif(not LINUX, reason="PR_SET_CHILD_SUBREAPER and /proc are Linux's")
-@pytest.mark.parametrize("isolation", ["process", "auto"])
+@pytest.mark.parametrize("isolation", ["process", pytest.param("auto", marks=SLOW)])
 def test_a_candidate_s_processes_in_a_new_session_die_with_parity(ckpt, tmp_path, isolation):
     """Issue 48: a candidate that starts a child with start_new_session=True (out of its group's reach)
     and one that double-forks a daemon (orphaned at once) left 35 processes running after one run.
@@ -317,6 +318,7 @@ def test_a_candidate_that_raises_on_every_layer_is_still_a_finding(ckpt, tmp_pat
         assert [l.status for l in report.layers] == ["error"] * 3, attr
 
 
+@SLOW
 @pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG and /proc are Linux's")
 def test_the_llama_cpp_capture_child_dies_with_parity(tmp_path):
     """Issue 48: the llama.cpp capture child outlived kill -9 of parity by 5-10 s. Frozen (SIGSTOP)
@@ -376,6 +378,7 @@ def test_a_segfault_in_parity_s_own_process_says_whose_it_was(ckpt, tmp_path):
                     "--isolation none, or a built-in); --isolation process runs it apart, where a crash is a finding")
 
 
+@SLOW
 @pytest.mark.skipif(not LINUX, reason="PR_SET_CHILD_SUBREAPER and /proc are Linux's")
 def test_a_process_left_by_a_candidate_that_died_by_itself_ends_with_parity(ckpt, tmp_path):
     """Review of issue 48: the child's subreaper holds its tree only while it lives. A candidate that

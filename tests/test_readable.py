@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from conftest import load_json, run_parity
+from conftest import SLOW, load_json, run_parity
 
 from parity_cli.report import grouping
 
@@ -87,6 +87,7 @@ def test_nothing_is_cut_at_any_width(ckpt, width):
             assert re.search(rf"(?<![\d.]){re.escape(shown)}(?![\d])", text), (layer["name"], shown)
 
 
+@SLOW
 def test_columns_is_honoured_on_a_pipe_and_160_is_the_default(gemma):
     wide = run_parity("check", gemma, "--candidate", TWO_FAULTS, env={"COLUMNS": "160"})
     # a real process: its fds are the pipes (no terminal to size from), where pytest -s would lend its own

@@ -119,8 +119,10 @@ def test_quick_start_states_how_long_the_tests_take():
     assert re.search(r"\btake about [\d.]+ minutes\b.*\(\d+ s measured", after, re.S), after[:400]
 
 
-# what .ci/run may add after the README's test command: the architecture and lint checks,
+# what .ci/run adds after the README's test command: the tests it leaves out (`--tier slow`, issue 49:
+# every test runs in CI, the default run stays within its time), then the architecture and lint checks,
 # which the tests also run (tests/test_architecture.py), so a README user misses nothing
+SLOW_STEPS = [["python", "-m", "pytest", "-q", "--tier", "slow"]]
 LINT_STEPS = [["lint-imports"], ["ruff", "check", "."], ["python", "tools/weak_asserts.py"]]
 # then the documentation site (issue 50), built strict with the docs extra
 DOCS_STEPS = [["python", "-m", "pip", "install", "-e", ".[docs]", "-c", "constraints/test.txt", "-c", "constraints/docs.txt"],
@@ -130,7 +132,7 @@ DOCS_STEPS = [["python", "-m", "pip", "install", "-e", ".[docs]", "-c", "constra
 def test_ci_runs_the_readme_test_command():
     readme = steps(quick_start()[1])
     assert ci_steps()[:len(readme)] == readme
-    assert ci_steps()[len(readme):] == LINT_STEPS + DOCS_STEPS
+    assert ci_steps()[len(readme):] == SLOW_STEPS + LINT_STEPS + DOCS_STEPS
 
 
 def test_ci_run_is_executable_bash():

@@ -11,6 +11,7 @@ import re
 import struct
 
 import pytest
+from conftest import SLOW
 
 from parity_cli.sources import remote
 from parity_cli.sources.synthetic import write_checkpoint, write_sparse_llama
@@ -78,6 +79,7 @@ def test_hub_check_is_the_local_check_and_records_the_commit_and_etags(hub, env,
     assert source["bytes_fetched"] >= hub.body_bytes > 0
 
 
+@SLOW
 def test_the_405b_layout_is_checked_from_under_a_hundredth_of_its_bytes(hub, env, tmp_path):
     """Llama 3.1 405B's layout (191 shards, 812 GB, sparse here): the same verdict and layers as
     the local check, after fetching headers and gains only; a rerun at the commit reads nothing."""
@@ -220,6 +222,7 @@ def test_a_server_that_ignores_range_is_not_read_to_the_end(hub, env, tmp_path):
     assert hub.body_bytes < total / 4  # it stopped reading: the rest was never taken off the socket
 
 
+@SLOW
 def test_timeouts_are_retried_then_one_line(hub, env, tmp_path):
     _repo(hub, tmp_path, "acme/slow", layers=2)
     hub.fail_times = 1  # one 503, then answers: retried, and the check passes
@@ -338,6 +341,7 @@ def s3():
         yield server
 
 
+@SLOW
 def test_s3_check_is_the_local_check_from_a_fraction_of_the_bytes(s3, tmp_path):
     directory = tmp_path / "s3model"
     write_sparse_llama(directory, layers=2, hidden=1024, intermediate=2816, vocab=8000, shards=2)

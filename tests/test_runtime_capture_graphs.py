@@ -7,11 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from conftest import load_json, run_parity
+from conftest import SLOW, load_json, run_parity
 
 pytest.importorskip("transformers")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
+# whole-model ONNX and OpenVINO exports for each case (module fixtures): `--tier slow` (issue 49)
+pytestmark = SLOW
 
 TOKENS = [2] + [17 + (7 * i) % 40 for i in range(23)]  # BOS, then "▁wK" pieces (ids 17 + K), 24 in all
 

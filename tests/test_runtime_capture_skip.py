@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import load_json, run_parity
+from conftest import SLOW, load_json, run_parity
 
 pytest.importorskip("transformers")
 onnx = pytest.importorskip("onnx")
@@ -301,6 +301,7 @@ def test_a_skip_node_records_the_sum_it_normalises(tmp_path, op, dtype, bias, ow
     assert np.abs(y[order] - expected).max() <= limit * np.abs(expected).max()
 
 
+@SLOW
 def test_openvino_names_each_norm_by_the_models_own_names(bert, tmp_path):
     """OpenVINO's ONNX frontend drops the name of the last LayerNorm's gain (its output is the model's
     output): the IR holds it as a made-up Constant_N. The capture names that norm by the model's name

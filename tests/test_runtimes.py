@@ -6,7 +6,7 @@ serving wrapper plants around the real kernel are named."""
 import importlib.util
 
 import pytest
-from conftest import run_parity
+from conftest import SLOW, run_parity
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -201,7 +201,9 @@ needs_executorch = pytest.mark.skipif(importlib.util.find_spec("executorch") is 
 
 
 @needs_executorch
-@pytest.mark.parametrize("model_type, dtype", [("llama", "float16"), ("gemma3_text", "bfloat16"), ("bert", "float32")])
+@pytest.mark.parametrize("model_type, dtype", [pytest.param("llama", "float16", marks=SLOW),
+                                               pytest.param("gemma3_text", "bfloat16", marks=SLOW),
+                                               pytest.param("bert", "float32", marks=SLOW)])
 def test_executorch_runs_the_exported_program_and_passes_a_correct_model(ckpt, model_type, dtype):
     """Supervised (as every candidate runs) for Llama; the others in this process, where ExecuTorch
     is imported once and the programs of one width, dtype and eps are shared."""
@@ -213,6 +215,7 @@ def test_executorch_runs_the_exported_program_and_passes_a_correct_model(ckpt, m
     assert not report.header.get("warnings"), report.header.get("warnings")  # its import noise stays out
 
 
+@SLOW
 @needs_executorch
 def test_executorch_batch_norm_passes(tiny):
     report = api.check(tiny("resnet"), candidate="executorch", dtype="float16", layers="encoder.stages.0.*",
@@ -229,9 +232,11 @@ RUNTIME_WRAPPERS = __import__("pathlib").Path(__file__).resolve().parent / "plug
     ("mlx", "mlx_eps_1e6", "llama", "float32", "eps_mismatch"),
     ("mlx", "mlx_offset_dropped", "gemma3_text", "bfloat16", "weight_offset_mismatch"),
     ("mlx", "mlx_half_activations", "llama", "float16", "reduced_precision_reduction"),
-    ("executorch", "executorch_eps_1e6", "llama", "float32", "eps_mismatch"),
-    ("executorch", "executorch_offset_dropped", "gemma3_text", "float32", "weight_offset_mismatch"),
-    ("executorch", "executorch_half_activations", "llama", "float16", "reduced_precision_reduction"),
+    pytest.param("executorch", "executorch_eps_1e6", "llama", "float32", "eps_mismatch", marks=SLOW),
+    pytest.param("executorch", "executorch_offset_dropped", "gemma3_text", "float32", "weight_offset_mismatch",
+                 marks=SLOW),
+    pytest.param("executorch", "executorch_half_activations", "llama", "float16", "reduced_precision_reduction",
+                 marks=SLOW),
 ])
 def test_glue_around_each_runtimes_real_kernel_is_named(ckpt, runtime, wrapper, model_type, dtype, code):
     """Planted in the wrapper, never in the kernel: eps hard-coded to 1e-6 on a 1e-5 model, Gemma's
@@ -292,6 +297,7 @@ def test_the_cpu_wheel_is_not_taken_for_cuda_kernels():
         vllm_kernels.library("cuda")
 
 
+@SLOW
 @needs_executorch
 def test_executorch_runs_more_rows_than_its_plan_in_pieces(ckpt, monkeypatch):
     """The program's row count is bounded so that ExecuTorch's memory plan stays small; more rows are

@@ -7,7 +7,8 @@ give the same verdict with the same cause. What CTranslate2 has no kernel or com
 one line on both paths."""
 
 import pytest
-from truth_cells import Cells, fails, passes
+from conftest import SLOW
+from truth_cells import Cells, cases, fails, passes
 
 pytest.importorskip("ctranslate2", reason="needs CTranslate2: pip install ctranslate2")
 
@@ -22,7 +23,7 @@ def cells(tmp_path_factory):
     return Cells(tmp_path_factory.mktemp("truth-ct2"))
 
 
-@pytest.mark.parametrize("kind, dtype", list(EXPECTED))
+@pytest.mark.parametrize("kind, dtype", cases(EXPECTED))
 def test_the_adapter_and_ctranslate2s_converted_model_give_one_verdict(cells, kind, dtype):
     ours = cells.verdict(kind, "ctranslate2", dtype)
     theirs = cells.verdict(kind, "ctranslate2@public", dtype)
@@ -45,6 +46,7 @@ def test_what_ctranslate2_does_not_compute_is_one_line_on_both_paths(cells, cand
 # --- the runtime fact behind the offset stratum's FAIL, through CTranslate2 alone -------------------
 
 
+@SLOW
 @pytest.mark.parametrize("candidate", ["ctranslate2", "ctranslate2@public"])
 def test_a_mean_far_above_the_spread_fails_its_layer_norm_with_the_variance_named(cells, candidate):
     """`--strata offset` (N(0, 1) rows shifted by 10, -100 and 1000): CTranslate2's LayerNorm takes the
@@ -54,6 +56,7 @@ def test_a_mean_far_above_the_spread_fails_its_layer_norm_with_the_variance_name
     assert cells.verdict("layer_norm", "torch", "float32", strata=("offset",)) == passes("layer_norm")
 
 
+@SLOW
 def test_its_layer_norm_of_a_row_far_from_zero_misses_by_percent(tmp_path):
     """A converted GPT-2 whose output is its final LayerNorm (one layer adding 0, an identity head):
     the transformers model is the one the public path writes (written by transformers), and from there

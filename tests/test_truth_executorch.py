@@ -12,7 +12,8 @@ issue 46 names, plus the 256-wide LayerNorm where ExecuTorch 1.5.1's half kernel
 import warnings
 
 import pytest
-from truth_cells import LAYERS, Cells, fails, passes
+from conftest import SLOW
+from truth_cells import LAYERS, Cells, cases, fails, passes
 
 pytest.importorskip("executorch", reason="needs ExecuTorch: pip install --no-deps executorch==1.5.1 torchao")
 
@@ -36,13 +37,14 @@ def cells(tmp_path_factory):
     return Cells(tmp_path_factory.mktemp("truth-executorch"))
 
 
-@pytest.mark.parametrize("kind, dtype", list(EXPECTED))
+@pytest.mark.parametrize("kind, dtype", cases(EXPECTED))
 def test_the_adapter_and_executorchs_own_path_give_one_verdict(cells, kind, dtype):
     ours = cells.verdict(kind, "executorch", dtype)
     theirs = cells.verdict(kind, "executorch@public", dtype)
     assert ours == theirs == EXPECTED[kind, dtype], (ours, theirs)
 
 
+@SLOW
 def test_its_256_wide_half_layer_norm_is_thousands_of_times_torchs_error(cells):
     """The row_statistics_wrong cell is a broken kernel, not a rounding order: each failing row is
     (x - m') / sqrt(v' + eps) with statistics that are not the row's, and its worst error is whole
@@ -53,6 +55,7 @@ def test_its_256_wide_half_layer_norm_is_thousands_of_times_torchs_error(cells):
     assert report.layers[0].vs_torch["ratio"] > 1000
 
 
+@SLOW
 def test_a_mean_far_above_the_spread_fails_its_float32_layer_norm_on_both_paths(cells):
     """`--strata offset` (N(0, 1) rows shifted by 10, -100 and 1000): ExecuTorch's portable LayerNorm
     takes the variance as E[x^2] - E[x]^2 (shown below), which cancels there; torch's passes."""
@@ -118,6 +121,7 @@ def _exact(norm, x):
                                           norm.bias.double(), norm.eps)
 
 
+@SLOW
 def test_its_float32_layer_norm_of_a_row_far_from_zero_misses_by_percent(layer_norms):
     """The portable native_layer_norm takes the variance as E[x^2] - E[x]^2 in the input dtype: rows
     of N(0, 1) + 1000 at float32 miss the exact value by more than 1e-3 (eager torch: under 1e-3), the
@@ -132,6 +136,7 @@ def test_its_float32_layer_norm_of_a_row_far_from_zero_misses_by_percent(layer_n
     assert eager < 1e-3 and err[:8].max() > 1e-3 and err[8:].max() < 1e-5, (eager, err)
 
 
+@SLOW
 def test_its_half_layer_norm_is_off_by_whole_units_from_256_elements(layer_norms):
     """ExecuTorch 1.5.1: native_layer_norm at float16 and bfloat16 on rows of 256 elements misses the
     exact value by more than 0.5 (by 2 to 6 on these randn rows), where eager torch misses by at
@@ -148,6 +153,7 @@ def test_its_half_layer_norm_is_off_by_whole_units_from_256_elements(layer_norms
         assert (ours > 0.5) == name.endswith("x256"), (name, ours)
 
 
+@SLOW
 def test_its_float16_layer_norm_loses_an_eps_of_1e_12(layer_norms):
     """float16 has no 1e-12 (it rounds to 0): ExecuTorch's float16 LayerNorm of a zero row is 0/0 =
     NaN, where eager torch gives the bias; the other rows are right: the eps_missing cell above."""
@@ -161,6 +167,7 @@ def test_its_float16_layer_norm_loses_an_eps_of_1e_12(layer_norms):
     assert (y[1:].double() - _exact(norm, x)[1:]).abs().max().item() < 0.01
 
 
+@SLOW
 def test_its_bfloat16_layer_norm_is_not_one_rounding_where_eps_matters(layer_norms):
     """bfloat16, eps 1e-12: on rows of standard deviation 1 ExecuTorch's output is the exact value
     rounded once, as eager torch's is; on rows of 1e-7 (q/eps = 0.01) it is not, on more than one

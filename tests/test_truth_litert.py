@@ -7,7 +7,8 @@ give the same verdict; what the converter cannot convert is one line on both pat
 own reason on the public path."""
 
 import pytest
-from truth_cells import LAYERS, Cells, passes
+from conftest import SLOW
+from truth_cells import LAYERS, Cells, cases, passes
 
 pytest.importorskip("litert_torch", reason="needs LiteRT: see parity_cli/backends/litert_runtime.py's INSTALL")
 pytest.importorskip("ai_edge_litert", reason="needs LiteRT's interpreter: pip install --no-deps ai-edge-litert")
@@ -27,7 +28,7 @@ def cells(tmp_path_factory):
     return Cells(tmp_path_factory.mktemp("truth-litert"))
 
 
-@pytest.mark.parametrize("kind, dtype", list(EXPECTED))
+@pytest.mark.parametrize("kind, dtype", cases(EXPECTED))
 def test_the_adapter_and_litert_torchs_converted_model_give_one_verdict(cells, kind, dtype):
     ours = cells.verdict(kind, "litert", dtype)
     theirs = cells.verdict(kind, "litert@public", dtype)
@@ -35,12 +36,13 @@ def test_the_adapter_and_litert_torchs_converted_model_give_one_verdict(cells, k
 
 
 @pytest.mark.parametrize("candidate", ["litert", "litert@public"])
-@pytest.mark.parametrize("kind, dtype", list(REFUSED))
+@pytest.mark.parametrize("kind, dtype", [pytest.param(*cell, marks=SLOW) for cell in REFUSED])
 def test_what_the_converter_cannot_convert_is_one_line_on_both_paths(cells, candidate, kind, dtype):
     with pytest.raises(InputError, match=REFUSED[kind, dtype]):
         cells.verdict(kind, candidate, dtype)
 
 
+@SLOW
 def test_no_module_holding_bfloat16_parameters_converts(cells):
     """The public path converts the module as a deployment holds it: litert_torch.convert fails on
     bfloat16 parameters ("Got unsupported ScalarType BFloat16"). parity's adapter, which feeds the
@@ -52,6 +54,7 @@ def test_no_module_holding_bfloat16_parameters_converts(cells):
         cells.verdict("rms_norm/llama", "litert", "bfloat16")
 
 
+@SLOW
 @pytest.mark.parametrize("candidate", ["litert", "litert@public"])
 def test_its_layer_norm_takes_the_variance_from_x_minus_the_mean(cells, candidate):
     """`--strata offset` (N(0, 1) rows shifted by 10, -100 and 1000), where a variance taken as
@@ -60,6 +63,7 @@ def test_its_layer_norm_takes_the_variance_from_x_minus_the_mean(cells, candidat
     assert cells.verdict("layer_norm", candidate, "float32", strata=("offset",)) == passes("layer_norm")
 
 
+@SLOW
 def test_more_rows_than_a_program_takes_run_in_pieces(tmp_path, monkeypatch):
     """A converted program takes a fixed number of rows: the probes' 36 rows a stratum group run as
     pieces of 4, the last one padded, through both paths, and pass as they do in one piece."""

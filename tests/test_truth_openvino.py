@@ -10,7 +10,7 @@ that default is bf16 and every op rounds to it: both paths must still agree, but
 only where the plugin computes in f32."""
 
 import pytest
-from truth_cells import Cells, passes
+from truth_cells import Cells, cases, passes
 
 from parity_cli import api
 
@@ -30,7 +30,7 @@ def cells(tmp_path_factory):
     return Cells(tmp_path_factory.mktemp("truth-openvino"))
 
 
-@pytest.mark.parametrize("kind, dtype", list(EXPECTED))
+@pytest.mark.parametrize("kind, dtype", cases(EXPECTED))
 def test_the_adapter_and_openvinos_own_path_give_one_verdict(cells, kind, dtype):
     ours = cells.verdict(kind, "openvino", dtype)
     theirs = cells.verdict(kind, "openvino@public", dtype)

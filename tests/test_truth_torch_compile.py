@@ -10,7 +10,7 @@ model's kinds at three dtypes) passed that way, eager torch reported as inductor
 raise that limit for their calls and make hitting it an error (the last test)."""
 
 import pytest
-from truth_cells import LAYERS, Cells, passes
+from truth_cells import LAYERS, Cells, cases, passes
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPECTED = {(kind, dtype): passes(kind) for kind in LAYERS if kind != "layer_norm/256" for dtype in DTYPES}
@@ -21,7 +21,7 @@ def cells(tmp_path_factory):
     return Cells(tmp_path_factory.mktemp("truth-torch-compile"))
 
 
-@pytest.mark.parametrize("kind, dtype", list(EXPECTED))
+@pytest.mark.parametrize("kind, dtype", cases(EXPECTED))
 def test_the_adapter_and_torch_compile_of_the_module_give_one_verdict(cells, kind, dtype):
     ours = cells.verdict(kind, "torch.compile", dtype)
     theirs = cells.verdict(kind, "torch.compile@public", dtype)

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+from conftest import SLOW
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -465,7 +466,7 @@ def _forward_literal_eps(cls) -> float:
     return float(found[0])
 
 
-@pytest.mark.parametrize("model_type", ["rt_detr", "d_fine"])
+@pytest.mark.parametrize("model_type", ["rt_detr", pytest.param("d_fine", marks=SLOW)])
 def test_a_frozen_batch_norm_is_checked_with_the_eps_its_forward_fixes(tmp_path, model_type):
     """RT-DETR's and D-FINE's backbones replace BatchNorm2d by a FrozenBatchNorm2d: gain, bias and
     statistics are buffers, the folded scale-and-shift is the eval formula, and eps is a literal inside
@@ -528,6 +529,7 @@ def test_a_batch_norm_whose_eps_its_output_does_not_show_is_not_guessed():
     assert "not (x - mean) / sqrt(var + eps)" in classify(outside, module_eps(outside))["unsupported"]
 
 
+@SLOW
 def test_a_model_whose_size_lists_are_tuples_is_shrunk_harder():
     """EfficientNet's channel sizes are tuples (and its width and depth coefficients multiply them):
     over 60 M parameters until the tuples are shrunk too. Every norm of it is a BatchNorm2d reading
