@@ -56,7 +56,8 @@ def test_the_verdict_the_readme_quotes_is_the_demos():
 # options the pages name that belong to the other tools they show
 OTHER_TOOLS = {"--index-url": "pip", "--no-deps": "pip", "--lf": "pytest", "--strict": "mkdocs build",
                "--hf-path": "mlx_lm.convert", "--mlx-path": "mlx_lm.convert", "--model": "ct2-transformers-converter",
-               "--output_dir": "ct2-transformers-converter"}  # the ORT GenAI builder's are single-letter
+               "--output_dir": "ct2-transformers-converter",
+               "--tier": "this repository's tests/conftest.py"}  # the ORT GenAI builder's are single-letter
 
 
 def _parity_options() -> set[str]:
