@@ -122,6 +122,15 @@ def ckpt(tmp_path):
     return make
 
 
+# `python -m parity_cli` as a terminal starts it: SIGINT and SIGQUIT at their defaults. A shell that
+# runs the suite as a background job without job control (`cmd &` in a script, nohup) starts it with
+# them ignored, every child inherits that, and the Ctrl-C tests would signal a process that rightly
+# ignores it (found running them beside a load: all four failed so).
+PARITY = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+          "signal.signal(signal.SIGQUIT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+          "-m", "parity_cli"]
+
+
 def run_parity(*args, cwd=None, env=None, process=False):
     """`parity ARGS` with the result interface of subprocess.run (.returncode, .stdout, .stderr).
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import load_json, plugin, run_parity
+from conftest import PARITY, load_json, plugin, run_parity
 
 from parity_cli.resources import schema_path
 
@@ -174,7 +174,7 @@ def test_ctrl_c_exits_130_and_leaves_no_report(ckpt, tmp_path):
     out = tmp_path / "r.json"
     marker = tmp_path / "started"
     # the candidate holds the run until the signal (issue 49: under load the run could end first, exit 0)
-    proc = subprocess.Popen([sys.executable, "-m", "parity_cli", "check", str(ckpt("llama", layers=4)),
+    proc = subprocess.Popen([*PARITY, "check", str(ckpt("llama", layers=4)),
                              "--candidate", plugin("held"), "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PARITY_TEST_MARKER": str(marker),

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SLOW, slow_unless
+from conftest import PARITY, SLOW, slow_unless
 
 from parity_cli import api
 from tests.conftest import load_json, run_parity
@@ -244,7 +244,7 @@ def _workers_with(marker: Path) -> list[int]:
 def test_signals_with_jobs_stop_everything_cleanly(llama, tmp_path, sig, code, word):
     out, xml = tmp_path / "r.json", tmp_path / "r.xml"
     marker = tmp_path / "started"
-    proc = subprocess.Popen([sys.executable, "-m", "parity_cli", "check", str(llama), "--candidate",
+    proc = subprocess.Popen([*PARITY, "check", str(llama), "--candidate",
                              bad("sleeps_forever"), "--jobs", "2", "--json", str(out), "--junit", str(xml)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PARITY_TEST_MARKER": str(marker)})
@@ -326,8 +326,13 @@ def test_a_signal_during_the_renames_lands_after_the_whole_set(tmp_path, monkeyp
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(outputs.os, "replace", replace)
-    with pytest.raises(KeyboardInterrupt):
-        outputs.write_files({tmp_path / "r.json": "{}\n", tmp_path / "r.xml": "<testsuites/>\n"})
+    # Python's own SIGINT handler, as in a process started from a terminal (a background job's is SIG_IGN)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            outputs.write_files({tmp_path / "r.json": "{}\n", tmp_path / "r.xml": "<testsuites/>\n"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert (tmp_path / "r.json").exists() and (tmp_path / "r.xml").exists()
     assert not list(tmp_path.glob(".*.tmp"))
 

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import SLOW
+from conftest import PARITY, SLOW
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -29,7 +29,7 @@ def _write(tmp_path, name, source):
 
 
 def _parity(*args, **popen):
-    return subprocess.Popen([sys.executable, "-m", "parity_cli", *map(str, args)], stdout=subprocess.PIPE,
+    return subprocess.Popen([*PARITY, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, **popen)
 
 
