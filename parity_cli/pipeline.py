@@ -339,6 +339,7 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
     from parity_cli.sources.huggingface import written_by
     from parity_cli.sources.onnx_graph import is_onnx
     from parity_cli.sources.openvino_ir import is_openvino_ir
+    from parity_cli.sources.tflite_graph import is_tflite
 
     if opts.runtime_capture:  # what a runtime's own graph used and computed (probes.runtime_capture)
         layers, described, dtype = _runtime_copy(opts, reference_layers)
@@ -359,6 +360,16 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
         described = {"path": recorded_path(opts.candidate_checkpoint), "format": "openvino",
                      "family": reference_layers[0].family if reference_layers else None, "model_type": None,
                      "eps": info["eps"], "layers": len(layers), "unmatched": [], "openvino": info}
+        dtype = info["dtype"]
+    elif is_tflite(opts.candidate_checkpoint):  # model.tflite_layers: the flatbuffer's norm patterns
+        from parity_cli.model.tflite_layers import candidate_layers as tflite_layers
+
+        layers, info = tflite_layers(opts.candidate_checkpoint, reference_layers)
+        described = {"path": recorded_path(opts.candidate_checkpoint), "format": "tflite",
+                     "family": reference_layers[0].family if reference_layers else None, "model_type": None,
+                     "eps": info["eps"], "layers": len(layers), "unmatched": [], "tflite": info,
+                     "exporter": f"a TFLite converter ({info['producer'] or 'no description'}, schema "
+                                 f"{info['schema_version']})"}
         dtype = info["dtype"]
     else:
         ckpt2, fam2, eps2 = load(opts.candidate_checkpoint, model=model, classes=uses_transformers(opts))

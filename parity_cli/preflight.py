@@ -33,6 +33,7 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
     if candidate_checkpoint:
         from parity_cli.sources.onnx_graph import is_onnx
         from parity_cli.sources.openvino_ir import is_openvino_ir
+        from parity_cli.sources.tflite_graph import is_tflite
 
         if is_onnx(candidate_checkpoint):
             onnx_input(candidate_checkpoint)
@@ -40,6 +41,8 @@ def check_inputs(checkpoint, *, candidate="torch", reference="oracle", candidate
         elif is_openvino_ir(candidate_checkpoint):
             openvino_input(candidate_checkpoint)
             candidate = candidate or "openvino"
+        elif is_tflite(candidate_checkpoint):
+            tflite_input(candidate_checkpoint)
         else:
             checkpoint_input(candidate_checkpoint)
     candidate = candidate or "torch"
@@ -172,6 +175,17 @@ def onnx_input(path) -> None:
         if not _findable(module):
             raise InputError(f"{path}: reading ONNX needs the {module} package: pip install onnx onnxruntime "
                              "(from a checkout: pip install -e '.[onnx]')")
+
+
+def tflite_input(path) -> None:
+    """A .tflite file: a regular file within its cap (its flatbuffer is read by sources.tflite_graph)."""
+    from parity_cli.sources.jsonfile import regular_file
+    from parity_cli.sources.tflite_graph import MAX_TFLITE_BYTES
+
+    path = Path(path)
+    if _stat(path) is None:
+        raise InputError(f"{path}: no such file or directory")
+    regular_file(path, "the TFLite model", MAX_TFLITE_BYTES, "more than a TFLite model holds; refused")
 
 
 def openvino_input(path) -> None:

@@ -58,6 +58,8 @@ CASES = {
     "parity check path/to/hf-model --candidate ctranslate2 --dtype float32": 0,
     # litert-torch converts no bfloat16 module: the bfloat16 checkpoint is probed at float32
     "parity check path/to/hf-model --candidate litert --dtype float32": 0,
+    # model.tflite: path/to/hf-model loaded at float32 and converted by litert_torch.convert (the fixture)
+    "parity check path/to/hf-model --candidate-checkpoint model.tflite": 0,
     # genai_model: what ONNX Runtime GenAI's builder wrote from path/to/hf-model (the page's line, run by the fixture)
     "parity check path/to/hf-model --candidate-checkpoint genai_model/model.onnx": 0,
     "parity capture genai_model/model.onnx --runtime onnxruntime --prompt \"...\" -o genai-cap.safetensors": 0,
@@ -177,6 +179,34 @@ def ct2_model(workspace):
 
 
 @pytest.fixture(scope="module")
+def model_tflite(workspace):
+    """model.tflite: path/to/hf-model as the page converts it: loaded at float32 (litert-torch converts
+    no bfloat16 module), token ids in and logits out, litert_torch.convert, .export."""
+    pytest.importorskip("litert_torch", reason="needs litert-torch: see docs/export-litert.md")
+    import warnings
+
+    import litert_torch
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(workspace / "path" / "to" / "hf-model", dtype=torch.float32).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        litert_torch.convert(Logits().eval(), (torch.zeros(1, 8, dtype=torch.long),)).export(
+            str(workspace / "model.tflite"))
+    return workspace / "model.tflite"
+
+
+@pytest.fixture(scope="module")
 def genai_model(workspace):
     """genai_model: path/to/hf-model as the page's builder line writes it, and the capture of it the
     page's third line makes (run once)."""
@@ -225,7 +255,7 @@ def _run(command: str, cwd: Path, env: dict | None = None):
 
 
 # a runtime whose first conversion in a process costs seconds (issue 49: run in `--tier slow`)
-SLOW_RUNTIMES = ("litert", "executorch", "vllm", "mlx")
+SLOW_RUNTIMES = ("litert", "tflite", "executorch", "vllm", "mlx")
 
 
 @pytest.mark.parametrize("command", [pytest.param(c, marks=slow_unless(not any(r in c for r in SLOW_RUNTIMES)))
@@ -246,6 +276,8 @@ def test_the_example_runs_as_its_page_says(command, workspace, request):
         env = {**env, **request.getfixturevalue("bucket").env()}
     if "ct2_model" in command:
         request.getfixturevalue("ct2_model")
+    if "model.tflite" in command:
+        request.getfixturevalue("model_tflite")
     if "genai" in command:
         made = request.getfixturevalue("genai_model")
         r = made.get(command) or _run(command, workspace, env)
