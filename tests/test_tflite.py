@@ -32,18 +32,20 @@ def converted(tmp_path_factory):
 
             import litert_torch
             import torch
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModel, AutoModelForCausalLM
 
             src = write_runnable(root / model_type, model_type, layers=2, hidden=64, eps=eps)
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+            encoder = model_type == "bert"
+            model = (AutoModel if encoder else AutoModelForCausalLM).from_pretrained(src, dtype=torch.float32).eval()
 
-            class Logits(torch.nn.Module):  # what a user converts: token ids in, logits out
+            class Logits(torch.nn.Module):  # what a user converts: token ids in, logits (hidden states) out
                 def __init__(self):
                     super().__init__()
                     self.m = model
 
                 def forward(self, ids):
-                    return self.m(input_ids=ids, use_cache=False).logits
+                    return self.m(input_ids=ids).last_hidden_state if encoder else \
+                        self.m(input_ids=ids, use_cache=False).logits
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -58,14 +60,18 @@ def converted(tmp_path_factory):
 def _gains(src) -> dict:
     from safetensors.numpy import load_file
 
-    return {k: v for k, v in load_file(str(src / "model.safetensors")).items() if "norm" in k}
+    return {k.removeprefix("bert."): v for k, v in load_file(str(src / "model.safetensors")).items()
+            if "norm" in k.lower()}
 
 
 @pytest.mark.parametrize("model_type, eps, layers", [("llama", 1e-5, 5),
-                                                     pytest.param("gemma3_text", 1e-6, 13, marks=SLOW)])
+                                                     pytest.param("gemma3_text", 1e-6, 13, marks=SLOW),
+                                                     pytest.param("bert", 1e-12, 5, marks=SLOW)])
 def test_a_faithful_conversion_passes_paired_by_module_path(converted, tmp_path, model_type, eps, layers):
     """Every norm found, each under its checkpoint name (no pairing by value), with the eps the model
-    was trained with as float32 stores it; Gemma 3's 1 + w is folded into the gain and still passes."""
+    was trained with as float32 stores it; Gemma 3's 1 + w is folded into the gain and still passes;
+    BERT's LayerNorms (written as x * r + (-mean * r), their constants named arith.constantN) are
+    paired by the module path of their ops, with their biases."""
     src, copy = converted(model_type, eps)
     r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy)
     assert r.returncode == 0 and all_pass(data), r.stdout[-3000:] + r.stderr
@@ -115,6 +121,25 @@ def test_two_gain_constants_exchanged_are_named_as_each_others(converted, tmp_pa
     for name in ("model.layers.0.input_layernorm", "model.layers.1.input_layernorm"):
         assert "checkpoint_gain_of_other_layer" in codes[name], codes
     assert sum(1 for layer in report["layers"] if layer["status"] != "pass") == 2
+
+
+@SLOW
+def test_a_bias_constant_zeroed_is_named(converted, tmp_path):
+    """BERT's embeddings LayerNorm bias zeroed in the flatbuffer: that layer alone fails, with
+    checkpoint_bias_mismatch."""
+    src, copy = converted("bert", 1e-12)
+    bias = _gains(src)["embeddings.LayerNorm.bias"].astype("<f4").tobytes()
+    data = bytearray(copy.read_bytes())
+    assert data.count(bias) == 1
+    at = data.index(bias)
+    data[at:at + len(bias)] = bytes(len(bias))
+    planted = tmp_path / "planted.tflite"
+    planted.write_bytes(bytes(data))
+    r, report = check_with_report(tmp_path, src, "--candidate-checkpoint", planted)
+    assert r.returncode == 1, r.stderr
+    failing = {layer["name"]: codes for layer, codes in zip(report["layers"], finding_codes(report))
+               if layer["status"] != "pass"}
+    assert list(failing) == ["embeddings.LayerNorm"] and "checkpoint_bias_mismatch" in failing["embeddings.LayerNorm"]
 
 
 @pytest.mark.parametrize("label, edit, words", [

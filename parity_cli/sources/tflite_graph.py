@@ -7,10 +7,12 @@ MUL(x - mean, .) -> MUL(., gain) -> ADD(., bias). RESHAPEs and CASTs between the
 The eps is the ADD's constant as stored (a float16 graph stores 1e-5 as 1.00136e-5); Gemma's 1 + w is
 folded into the gain constant by the converter, as llama.cpp's converter bakes it.
 
-Each constant is named by the module path it was traced in: `LlamaModel_model/LlamaDecoderLayer_0/
+Each op's output is named by the module path it was traced in: `LlamaModel_model/LlamaDecoderLayer_0/
 LlamaRMSNorm_input_layernorm;5` (a class, then the attribute it is held under; a ModuleList's own name
-is left out). That path, as `model.0.input_layernorm`, pairs the norm with the checkpoint's layer
-(onnx_graph._match_by_name, by the longest dotted suffix), else its gain does.
+is left out). The RSQRT's path, as `model.0.input_layernorm`, pairs the norm with the checkpoint's
+layer (onnx_graph._match_by_name, by the longest dotted suffix), else its gain does. Constants are
+named by the first path that made them (`arith.constantN` where that is lost), and equal constants
+are stored once: a Llama's norms share one eps, fresh gains of ones one gain.
 
 The file is untrusted: it is read by a flatbuffer walker written here, every offset, length and
 count checked against the file before it is followed (no generated schema code, which follows any
@@ -292,7 +294,9 @@ def _norm_at(graph: Graph, producer: dict, consumers: dict, rsqrt: Op) -> Tflite
     if gain is None:
         return None
     weight = graph.constant(gain).reshape(-1)
-    names = _names(graph.tensors[gain].name)
+    # the RSQRT's own scope first: a constant equal to another norm's (gains of ones) is stored once,
+    # under the first norm's path
+    names = list(dict.fromkeys(_names(graph.tensors[rsqrt.outputs[0]].name) + _names(graph.tensors[gain].name)))
     stored = DTYPES.get(graph.tensors[eps_t].type, ("float32",))[0]
     return TfliteNorm(name=names[0] if names else graph.tensors[gain].name, kind=kind, dim=int(weight.numel()),
                       eps=eps_value, eps_source=f"tflite: the {stored} constant ADDed before RSQRT",
@@ -301,28 +305,43 @@ def _norm_at(graph: Graph, producer: dict, consumers: dict, rsqrt: Op) -> Tflite
 
 
 def _affine(graph: Graph, consumers: dict, r: int, kind: str) -> tuple:
-    """(the norm's output, its gain constant, its bias constant): MUL(h, r) then MUL by a constant,
-    then (a LayerNorm) ADD of a constant."""
-    def only_use(t, codes):
-        uses = [graph.ops[k] for k in consumers.get(t, [])]
-        while len(uses) == 1 and uses[0].code in (RESHAPE, CAST):
-            uses = [graph.ops[k] for k in consumers.get(uses[0].outputs[0], [])]
-        return uses[0] if len(uses) == 1 and uses[0].code in codes else None
+    """(the norm's output, its gain constant, its bias constant). The normalised row is a MUL by r:
+    h * r, or for a LayerNorm the converter may write x * r + (-mean * r), an ADD of no constant
+    after it. Then a MUL by the gain constant and, for a LayerNorm, an ADD of the bias constant."""
+    def uses(t, depth=0):  # the ops reading t, past RESHAPEs and CASTs
+        found = []
+        for k in consumers.get(t, []):
+            op = graph.ops[k]
+            if op.code in (RESHAPE, CAST) and depth < MAX_DEPTH:
+                found += uses(op.outputs[0], depth + 1)
+            else:
+                found.append(op)
+        return found
 
-    scaled = only_use(r, (MUL,))
-    if scaled is None:
-        return None, None, None
-    times = only_use(scaled.outputs[0], (MUL,))
-    gain = next((t for t in (times.inputs if times else []) if graph.constant(t) is not None), None)
-    if gain is None:
-        return None, None, None
-    y, bias = times.outputs[0], None
-    if kind == "layer_norm":
-        plus = only_use(y, (ADD,))
-        bias = next((t for t in (plus.inputs if plus else []) if graph.constant(t) is not None), None)
-        if bias is not None:
-            y = plus.outputs[0]
-    return y, gain, bias
+    def only_use(t, codes):
+        found = uses(t)
+        return found[0] if len(found) == 1 and found[0].code in codes else None
+
+    def const_input(op):
+        return next((t for t in (op.inputs if op else []) if graph.constant(t) is not None), None)
+
+    for scaled in (op for op in uses(r) if op.code == MUL):
+        y = scaled.outputs[0]
+        shifted = only_use(y, (ADD,))
+        if kind == "layer_norm" and shifted is not None and const_input(shifted) is None:
+            y = shifted.outputs[0]
+        times = only_use(y, (MUL,))
+        gain = const_input(times)
+        if gain is None:
+            continue
+        y, bias = times.outputs[0], None
+        if kind == "layer_norm":
+            plus = only_use(y, (ADD,))
+            bias = const_input(plus)
+            if bias is not None:
+                y = plus.outputs[0]
+        return y, gain, bias
+    return None, None, None
 
 
 def _names(name: str) -> list[str]:
