@@ -747,7 +747,7 @@ def _plain(value):
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--runtime", default="transformers", show_default=True,
-              type=click.Choice(["transformers", "llama.cpp", "onnxruntime", "openvino", "mlx-lm"]),
+              type=click.Choice(["transformers", "llama.cpp", "onnxruntime", "openvino", "mlx-lm", "litert"]),
               help="Where the model runs: transformers (the rows each norm layer's module sees), or inside a "
                    "deployed runtime (every norm node's input and output rows, and the eps and gains it used; "
                    "`parity check REFERENCE --runtime-capture FILE` judges them).")

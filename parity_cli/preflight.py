@@ -71,6 +71,10 @@ def inspect_inputs(checkpoint, family=None) -> None:
         return onnx_input(checkpoint)
     if is_openvino_ir(checkpoint):
         return openvino_input(checkpoint)
+    from parity_cli.sources.tflite_graph import is_tflite
+
+    if is_tflite(checkpoint):  # run by `parity capture --runtime litert`
+        return tflite_input(checkpoint)
     _not_a_copy(checkpoint)
     return _inspect_inputs(checkpoint, family)
 
@@ -125,6 +129,11 @@ def checkpoint_input(path, family=None) -> None:
     if is_openvino_ir(path):
         raise InputError(f"{path}: an OpenVINO IR has no config to check against; check the model it was converted "
                          f"from with --candidate-checkpoint {path} (or: parity inspect {path})")
+    from parity_cli.sources.tflite_graph import is_tflite
+
+    if is_tflite(path):
+        raise InputError(f"{path}: a TFLite model has no config to check against; check the model it was converted "
+                         f"from with --candidate-checkpoint {path}")
     gguf_file, ckpt = stat.S_ISREG(st.st_mode) and is_gguf(path), None
     if gguf_file:  # its model type is in metadata only gguf can read
         if not _findable("gguf"):

@@ -58,8 +58,11 @@ CASES = {
     "parity check path/to/hf-model --candidate ctranslate2 --dtype float32": 0,
     # litert-torch converts no bfloat16 module: the bfloat16 checkpoint is probed at float32
     "parity check path/to/hf-model --candidate litert --dtype float32": 0,
-    # model.tflite: path/to/hf-model loaded at float32 and converted by litert_torch.convert (the fixture)
+    # model.tflite: path/to/hf-model loaded at float32 and converted by litert_torch.convert (the fixture,
+    # which runs the capture too, on tokens.txt's ids)
     "parity check path/to/hf-model --candidate-checkpoint model.tflite": 0,
+    "parity capture model.tflite --runtime litert --tokens tokens.txt -o litert-cap.safetensors": 0,
+    "parity check path/to/hf-model --runtime-capture litert-cap.safetensors": 0,
     # genai_model: what ONNX Runtime GenAI's builder wrote from path/to/hf-model (the page's line, run by the fixture)
     "parity check path/to/hf-model --candidate-checkpoint genai_model/model.onnx": 0,
     "parity capture genai_model/model.onnx --runtime onnxruntime --prompt \"...\" -o genai-cap.safetensors": 0,
@@ -203,7 +206,9 @@ def model_tflite(workspace):
         warnings.simplefilter("ignore")
         litert_torch.convert(Logits().eval(), (torch.zeros(1, 8, dtype=torch.long),)).export(
             str(workspace / "model.tflite"))
-    return workspace / "model.tflite"
+    (workspace / "tokens.txt").write_text("1 5 9 13 17 21 2 7\n")
+    command = next(c for c in CASES if c.startswith("parity capture model.tflite "))
+    return {command: _run(command, workspace)}
 
 
 @pytest.fixture(scope="module")
@@ -276,13 +281,14 @@ def test_the_example_runs_as_its_page_says(command, workspace, request):
         env = {**env, **request.getfixturevalue("bucket").env()}
     if "ct2_model" in command:
         request.getfixturevalue("ct2_model")
-    if "model.tflite" in command:
-        request.getfixturevalue("model_tflite")
     if "genai" in command:
         made = request.getfixturevalue("genai_model")
         r = made.get(command) or _run(command, workspace, env)
     elif "mlx" in command:
         made = request.getfixturevalue("mlx_model")
+        r = made.get(command) or _run(command, workspace, env)
+    elif "model.tflite" in command or "litert-cap" in command:
+        made = request.getfixturevalue("model_tflite")
         r = made.get(command) or _run(command, workspace, env)
     elif "capture" in command:
         made = request.getfixturevalue("captures")

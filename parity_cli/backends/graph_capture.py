@@ -118,6 +118,8 @@ def record(model, runtime: str, text: str | None, tokens: list[int] | None, max_
         raise InputError("the text has no tokens")
     if runtime == "onnxruntime":
         return _onnxruntime(Path(model), tokens)
+    if runtime == "litert":
+        return _litert(Path(model), tokens)
     return _openvino(Path(model), tokens, precision)
 
 
@@ -174,6 +176,45 @@ def _onnxruntime(path: Path, tokens: list[int]) -> dict:
             nodes.append(_node(n, got[n.ends[0]], got[n.ends[1]], n.dtype, "the graph"))
     return {"nodes": nodes, "tokens": len(tokens),
             "version": distribution_version("onnxruntime"), "backend": "CPUExecutionProvider"}
+
+
+def _litert(path: Path, tokens: list[int]) -> dict:
+    """Every norm's input and output tensors as LiteRT's interpreter leaves them
+    (experimental_preserve_all_tensors), the graph run on the tokens by TFLite's built-in kernels: a
+    graph handed to the XNNPACK delegate keeps no intermediate tensor to read. A converted graph's
+    shapes are static: the tokens are repeated up to its sequence length, or cut to it."""
+    import numpy as np
+
+    from parity_cli.sources.tflite_graph import find_norms, is_tflite, read_graph
+
+    if not is_tflite(path):
+        raise InputError(f"{path}: --runtime litert runs a .tflite file")
+    norms = [n for n in find_norms(read_graph(path)) if n.kind in KINDS]
+    try:
+        from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+        interpreter = Interpreter(model_path=str(path), experimental_preserve_all_tensors=True,
+                                  experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+        interpreter.allocate_tensors()
+        inputs = interpreter.get_input_details()
+        if len(inputs) != 1 or not np.issubdtype(inputs[0]["dtype"], np.integer):
+            raise InputError(f"{path}: the graph takes {len(inputs)} inputs "
+                             f"({', '.join(str(i['name']) for i in inputs[:4])}); --runtime litert feeds one, the "
+                             "token ids")
+        shape = [int(d) for d in inputs[0]["shape"]]
+        n = shape[-1]
+        ids = (tokens * (n // len(tokens) + 1))[:n]
+        interpreter.set_tensor(inputs[0]["index"], np.asarray(ids, dtype=inputs[0]["dtype"]).reshape(shape))
+        interpreter.invoke()
+        nodes = [_node(norm, interpreter.get_tensor(norm.ends[0]), interpreter.get_tensor(norm.ends[1]), norm.dtype,
+                       "the graph") for norm in norms]
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"{path}: LiteRT's interpreter could not run it: {' '.join(str(exc).split())[:240]}") from None
+    return {"nodes": nodes, "tokens": n, "version": distribution_version("ai-edge-litert"),
+            "backend": "TFLite built-in kernels (XNNPACK off: a delegated graph keeps no intermediate tensor)",
+            **({"note": f"the graph's {n} positions: the {len(tokens)} tokens repeated"} if len(tokens) < n else {})}
 
 
 SUM_SUFFIX = "__parity_input_skip_bias_sum"

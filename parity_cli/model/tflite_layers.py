@@ -10,7 +10,7 @@ from parity_cli.model.layers import NormLayer
 from parity_cli.model.pairing import BY_VALUE, graph_layer
 from parity_cli.sources.onnx_graph import _match_by_gain, _match_by_name, distinct_norms
 from parity_cli.sources.tensors import Eps
-from parity_cli.sources.tflite_graph import find_norms, read_graph
+from parity_cli.sources.tflite_graph import find_norms, match_by_path, read_graph
 
 
 def candidate_layers(path, reference: list) -> tuple[list, dict]:
@@ -26,7 +26,7 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
         raise InputError(f"{path}: no norm found in the TFLite graph (looked for ADD(MEAN(x * x), eps) -> RSQRT "
                          "-> MUL and its LayerNorm form with SQUARED_DIFFERENCE, each followed by a MUL by the gain)")
     by_name = {layer.name: layer for layer in reference}
-    _match_by_path(norms, reference)
+    match_by_path(norms, reference)
     _match_by_name(norms, reference)
     _match_by_gain(norms, reference)  # only where no module path says anything
     layers = []
@@ -50,21 +50,4 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             "dtype": dtypes[0][0] if dtypes else None, "schema_version": graph.version,
             "producer": graph.description or None}
     return layers, info
-
-
-def _match_by_path(norms: list, reference: list) -> None:
-    """A traced module path leaves out a ModuleList's own name (`m.model.0.input_layernorm` for
-    `model.layers.0.input_layernorm`): each norm takes the one reference layer whose name, with the
-    segment before each index dropped, ends its path at a dot (the longest such, if one is longest)."""
-    import re
-
-    short = {ref.name: re.sub(r"(^|\.)[^.]+\.(\d+)(?=\.|$)", r"\1\2", ref.name) for ref in reference}
-    for norm in norms:
-        for name in norm.names:
-            fits = [ref for ref, s in short.items() if name == s or name.endswith("." + s)]
-            longest = max((len(short[ref]) for ref in fits), default=0)
-            best = [ref for ref in fits if len(short[ref]) == longest]
-            if len(best) == 1:
-                norm.name = best[0]
-                break
 

@@ -30,7 +30,7 @@ from parity_cli.sampling import describe
 
 FORMAT = "parity runtime capture 1"
 META_KEY = "parity-runtime"
-RUNTIMES = ("llama.cpp", "onnxruntime", "openvino", "mlx-lm")
+RUNTIMES = ("llama.cpp", "onnxruntime", "openvino", "mlx-lm", "litert")
 MAX_LAYERS = 10_000
 KINDS = {"RMS_NORM": "rms_norm", "NORM": "layer_norm"}
 
@@ -293,9 +293,11 @@ def _named(layers: list, reference_layers: list, meta: dict, path) -> list:
     from types import SimpleNamespace
 
     from parity_cli.sources.onnx_graph import _match_by_gain, _match_by_name
+    from parity_cli.sources.tflite_graph import match_by_path
 
     views = [SimpleNamespace(name=layer.name, names=(layer.name,), offset=0.0, weight=layer.weight,
                              bias=layer.bias, dim=layer.dim, paired_by="name") for layer in layers]
+    match_by_path(views, reference_layers)  # a traced module path, without a ModuleList's own name (LiteRT)
     _match_by_name(views, reference_layers)
     _match_by_gain(views, reference_layers)
     by_name = {layer.name: layer for layer in reference_layers}

@@ -368,3 +368,21 @@ def _depths(graph: Graph, norms: list) -> None:
             level[t] = here + 1 if t in ends else here
     for y, norm in ends.items():
         norm.depth = level.get(y, 1) - 1
+
+
+def match_by_path(norms: list, reference: list) -> None:
+    """A traced module path leaves out a ModuleList's own name (`m.model.0.input_layernorm` for
+    `model.layers.0.input_layernorm`): each norm takes the one reference layer whose name, with the
+    segment before each index dropped, ends its path at a dot (the longest such, if one is longest)."""
+    import re
+
+    short = {ref.name: re.sub(r"(^|\.)[^.]+\.(\d+)(?=\.|$)", r"\1\2", ref.name) for ref in reference}
+    for norm in norms:
+        for name in norm.names:
+            fits = [ref for ref, s in short.items() if name == s or name.endswith("." + s)]
+            longest = max((len(short[ref]) for ref in fits), default=0)
+            best = [ref for ref in fits if len(short[ref]) == longest]
+            if len(best) == 1:
+                norm.name = best[0]
+                break
+
