@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_json, run_parity
+from conftest import SLOW, load_json, run_parity
 
 from parity_cli import api
 from parity_cli.backends.implementations import BUILTINS
@@ -281,11 +281,14 @@ def test_layers_selects_what_is_checked_not_what_the_family_claims(resnet, tmp_p
 
 # --- 3. keras 3's BatchNormalization as the candidate ----------------------------------------------
 
+# keras is imported by each worker that runs one (seconds): these run in `--tier slow`, and
+# test_diagnosis_matrix's keras LayerNormalization in the default run (issue 49)
 needs_keras = pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="needs keras")
 # keras' torch backend converts through np.array(x) without numpy 2's copy keyword: its own noise
 quiet_keras = pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword")
 
 
+@SLOW
 @needs_keras
 @quiet_keras
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -309,6 +312,7 @@ def test_keras_default_epsilon_is_eps_mismatch(resnet, dtype):
         assert ev["smallest_running_var_over_eps"] == pytest.approx(float(var.min()) / TORCH_EPS, rel=1e-12)
 
 
+@SLOW
 @needs_keras
 @quiet_keras
 def test_keras_with_the_checkpoint_eps_passes(resnet):
@@ -317,6 +321,7 @@ def test_keras_with_the_checkpoint_eps_passes(resnet):
     assert _codes(report) == [set()] * 4
 
 
+@SLOW
 @needs_keras
 @quiet_keras
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

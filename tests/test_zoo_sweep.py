@@ -6,8 +6,8 @@ express (RMSNorm, LayerNorm, inference BatchNorm) under its stored name, read ea
 and pass the model's own class against its float64 oracle. ResNet (BatchNorm2d) and FastSpeech2's
 conformer (BatchNorm1d, an audio model) are always in the sample.
 
-The default run takes the most deployed types and the two BatchNorm models, `--tier slow` the
-others and the draw (issue 49). PARITY_ZOO_SAMPLE=N draws N others (default 12), PARITY_ZOO_SEED=S another draw (default 0: CI
+The default run takes six of the most deployed types (DEFAULT) and the two BatchNorm models,
+`--tier slow` (which CI runs too) the rest of the sample (issue 49). PARITY_ZOO_SAMPLE=N draws N others (default 12), PARITY_ZOO_SEED=S another draw (default 0: CI
 runs the same sample each time; the whole zoo is COVERAGE.md's, by the sweep itself),
 PARITY_ZOO_SAMPLE=all every type that has a generated family. `-m "not zoo"` leaves it out."""
 
@@ -30,6 +30,7 @@ _spec.loader.exec_module(zoo)
 # PyPI build does not load beside the pinned CPU torch): skipped with that reason, never silently
 NEEDS = {"gemma3n": "timm"}
 BATCH_NORM = ("resnet", "fastspeech2_conformer")  # BatchNorm2d; BatchNorm1d in an audio conformer
+DEFAULT = ("llama", "mistral", "qwen3", "gemma3", "phi3", "gpt2")  # the default run's most deployed types
 SEED = int(os.environ.get("PARITY_ZOO_SEED", "0"))
 
 
@@ -39,9 +40,9 @@ def _sample() -> list[str]:
                   and t not in zoo.MOST_DEPLOYED and t not in zoo.OTHERS)
     size = os.environ.get("PARITY_ZOO_SAMPLE", "12")
     drawn = rest if size == "all" else random.Random(SEED).sample(rest, min(int(size), len(rest)))
-    # the most deployed types and the two BatchNorm models run by default; the other encoders,
-    # vision and audio models and the draw in `--tier slow` (issue 49)
-    return [pytest.param(t, marks=slow_unless(t in zoo.MOST_DEPLOYED or t in BATCH_NORM))
+    # DEFAULT and the two BatchNorm models run by default; the other most deployed types, the other
+    # encoders, vision and audio models and the draw in `--tier slow`, which CI runs too (issue 49)
+    return [pytest.param(t, marks=slow_unless(t in DEFAULT or t in BATCH_NORM))
             for t in zoo.MOST_DEPLOYED + zoo.OTHERS + sorted(drawn)]
 
 
@@ -76,7 +77,8 @@ def test_the_most_deployed_types_are_types_transformers_knows():
 
     assert len(zoo.MOST_DEPLOYED) == len(set(zoo.MOST_DEPLOYED)) == 40
     assert set(zoo.MOST_DEPLOYED + zoo.OTHERS) <= set(CONFIG_MAPPING_NAMES)
-    assert set(BATCH_NORM) <= {case.values[0] for case in _sample() if not case.marks}  # in every default run
+    assert set(BATCH_NORM) | set(DEFAULT) <= {case.values[0] for case in _sample() if not case.marks}  # every default run
+    assert set(DEFAULT) <= set(zoo.MOST_DEPLOYED)
 
 
 def test_a_missed_norm_fails_the_row():
