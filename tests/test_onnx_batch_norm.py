@@ -110,6 +110,7 @@ def test_the_export_keeps_every_batch_norm_and_the_reader_finds_them(resnet):
         assert item["statistics"]["running_var_over_eps"]["min"] == pytest.approx(float(var.min()) / f32(TORCH_EPS))
 
 
+@SLOW
 def test_the_copy_runs_its_own_subgraph_on_rows(resnet):
     """The BatchNormalization subgraph takes (N, C, H, W): (N, C) probe rows go in as N maps of
     1 x 1, and what comes out is the op's formula with the graph's operands."""
@@ -137,6 +138,7 @@ def test_the_faithful_export_pairs_and_passes(resnet):
     assert report.passed, [(l.name, l.status, l.error, l.findings) for l in report.layers if not l.passed]
 
 
+@SLOW
 def test_planted_faults_each_name_their_layer(resnet):
     """One copy, four BatchNorms changed: epsilon 1e-3 (Keras' default) in one node, one channel's
     running variance x4 in another, one running mean negated in a third, training_mode=1 in a

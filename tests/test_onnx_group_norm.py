@@ -16,7 +16,7 @@ safetensors file, the outputs transcribed in float64 from GroupNorm's formula.""
 
 import numpy as np
 import pytest
-from conftest import SLOW, failing, run_parity
+from conftest import SLOW, failing, run_parity, slow_unless
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -154,7 +154,7 @@ def _decomposed_export(m2f, name, **kwargs):
 DECOMPOSED = {"torchscript": {"dynamo": False, "opset_version": 17}, "dynamo18": {"dynamo": True, "opset_version": 18}}
 
 
-@pytest.mark.parametrize("exporter", sorted(DECOMPOSED))
+@pytest.mark.parametrize("exporter", [pytest.param(e, marks=slow_unless(e != "dynamo18")) for e in sorted(DECOMPOSED)])
 def test_the_instance_norm_decomposition_is_read_and_passes(m2f, exporter):
     """Issue 35: wav2vec2's GroupNorm exported by TorchScript or dynamo at opset 18 was reported
     'missing from the candidate checkpoint'. Each of the five is read with its 32 groups (the

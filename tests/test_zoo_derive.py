@@ -413,7 +413,8 @@ def _computes_with(module, eps):
     return bool(torch.allclose(got, want, rtol=1e-10, atol=1e-12))
 
 
-@pytest.mark.parametrize("model_type,cls", [("resnet", "BatchNorm2d"), ("fastspeech2_conformer", "BatchNorm1d")])
+@pytest.mark.parametrize("model_type,cls", [("resnet", "BatchNorm2d"),
+                                            pytest.param("fastspeech2_conformer", "BatchNorm1d", marks=SLOW)])
 def test_every_batch_norm_is_checked_under_its_stored_name_with_its_own_eps(tmp_path, model_type, cls):
     """ResNet's BatchNorm2d and FastSpeech2's conformer BatchNorm1d (an audio model): every one the
     model holds is a batch_norm layer under its own name, with the module's own eps (torch's default,
@@ -466,7 +467,7 @@ def _forward_literal_eps(cls) -> float:
     return float(found[0])
 
 
-@pytest.mark.parametrize("model_type", ["rt_detr", pytest.param("d_fine", marks=SLOW)])
+@pytest.mark.parametrize("model_type", [pytest.param("rt_detr", marks=SLOW), pytest.param("d_fine", marks=SLOW)])
 def test_a_frozen_batch_norm_is_checked_with_the_eps_its_forward_fixes(tmp_path, model_type):
     """RT-DETR's and D-FINE's backbones replace BatchNorm2d by a FrozenBatchNorm2d: gain, bias and
     statistics are buffers, the folded scale-and-shift is the eval formula, and eps is a literal inside
