@@ -14,7 +14,7 @@ import shutil
 import struct
 
 import pytest
-from conftest import all_pass, check_with_report, finding_codes, run_parity
+from conftest import SLOW, all_pass, check_with_report, finding_codes, run_parity
 
 pytest.importorskip("ctranslate2", reason="needs CTranslate2: pip install ctranslate2")
 
@@ -342,6 +342,8 @@ def _read(model_bin, var) -> bytes:
     # OpenNMT's own use: translation models, post-norm; BART with its embeddings' norms
     ("bart", 1e-5, "TransformerSpec", 12, "the runtime's default for a LayerNorm"),
     ("marian", 1e-5, "TransformerSpec", 10, "the runtime's default for a LayerNorm"),
+    # GPT-2: a pre-norm decoder of LayerNorms; the converter writes no eps, the runtime's 1e-5 is GPT-2's
+    pytest.param("gpt2", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm", marks=SLOW),
 ])
 def test_a_faithful_encoder_conversion_passes(converted, tmp_path, model_type, eps, spec, layers, eps_source):
     src, copy = converted(model_type, eps)
@@ -376,6 +378,10 @@ def _swap_first_two_gains(model_bin):
      {"checkpoint_weight_mismatch", "checkpoint_gain_of_other_layer"}),
     ("marian", 1e-5, "eps 1e-6", "model.decoder.layers.1.final_layer_norm",
      {"eps_mismatch", "checkpoint_eps_mismatch"}),
+    # GPT-2 at an RMSNorm's default, and its LayerNorms' betas dropped
+    pytest.param("gpt2", 1e-5, "eps 1e-6", "transformer.h.1.ln_2", {"eps_mismatch", "checkpoint_eps_mismatch"},
+                 marks=SLOW),
+    pytest.param("gpt2", 1e-5, "betas zeroed", "transformer.ln_f", {"checkpoint_bias_mismatch"}, marks=SLOW),
 ])
 def test_a_fault_planted_in_a_converted_encoder_is_named(converted, tmp_path, model_type, eps, fault, layer, codes):
     src, made = converted(model_type, eps)

@@ -371,6 +371,10 @@ RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", lambda h, n, e: _decode
             "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                             lambda h, n, e: _decoder_config(h, n, e, {"sliding_window": 32})),
             "bert": ("BertConfig", "BertModel", _bert_config),
+            "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+                     # the word-level tokenizer's vocabulary (43 words), which CTranslate2's converter takes
+                     lambda h, n, e: dict(n_embd=h, n_layer=n, n_head=4, n_positions=64, vocab_size=43,
+                                          bos_token_id=1, eos_token_id=2, layer_norm_epsilon=e)),
             "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", _whisper_config),
             "bart": ("BartConfig", "BartForConditionalGeneration", _seq2seq_config),
             # Marian's converter takes a vocabulary one shorter than the model's (its pad is added back)
@@ -394,9 +398,10 @@ def write_runnable(directory, model_type: str = "llama", *, layers: int = 2, hid
     zero_centred = model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.lower().endswith("norm.weight"):  # LayerNorm.weight (BERT) too
+            norm = name.lower().endswith(("norm.weight", "norm.bias")) or name.split(".")[-2].startswith("ln_")
+            if norm and name.endswith(".weight"):  # LayerNorm.weight (BERT), ln_1.weight (GPT-2) too
                 p.copy_((0.0 if zero_centred else 1.0) + 0.1 * torch.randn_like(p))
-            elif name.lower().endswith("norm.bias"):
+            elif norm and name.endswith(".bias"):
                 p.copy_(0.05 * torch.randn_like(p))
     directory = Path(directory)
     model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
