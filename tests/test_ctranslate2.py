@@ -344,6 +344,7 @@ def _read(model_bin, var) -> bytes:
     ("marian", 1e-5, "TransformerSpec", 10, "the runtime's default for a LayerNorm"),
     # GPT-2: a pre-norm decoder of LayerNorms; the converter writes no eps, the runtime's 1e-5 is GPT-2's
     pytest.param("gpt2", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm", marks=SLOW),
+    pytest.param("opt", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm", marks=SLOW),
 ])
 def test_a_faithful_encoder_conversion_passes(converted, tmp_path, model_type, eps, spec, layers, eps_source):
     src, copy = converted(model_type, eps)
@@ -382,6 +383,8 @@ def _swap_first_two_gains(model_bin):
     pytest.param("gpt2", 1e-5, "eps 1e-6", "transformer.h.1.ln_2", {"eps_mismatch", "checkpoint_eps_mismatch"},
                  marks=SLOW),
     pytest.param("gpt2", 1e-5, "betas zeroed", "transformer.ln_f", {"checkpoint_bias_mismatch"}, marks=SLOW),
+    pytest.param("opt", 1e-5, "eps 1e-6", "model.decoder.final_layer_norm", {"eps_mismatch", "checkpoint_eps_mismatch"},
+                 marks=SLOW),
 ])
 def test_a_fault_planted_in_a_converted_encoder_is_named(converted, tmp_path, model_type, eps, fault, layer, codes):
     src, made = converted(model_type, eps)

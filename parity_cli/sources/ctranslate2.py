@@ -10,7 +10,7 @@ field is checked against the file before it is used; only the norm gains and bia
 
 The norms are named by CTranslate2's spec (decoder/layer_0/self_attention/layer_norm/gamma and
 /beta) and mapped back to the checkpoint's names by the layout the converter's loader read the model
-in (LAYOUTS: Llama-like decoders, GPT-2, BERT-like encoders, Whisper, BART and Marian), the root a checkpoint adds (bert.,
+in (LAYOUTS: Llama-like decoders, GPT-2, OPT, BERT-like encoders, Whisper, BART and Marian), the root a checkpoint adds (bert.,
 model.) settled against the reference's names. A norm whose `layer_norm_use_residual` flag is set
 multiplies by 1 + gamma (Gemma's form): the copy's gain is what the runtime multiplies by, gamma plus
 that 1. Variables equal to one another are stored once and the others as aliases of it (a model
@@ -54,6 +54,11 @@ GPT2 = [  # GPT2Loader: a pre-norm decoder of LayerNorms (GPT2LMHeadModel's root
     (r"decoder/layer_(\d+)/self_attention/layer_norm", r"h.\1.ln_1"),
     (r"decoder/layer_(\d+)/ffn/layer_norm", r"h.\1.ln_2"),
 ]
+OPT = [  # OPTLoader: GPT-2's layout under OPT's names
+    (r"decoder/layer_norm", "model.decoder.final_layer_norm"),
+    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"model.decoder.layers.\1.self_attn_layer_norm"),
+    (r"decoder/layer_(\d+)/ffn/layer_norm", r"model.decoder.layers.\1.final_layer_norm"),
+]
 BERT = [  # BertLoader: post-norm, the embeddings' LayerNorm, two a layer (BertModel: no root)
     (r"encoder/layernorm_embedding", "embeddings.LayerNorm"),
     (r"encoder/layer_(\d+)/self_attention/layer_norm", r"encoder.layer.\1.attention.output.LayerNorm"),
@@ -78,6 +83,7 @@ LAYOUTS = [
     ("TransformerDecoderSpec", {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
                                 "phi3"}, LLAMA),
     ("TransformerDecoderSpec", {"gpt2"}, GPT2),
+    ("TransformerDecoderSpec", {"opt"}, OPT),
     ("TransformerEncoderSpec", {"bert", "roberta", "camembert", "xlm-roberta"}, BERT),
     ("WhisperSpec", {"whisper"}, WHISPER),
     ("TransformerSpec", {"bart", "mbart", "marian", "m2m_100", "pegasus"}, SEQ2SEQ),

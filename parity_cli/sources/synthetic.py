@@ -340,7 +340,7 @@ def _bert_config(hidden: int, layers: int, eps: float) -> dict:
 
 
 def _code_eps(model_type: str, eps: float) -> None:
-    """Whisper's, BART's and Marian's LayerNorms take nn.LayerNorm's 1e-5 in their code: another eps
+    """Whisper's, BART's, Marian's and OPT's LayerNorms take nn.LayerNorm's 1e-5 in their code: another eps
     has no key to go to, and is refused rather than dropped."""
     if eps != 1e-5:
         raise ValueError(f"{model_type} fixes its LayerNorms' eps at 1e-5 in its code; {eps:g} has no config key")
@@ -365,12 +365,21 @@ def _seq2seq_config(hidden: int, layers: int, eps: float) -> dict:
                 forced_eos_token_id=2, normalize_before=False)
 
 
+def _opt_config(hidden: int, layers: int, eps: float) -> dict:
+    """OPT (eps: _code_eps). The vocabulary: the word-level tokenizer's 43 words and the 5 ids
+    CTranslate2's OPT loader adds."""
+    _code_eps("opt", eps)
+    return dict(hidden_size=hidden, num_hidden_layers=layers, ffn_dim=2 * hidden, num_attention_heads=4, vocab_size=48,
+                max_position_embeddings=64, word_embed_proj_dim=hidden, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 # model type -> (its config class, the model class written, its config's keyword arguments (hidden, layers, eps))
 RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
             "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                             lambda h, n, e: _decoder_config(h, n, e, {"sliding_window": 32})),
             "bert": ("BertConfig", "BertModel", _bert_config),
+            "opt": ("OPTConfig", "OPTForCausalLM", _opt_config),
             "gpt2": ("GPT2Config", "GPT2LMHeadModel",
                      # the word-level tokenizer's vocabulary (43 words), which CTranslate2's converter takes
                      lambda h, n, e: dict(n_embd=h, n_layer=n, n_head=4, n_positions=64, vocab_size=43,
