@@ -345,6 +345,8 @@ def _read(model_bin, var) -> bytes:
     # GPT-2: a pre-norm decoder of LayerNorms; the converter writes no eps, the runtime's 1e-5 is GPT-2's
     pytest.param("gpt2", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm", marks=SLOW),
     pytest.param("opt", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm", marks=SLOW),
+    # T5's RMSNorms: no eps written, the runtime's RMSNorm default 1e-6 is T5's (checked as RMSNorms below)
+    pytest.param("t5", 1e-6, "TransformerSpec", 12, "the runtime's default for an RMSNorm", marks=SLOW),
 ])
 def test_a_faithful_encoder_conversion_passes(converted, tmp_path, model_type, eps, spec, layers, eps_source):
     src, copy = converted(model_type, eps)
@@ -354,7 +356,8 @@ def test_a_faithful_encoder_conversion_passes(converted, tmp_path, model_type, e
     assert described["exporter"] == f"CTranslate2's converter ({spec})"
     assert described["findings"] == 0 and len(data["layers"]) == layers
     assert described["eps"]["value"] == eps and eps_source in described["eps"]["source"]
-    assert all(layer["kind"] == "layer_norm" for layer in data["layers"])
+    kind = "rms_norm" if model_type == "t5" else "layer_norm"
+    assert all(layer["kind"] == kind for layer in data["layers"])
 
 
 def _zero_betas(variables):
@@ -385,6 +388,9 @@ def _swap_first_two_gains(model_bin):
     pytest.param("gpt2", 1e-5, "betas zeroed", "transformer.ln_f", {"checkpoint_bias_mismatch"}, marks=SLOW),
     pytest.param("opt", 1e-5, "eps 1e-6", "model.decoder.final_layer_norm", {"eps_mismatch", "checkpoint_eps_mismatch"},
                  marks=SLOW),
+    # a converter that writes a LayerNorm's 1e-5 for T5's RMSNorms (trained at 1e-6)
+    pytest.param("t5", 1e-6, "eps 1e-5", "encoder.final_layer_norm", {"eps_mismatch", "checkpoint_eps_mismatch"},
+                 marks=SLOW),
 ])
 def test_a_fault_planted_in_a_converted_encoder_is_named(converted, tmp_path, model_type, eps, fault, layer, codes):
     src, made = converted(model_type, eps)
@@ -393,7 +399,7 @@ def test_a_fault_planted_in_a_converted_encoder_is_named(converted, tmp_path, mo
     config = json.loads((copy / "config.json").read_text())
     if fault.startswith("eps"):
         (copy / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": None if fault == "eps null"
-                                                      else 1e-6}))
+                                                      else float(fault.split()[1])}))
     else:
         _edit_model_bin(copy / "model.bin", _zero_betas if fault == "betas zeroed" else
                         _swap_first_two_gains(copy / "model.bin"))

@@ -10,7 +10,7 @@ field is checked against the file before it is used; only the norm gains and bia
 
 The norms are named by CTranslate2's spec (decoder/layer_0/self_attention/layer_norm/gamma and
 /beta) and mapped back to the checkpoint's names by the layout the converter's loader read the model
-in (LAYOUTS: Llama-like decoders, GPT-2, OPT, BERT-like encoders, Whisper, BART and Marian), the root a checkpoint adds (bert.,
+in (LAYOUTS: Llama-like decoders, GPT-2, OPT, BERT-like encoders, Whisper, BART, Marian and T5), the root a checkpoint adds (bert.,
 model.) settled against the reference's names. A norm whose `layer_norm_use_residual` flag is set
 multiplies by 1 + gamma (Gemma's form): the copy's gain is what the runtime multiplies by, gamma plus
 that 1. Variables equal to one another are stored once and the others as aliases of it (a model
@@ -77,6 +77,15 @@ SEQ2SEQ = WHISPER + [  # BartLoader and its kin (Marian, mBART, M2M-100, Pegasus
     (r"encoder/layernorm_embedding", "model.encoder.layernorm_embedding"),
     (r"decoder/layernorm_embedding", "model.decoder.layernorm_embedding"),
 ]
+T5 = [  # T5Loader: RMSNorms (no beta), each sublayer's own norm, and each stack's final one
+    (r"encoder/layer_(\d+)/self_attention/layer_norm", r"encoder.block.\1.layer.0.layer_norm"),
+    (r"encoder/layer_(\d+)/ffn/layer_norm", r"encoder.block.\1.layer.1.layer_norm"),
+    (r"encoder/layer_norm", "encoder.final_layer_norm"),
+    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"decoder.block.\1.layer.0.layer_norm"),
+    (r"decoder/layer_(\d+)/attention/layer_norm", r"decoder.block.\1.layer.1.layer_norm"),
+    (r"decoder/layer_(\d+)/ffn/layer_norm", r"decoder.block.\1.layer.2.layer_norm"),
+    (r"decoder/layer_norm", "decoder.final_layer_norm"),
+]
 # (the spec's name, the reference's model types) -> its names; the converter's loaders for these types
 # build these specs (ctranslate2/converters/transformers.py)
 LAYOUTS = [
@@ -87,6 +96,7 @@ LAYOUTS = [
     ("TransformerEncoderSpec", {"bert", "roberta", "camembert", "xlm-roberta"}, BERT),
     ("WhisperSpec", {"whisper"}, WHISPER),
     ("TransformerSpec", {"bart", "mbart", "marian", "m2m_100", "pegasus"}, SEQ2SEQ),
+    ("TransformerSpec", {"t5", "mt5"}, T5),
 ]
 
 

@@ -380,6 +380,11 @@ RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", lambda h, n, e: _decode
                             lambda h, n, e: _decoder_config(h, n, e, {"sliding_window": 32})),
             "bert": ("BertConfig", "BertModel", _bert_config),
             "opt": ("OPTConfig", "OPTForCausalLM", _opt_config),
+            # T5's RMSNorms; a vocabulary of the tokenizer's 43 words and the 5 ids CTranslate2's loader adds
+            "t5": ("T5Config", "T5ForConditionalGeneration",
+                   lambda h, n, e: dict(d_model=h, d_kv=h // 4, d_ff=2 * h, num_layers=n, num_decoder_layers=n,
+                                        num_heads=4, vocab_size=48, layer_norm_epsilon=e, pad_token_id=0,
+                                        eos_token_id=2, decoder_start_token_id=0)),
             "gpt2": ("GPT2Config", "GPT2LMHeadModel",
                      # the word-level tokenizer's vocabulary (43 words), which CTranslate2's converter takes
                      lambda h, n, e: dict(n_embd=h, n_layer=n, n_head=4, n_positions=64, vocab_size=43,
