@@ -49,16 +49,15 @@ LLAMA = [
     (r"decoder/layer_(\d+)/self_attention/q_norm", r"model.layers.\1.self_attn.q_norm"),
     (r"decoder/layer_(\d+)/self_attention/k_norm", r"model.layers.\1.self_attn.k_norm"),
 ]
-GPT2 = [  # GPT2Loader: a pre-norm decoder of LayerNorms (GPT2LMHeadModel's root, transformer., is settled)
-    (r"decoder/layer_norm", "ln_f"),
-    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"h.\1.ln_1"),
-    (r"decoder/layer_(\d+)/ffn/layer_norm", r"h.\1.ln_2"),
-]
-OPT = [  # OPTLoader: GPT-2's layout under OPT's names
-    (r"decoder/layer_norm", "model.decoder.final_layer_norm"),
-    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"model.decoder.layers.\1.self_attn_layer_norm"),
-    (r"decoder/layer_(\d+)/ffn/layer_norm", r"model.decoder.layers.\1.final_layer_norm"),
-]
+def _pre_norm_decoder(final: str, attention: str, ffn: str) -> list:
+    """GPT-2's and OPT's loaders write the same decoder of LayerNorms; each model names them its own way."""
+    return [(r"decoder/layer_norm", final), (r"decoder/layer_(\d+)/self_attention/layer_norm", attention),
+            (r"decoder/layer_(\d+)/ffn/layer_norm", ffn)]
+
+
+GPT2 = _pre_norm_decoder("ln_f", r"h.\1.ln_1", r"h.\1.ln_2")  # GPT2LMHeadModel's root, transformer., is settled
+OPT = _pre_norm_decoder("model.decoder.final_layer_norm", r"model.decoder.layers.\1.self_attn_layer_norm",
+                        r"model.decoder.layers.\1.final_layer_norm")
 BERT = [  # BertLoader: post-norm, the embeddings' LayerNorm, two a layer (BertModel: no root)
     (r"encoder/layernorm_embedding", "embeddings.LayerNorm"),
     (r"encoder/layer_(\d+)/self_attention/layer_norm", r"encoder.layer.\1.attention.output.LayerNorm"),
