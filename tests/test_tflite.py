@@ -214,6 +214,21 @@ def test_a_hostile_tflite_file_is_one_line(request, tmp_path, label, edit, words
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists(), r.stderr
 
 
+@pytest.mark.parametrize("command", ["check", "capture"])
+def test_a_fifo_named_model_tflite_is_refused_before_it_is_opened(tmp_path, command):
+    """A FIFO would block the first read for ever: refused by its kind, for the copy and for a capture."""
+    import os
+
+    src = write_checkpoint(tmp_path / "llama", "llama", layers=1, eps=1e-5)
+    fifo = tmp_path / "model.tflite"
+    os.mkfifo(fifo)
+    args = ("check", src, "--candidate-checkpoint", fifo) if command == "check" else \
+        ("capture", fifo, "--runtime", "litert", "--prompt", "a b", "-o", tmp_path / "cap.safetensors")
+    r = run_parity(*args)
+    assert r.returncode == 2 and "not a regular file" in r.stderr and str(fifo) in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 @SLOW
 @CONVERTER
 def test_flipped_bytes_are_a_verdict_or_one_line_never_a_crash(converted, tmp_path):

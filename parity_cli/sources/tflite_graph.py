@@ -24,17 +24,18 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity_cli.errors import InputError
+from parity_cli.sources.onnx_graph import OnnxNorm
+from parity_cli.sources.tensors import MAX_NORM_ELEMENTS
 
 MAX_TFLITE_BYTES = 1 << 36  # 64 GiB: a buffer may sit past the flatbuffer's 2 GiB (Buffer.offset)
 MAX_ITEMS = 1 << 22  # tensors, operators or buffers of one graph
 MAX_DEPTH = 8  # RESHAPEs and CASTs walked through between two ops of a norm
 ADD, MUL, MEAN, SUB, RESHAPE, CAST, SQUARE, RSQRT, SQUARED_DIFFERENCE = 0, 18, 40, 41, 22, 53, 92, 76, 99
-DTYPES = {0: ("float32", 4), 1: ("float16", 2), 10: ("float64", 8)}  # TensorType: (dtype, bytes)
-BFLOAT16 = 18
+DTYPES = {0: ("float32", 4), 1: ("float16", 2), 10: ("float64", 8), 18: ("bfloat16", 2)}  # TensorType: (dtype, bytes)
 
 
 class _Bad(Exception):
@@ -131,26 +132,26 @@ class Graph:
     ops: list
     description: str
     version: int
+    _constants: dict = field(default_factory=dict, repr=False)
 
     def producer(self) -> dict:
         return {t: k for k, op in enumerate(self.ops) for t in op.outputs}
 
     def constant(self, t: int):
-        """A constant tensor's values as float64 numbers (a torch tensor), else None."""
+        """A float constant's values as stored (a torch tensor), else None: an activation, another
+        type, bytes that disagree with its shape, or more elements than a norm has (a weight matrix
+        beside a MUL is never copied out of the file). Each is materialised once."""
+        if t in self._constants:
+            return self._constants[t]
         import torch
 
         tensor = self.tensors[t] if 0 <= t < len(self.tensors) else None
-        if tensor is None or tensor.data is None:
-            return None
-        if tensor.type == BFLOAT16:
-            raw = torch.frombuffer(bytearray(tensor.data), dtype=torch.bfloat16) if len(tensor.data) else None
-            return raw if raw is None or raw.numel() == math.prod(tensor.shape or (1,)) else None
-        kind = DTYPES.get(tensor.type)
-        if kind is None or len(tensor.data) % kind[1]:
-            return None
-        value = torch.frombuffer(bytearray(tensor.data), dtype=getattr(torch, kind[0])) if len(tensor.data) else None
-        if value is None or value.numel() != math.prod(tensor.shape or (1,)):
-            return None
+        kind = DTYPES.get(tensor.type) if tensor is not None and tensor.data is not None else None
+        count = math.prod(tensor.shape or (1,)) if kind else 0
+        value = None
+        if kind and 0 < count <= MAX_NORM_ELEMENTS and len(tensor.data) == count * kind[1]:
+            value = torch.frombuffer(bytearray(tensor.data), dtype=getattr(torch, kind[0]))
+        self._constants[t] = value
         return value
 
 
@@ -218,29 +219,7 @@ def _buffer(buf: _Buf, buffers: list, index: int):
     return buf.data[offset:offset + size]
 
 
-@dataclass
-class TfliteNorm:
-    """A norm found in the graph, as onnx_graph.OnnxNorm names its fields (pairing reads both)."""
-
-    name: str
-    kind: str
-    dim: int
-    eps: float
-    eps_source: str
-    form: str
-    weight: object
-    bias: object = None
-    offset: float = 0.0
-    dtype: str = "float32"
-    names: tuple = ()
-    paired_by: str = "name"
-    depth: int = 0
-    program: bytes = b""
-    computes_in: str | None = None
-    ends: tuple = ()
-
-
-def find_norms(graph: Graph) -> list[TfliteNorm]:
+def find_norms(graph: Graph) -> list[OnnxNorm]:
     """Every RSQRT fed by ADD(MEAN(..), eps) and multiplied into its input, with its gain (and bias)."""
     producer = graph.producer()
     consumers: dict = {}
@@ -267,7 +246,7 @@ def _through(graph: Graph, producer: dict, t: int) -> tuple[int, object]:
     return t, None
 
 
-def _norm_at(graph: Graph, producer: dict, consumers: dict, rsqrt: Op) -> TfliteNorm | None:
+def _norm_at(graph: Graph, producer: dict, consumers: dict, rsqrt: Op) -> OnnxNorm | None:
     _, add = _through(graph, producer, rsqrt.inputs[0])
     if add is None or add.code != ADD or len(add.inputs) != 2:
         return None
@@ -298,7 +277,7 @@ def _norm_at(graph: Graph, producer: dict, consumers: dict, rsqrt: Op) -> Tflite
     # under the first norm's path
     names = list(dict.fromkeys(_names(graph.tensors[rsqrt.outputs[0]].name) + _names(graph.tensors[gain].name)))
     stored = DTYPES.get(graph.tensors[eps_t].type, ("float32",))[0]
-    return TfliteNorm(name=names[0] if names else graph.tensors[gain].name, kind=kind, dim=int(weight.numel()),
+    return OnnxNorm(name=names[0] if names else graph.tensors[gain].name, kind=kind, dim=int(weight.numel()),
                       eps=eps_value, eps_source=f"tflite: the {stored} constant ADDed before RSQRT",
                       form="decomposed", weight=weight, bias=None if bias is None else graph.constant(bias).reshape(-1),
                       dtype=DTYPES.get(graph.tensors[x].type, ("float32",))[0], names=tuple(names), ends=(x, y))
