@@ -1,3 +1,4 @@
+import atexit
 import json
 import os
 import subprocess
@@ -75,6 +76,28 @@ def pytest_configure(config):
     from parity_cli.isolation import supervisor
 
     supervisor.preload("transformers.modeling_utils", "transformers.models.llama.modeling_llama", "onnx")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Started now, its preload (5-9 s on a loaded box) overlaps the collection instead of
+        # stalling the worker's first supervised test.
+        supervisor.ensure_fork_server()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        atexit.register(_exit_without_teardown)
+
+
+def _exit_without_teardown():
+    """A worker that has sent its results ends without the interpreter's teardown: freeing what
+    torch, transformers, OpenVINO and ONNX Runtime hold took 3-4 s of CPU a worker, which the
+    controller waits for before it reports. The exit handlers still run (multiprocessing's, which
+    stops the fork server's children and removes its socket directory; pytest's temporary dirs)."""
+    atexit.unregister(_exit_without_teardown)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(autouse=True)

@@ -6,12 +6,19 @@ parameters, litert_torch.convert, the converted model called as litert_torch doc
 give the same verdict; what the converter cannot convert is one line on both paths, the converter's
 own reason on the public path."""
 
+from importlib.util import find_spec
+
 import pytest
 from conftest import SLOW
 from truth_cells import LAYERS, Cells, cases, passes
 
-pytest.importorskip("litert_torch", reason="needs LiteRT: see parity_cli/backends/litert_runtime.py's INSTALL")
-pytest.importorskip("ai_edge_litert", reason="needs LiteRT's interpreter: pip install --no-deps ai-edge-litert")
+# found, not imported: litert_torch brings jax (2.4 s a worker's collection), and the default run
+# has one cell of this matrix, which only one worker runs
+pytestmark = [
+    pytest.mark.skipif(find_spec("litert_torch") is None,
+                       reason="needs LiteRT: see parity_cli/backends/litert_runtime.py's INSTALL"),
+    pytest.mark.skipif(find_spec("ai_edge_litert") is None,
+                       reason="needs LiteRT's interpreter: pip install --no-deps ai-edge-litert")]
 
 from parity_cli.errors import InputError  # noqa: E402
 
