@@ -116,6 +116,11 @@ def _restore_sys_path():
     sys.path[:] = saved + kept
 
 
+# a ResNet-50 (53 BatchNorm2d, 4 stages) an eighth as wide as the shrunk one: the batch-norm tests
+# export it and run it whole four times over; at full width each file was 94 MB
+NARROW_RESNET = {"hidden_sizes": [32, 64, 128, 256], "embedding_size": 16}
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Factory: the tiny random-weight checkpoint of a transformers model type, written once per
@@ -127,7 +132,7 @@ def tiny(tmp_path_factory):
             from parity_cli.model.derive import write_tiny_checkpoint
 
             path = tmp_path_factory.mktemp(model_type)
-            write_tiny_checkpoint(model_type, path)
+            write_tiny_checkpoint(model_type, path, config=NARROW_RESNET if model_type == "resnet" else None)
             made[model_type] = path
         return made[model_type]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SLOW, load_json, run_parity
+from conftest import NARROW_RESNET, SLOW, load_json, run_parity
 
 from parity_cli import api
 from parity_cli.backends.implementations import BUILTINS
@@ -114,7 +114,7 @@ def resnet(tmp_path_factory):
     from parity_cli.model.derive import write_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("resnet")
-    write_tiny_checkpoint("resnet", path)
+    write_tiny_checkpoint("resnet", path, config=NARROW_RESNET)
     return path
 
 

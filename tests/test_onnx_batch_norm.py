@@ -14,7 +14,7 @@ outputs transcribed in float64 from the op's formula."""
 
 import numpy as np
 import pytest
-from conftest import SLOW, run_parity
+from conftest import NARROW_RESNET, SLOW, run_parity
 
 from parity_cli import api
 from parity_cli.errors import InputError
@@ -49,7 +49,7 @@ def resnet(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("resnet")
     hf = root / "hf"
-    write_tiny_checkpoint("resnet", hf)
+    write_tiny_checkpoint("resnet", hf, config=NARROW_RESNET)
     modules = [name for name, m in ResNetModel.from_pretrained(str(hf)).named_modules()
                if isinstance(m, torch.nn.BatchNorm2d)]
     return {"hf": hf, "onnx": export_resnet(hf, root / "kept.onnx"), "root": root,

@@ -834,10 +834,12 @@ def _derive(model_type: str, config: dict | None, where: str) -> dict:
             "model_types": [model_type], "norms": entries, "unsupported": unsupported, **named}
 
 
-def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
+def write_tiny_checkpoint(model_type: str, out, seed: int = 0, config: dict | None = None) -> dict:
     """A tiny random-weight checkpoint of `model_type` as transformers saves it (the class a
     derivation builds, shrunk the same way), norm gains drawn from U(0.1, 0.6) and biases from
-    U(-0.2, 0.2) so that a gain convention matters. Returns what the zoo sweep compares against:
+    U(-0.2, 0.2) so that a gain convention matters. `config`: values set over the shrunk ones
+    (a narrower model where the shrink keeps a list of widths: ResNet's stages hold 23.5 M
+    parameters, 94 MB). Returns what the zoo sweep compares against:
     the class, and every norm module with its stored weight name, its class, its eps, and why
     parity cannot express it (None where it can: classify's verdict on the module itself)."""
     import torch
@@ -849,6 +851,8 @@ def write_tiny_checkpoint(model_type: str, out, seed: int = 0) -> dict:
     hf_logging.disable_progress_bar()
     cfg = config_class()
     _shrink(cfg)
+    for key, value in (config or {}).items():
+        setattr(cfg, key, value)
     cls = _model_class(transformers, cfg, None)
     if cls is None:
         raise InputError(f"transformers has no model class for model_type '{model_type}'")
