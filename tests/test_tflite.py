@@ -191,6 +191,93 @@ def test_an_eps_planted_in_the_tflite_is_named_inside_litert(converted, tmp_path
     assert len(report["layers"]) == 5 and all("eps_mismatch" in codes for codes in finding_codes(report))
 
 
+def _quantized(copy, how):
+    """The float32 .tflite made smaller as AI Edge Quantizer does it for a phone: `int8` its
+    dynamic-range recipe (dynamic_wi8_afp32: int8 weights, float32 activations), `float16` its
+    float casting of the FULLY_CONNECTED and EMBEDDING_LOOKUP weights. Both leave a norm's ops,
+    eps and gain at float32 (neither touches a MUL's constant)."""
+    from ai_edge_quantizer import qtyping, quantizer, recipe
+
+    q = quantizer.Quantizer(str(copy))
+    if how == "int8":
+        q.load_quantization_recipe(recipe.dynamic_wi8_afp32())
+    else:
+        for op in (qtyping.TFLOperationName.FULLY_CONNECTED, qtyping.TFLOperationName.EMBEDDING_LOOKUP):
+            q.add_weight_only_config(regex=".*", operation_name=op, num_bits=16,
+                                     granularity=qtyping.QuantGranularity.TENSORWISE, algorithm_key="float_casting")
+    out = copy.with_name(f"{copy.stem}-{how}.tflite")
+    q.quantize().export_model(str(out), overwrite=True)
+    return out
+
+
+def _weight_dtypes(model) -> set:
+    from ai_edge_litert.interpreter import Interpreter
+
+    return {np.dtype(t["dtype"]).name for t in Interpreter(model_path=str(model)).get_tensor_details()}
+
+
+@SLOW
+@CONVERTER
+@pytest.mark.parametrize("how", ["int8", "float16"])
+def test_a_quantized_export_keeps_its_norms_at_float32_and_passes(converted, tmp_path, how):
+    """What ships to a phone at reduced precision: the float32 conversion quantized by AI Edge
+    Quantizer (litert-torch converts no float16 Llama: the next test). Its weights are int8 or
+    float16; its five norms are as the float32 file had them, and pass as a copy and inside LiteRT."""
+    src, copy = converted("llama", 1e-5)
+    small = _quantized(copy, how)
+    assert how in _weight_dtypes(small) and how not in _weight_dtypes(copy)
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", small)
+    assert r.returncode == 0 and all_pass(data) and len(data["layers"]) == 5, r.stdout[-2000:] + r.stderr
+    assert not any(layer["warnings"] for layer in data["layers"])  # paired by name, not by value
+    assert data["candidate"]["checkpoint"]["eps"]["value"] == float(np.float32(1e-5))
+    r, data = check_with_report(tmp_path, src, "--runtime-capture", _capture(small, tmp_path, how))
+    assert r.returncode == 0 and all_pass(data) and len(data["layers"]) == 5, r.stdout[-2000:] + r.stderr
+
+
+@SLOW
+@CONVERTER
+def test_an_eps_planted_in_an_int8_export_is_named_as_a_copy_and_inside_litert(converted, tmp_path):
+    """The quantizer keeps the norms' one shared float32 eps constant: rewritten as 1e-6, every layer
+    fails with eps_mismatch, read from the file and computed with inside LiteRT."""
+    src, copy = converted("llama", 1e-5)
+    data = bytearray(_quantized(copy, "int8").read_bytes())
+    old = struct.pack("<f", 1e-5)
+    assert data.count(old) == 1
+    at = data.index(old)
+    data[at:at + 4] = struct.pack("<f", 1e-6)
+    planted = tmp_path / "planted-int8.tflite"
+    planted.write_bytes(bytes(data))
+    for args in (("--candidate-checkpoint", planted), ("--runtime-capture", _capture(planted, tmp_path, "planted"))):
+        r, report = check_with_report(tmp_path, src, *args)
+        assert r.returncode == 1, r.stderr
+        assert len(report["layers"]) == 5 and all("eps_mismatch" in codes for codes in finding_codes(report)), args
+
+
+@SLOW
+@CONVERTER
+def test_litert_torch_converts_no_float16_embedding():
+    """A fact of litert-torch 0.10.0, on its public API: a float16 nn.Embedding (every Llama's first
+    module, so a whole float16 model) does not convert; its MLIR lowering marks a float16
+    embedding_lookup illegal. A float16 .tflite is made from the float32 one by a quantizer."""
+    import warnings
+
+    import litert_torch
+    import torch
+
+    class Embedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(100, 64).half()
+
+        def forward(self, ids):
+            return self.e(ids)
+
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"failed to legalize operation "
+                                                                     r"'tfl\.embedding_lookup'.*xf16>"):
+        warnings.simplefilter("ignore")
+        litert_torch.convert(Embedding().eval(), (torch.zeros(1, 8, dtype=torch.long),))
+
+
 @pytest.mark.parametrize("label, edit, words", [
     ("not a flatbuffer", lambda b: b"\x00" * 64, "not a TFLite model (no TFL3 identifier at byte 4)"),
     ("empty", lambda b: b"", "not a TFLite model"),
