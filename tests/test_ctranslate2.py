@@ -345,6 +345,13 @@ def _read(model_bin, var) -> bytes:
     # GPT-2: a pre-norm decoder of LayerNorms; the converter writes no eps, the runtime's 1e-5 is GPT-2's
     pytest.param("gpt2", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm", marks=SLOW),
     pytest.param("opt", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm", marks=SLOW),
+    # Falcon's three decoders (one shared LayerNorm a layer in 7B's, ln_attn and ln_mlp in 40B's, two in
+    # sequence): no eps written, the runtime's 1e-5 is Falcon's default
+    pytest.param("falcon", 1e-5, "TransformerDecoderSpec", 3, "the runtime's default for a LayerNorm", marks=SLOW),
+    pytest.param("falcon_2ln", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm",
+                 marks=SLOW),
+    pytest.param("falcon_seq", 1e-5, "TransformerDecoderSpec", 5, "the runtime's default for a LayerNorm",
+                 marks=SLOW),
     # T5's RMSNorms: no eps written, the runtime's RMSNorm default 1e-6 is T5's (checked as RMSNorms below)
     pytest.param("t5", 1e-6, "TransformerSpec", 12, "the runtime's default for an RMSNorm", marks=SLOW),
 ])
@@ -388,6 +395,11 @@ def _swap_first_two_gains(model_bin):
     pytest.param("gpt2", 1e-5, "betas zeroed", "transformer.ln_f", {"checkpoint_bias_mismatch"}, marks=SLOW),
     pytest.param("opt", 1e-5, "eps 1e-6", "model.decoder.final_layer_norm", {"eps_mismatch", "checkpoint_eps_mismatch"},
                  marks=SLOW),
+    # Falcon-40B's ln_attn betas dropped; Falcon-7B's shared norm run at an RMSNorm's default
+    pytest.param("falcon_2ln", 1e-5, "betas zeroed", "transformer.h.0.ln_attn", {"checkpoint_bias_mismatch"},
+                 marks=SLOW),
+    pytest.param("falcon", 1e-5, "eps 1e-6", "transformer.h.1.input_layernorm",
+                 {"eps_mismatch", "checkpoint_eps_mismatch"}, marks=SLOW),
     # a converter that writes a LayerNorm's 1e-5 for T5's RMSNorms (trained at 1e-6)
     pytest.param("t5", 1e-6, "eps 1e-5", "encoder.final_layer_norm", {"eps_mismatch", "checkpoint_eps_mismatch"},
                  marks=SLOW),
@@ -409,6 +421,39 @@ def test_a_fault_planted_in_a_converted_encoder_is_named(converted, tmp_path, mo
     if fault == "eps null":
         eps = data["candidate"]["checkpoint"]["eps"]
         assert eps["value"] == 1e-5 and "default for a LayerNorm" in eps["source"] and "null" in eps["source"]
+
+
+@SLOW
+def test_the_converter_writes_no_eps_for_falcon_so_one_trained_at_1e_6_runs_at_1e_5(converted, tmp_path):
+    """CTranslate2 4.8.5's Falcon loader sets no layer_norm_epsilon (config.json: null), so the runtime
+    takes its LayerNorm default, 1e-5: Falcon's own default, but not a Falcon-architecture model's
+    trained at 1e-6. Every layer fails, behaving as 1e-5, with the eps's source named."""
+    src, copy = converted("falcon", 1e-6)
+    assert json.loads((copy / "config.json").read_text())["layer_norm_epsilon"] is None
+    r, data = check_with_report(tmp_path, src, "--candidate-checkpoint", copy)
+    assert r.returncode == 1 and len(data["layers"]) == 3, r.stderr
+    assert all({"eps_mismatch", "checkpoint_eps_mismatch"} <= codes for codes in finding_codes(data))
+    eps = data["candidate"]["checkpoint"]["eps"]
+    assert eps["value"] == 1e-5 and "default for a LayerNorm" in eps["source"] and "null" in eps["source"]
+
+
+@SLOW
+def test_the_converter_cannot_convert_a_falcon_40b_config_that_leaves_multi_query_at_its_default(converted, tmp_path):
+    """A fact of CTranslate2 4.8.5's converter, on its own API: Falcon-40B's layout
+    (new_decoder_architecture, num_kv_heads) with multi_query left at FalconConfig's default, True
+    (transformers ignores it under the new architecture), is read as a multi-query model whose layers
+    share one norm, and the converter fails on the layer's ln_attn. Nothing is written to check."""
+    from ctranslate2.converters import TransformersConverter
+
+    src, _ = converted("falcon_2ln", 1e-5)
+    model = tmp_path / "falcon-40b-layout"
+    shutil.copytree(src, model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("multi_query")
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AttributeError, match="has no attribute 'input_layer_norm'"):
+        TransformersConverter(str(model)).convert(str(tmp_path / "out"), force=True)
+    assert not (tmp_path / "out" / "model.bin").exists()
 
 
 def test_the_runtime_computes_a_layer_norm_at_1e_5_where_the_config_says_null(converted, tmp_path):

@@ -58,6 +58,14 @@ def _pre_norm_decoder(final: str, attention: str, ffn: str) -> list:
 GPT2 = _pre_norm_decoder("ln_f", r"h.\1.ln_1", r"h.\1.ln_2")  # GPT2LMHeadModel's root, transformer., is settled
 OPT = _pre_norm_decoder("model.decoder.final_layer_norm", r"model.decoder.layers.\1.self_attn_layer_norm",
                         r"model.decoder.layers.\1.final_layer_norm")
+FALCON = [  # RWLoader/FalconLoader: one of three decoders by the config (FalconForCausalLM's root settled as GPT-2's)
+    (r"decoder/layer_norm", "ln_f"),
+    (r"decoder/layer_(\d+)/shared_layer_norm", r"h.\1.input_layernorm"),  # parallel, multi-query (7B)
+    (r"decoder/layer_(\d+)/input_layer_norm", r"h.\1.ln_attn"),  # parallel, new_decoder_architecture (40B)
+    (r"decoder/layer_(\d+)/post_attention_layer_norm", r"h.\1.ln_mlp"),
+    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"h.\1.input_layernorm"),  # sequential
+    (r"decoder/layer_(\d+)/ffn/layer_norm", r"h.\1.post_attention_layernorm"),
+]
 BERT = [  # BertLoader: post-norm, the embeddings' LayerNorm, two a layer (BertModel: no root)
     (r"encoder/layernorm_embedding", "embeddings.LayerNorm"),
     (r"encoder/layer_(\d+)/self_attention/layer_norm", r"encoder.layer.\1.attention.output.LayerNorm"),
@@ -92,6 +100,7 @@ LAYOUTS = [
                                 "phi3"}, LLAMA),
     ("TransformerDecoderSpec", {"gpt2"}, GPT2),
     ("TransformerDecoderSpec", {"opt"}, OPT),
+    ("TransformerDecoderSpec", {"falcon"}, FALCON),
     ("TransformerEncoderSpec", {"bert", "roberta", "camembert", "xlm-roberta"}, BERT),
     ("WhisperSpec", {"whisper"}, WHISPER),
     ("TransformerSpec", {"bart", "mbart", "marian", "m2m_100", "pegasus"}, SEQ2SEQ),

@@ -374,6 +374,12 @@ def _opt_config(hidden: int, layers: int, eps: float) -> dict:
 
 
 # model type -> (its config class, the model class written, its config's keyword arguments (hidden, layers, eps))
+def _falcon_config(h, n, e, extra) -> dict:
+    # the word-level tokenizer's 43 words, which CTranslate2's converter takes as the vocabulary
+    return dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=4, vocab_size=43, layer_norm_epsilon=e,
+                bos_token_id=1, eos_token_id=2, **extra)
+
+
 RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
             "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
@@ -389,6 +395,14 @@ RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", lambda h, n, e: _decode
                      # the word-level tokenizer's vocabulary (43 words), which CTranslate2's converter takes
                      lambda h, n, e: dict(n_embd=h, n_layer=n, n_head=4, n_positions=64, vocab_size=43,
                                           bos_token_id=1, eos_token_id=2, layer_norm_epsilon=e)),
+            # Falcon-7B's layout (multi-query, attention and MLP in parallel off one shared LayerNorm);
+            # falcon_2ln Falcon-40B's (new_decoder_architecture: ln_attn and ln_mlp); falcon_seq the
+            # sequential one (input_layernorm, post_attention_layernorm)
+            "falcon": ("FalconConfig", "FalconForCausalLM", lambda h, n, e: _falcon_config(h, n, e, {})),
+            "falcon_2ln": ("FalconConfig", "FalconForCausalLM", lambda h, n, e: _falcon_config(
+                h, n, e, {"new_decoder_architecture": True, "num_kv_heads": 2, "multi_query": False})),
+            "falcon_seq": ("FalconConfig", "FalconForCausalLM", lambda h, n, e: _falcon_config(
+                h, n, e, {"parallel_attn": False, "multi_query": False})),
             "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", _whisper_config),
             "bart": ("BartConfig", "BartForConditionalGeneration", _seq2seq_config),
             # Marian's converter takes a vocabulary one shorter than the model's (its pad is added back)
