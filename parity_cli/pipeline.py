@@ -360,6 +360,8 @@ def converted(opts: CheckOptions, reference_layers, model=None) -> tuple:
         described = {"path": recorded_path(opts.candidate_checkpoint), "format": "openvino",
                      "family": reference_layers[0].family if reference_layers else None, "model_type": None,
                      "eps": info["eps"], "layers": len(layers), "unmatched": [], "openvino": info}
+        if info.get("producer"):  # the IR's rt_info: optimum-intel and its transformers, or OpenVINO's converter
+            described["exporter"] = info["producer"]
         dtype = info["dtype"]
     elif is_tflite(opts.candidate_checkpoint):  # model.tflite_layers: the flatbuffer's norm patterns
         from parity_cli.model.tflite_layers import candidate_layers as tflite_layers

@@ -57,7 +57,7 @@ def test_the_verdict_the_readme_quotes_is_the_demos():
 OTHER_TOOLS = {"--index-url": "pip", "--no-deps": "pip", "--lf": "pytest", "--strict": "mkdocs build",
                "--hf-path": "mlx_lm.convert", "--mlx-path": "mlx_lm.convert", "--model": "ct2-transformers-converter",
                "--output_dir": "ct2-transformers-converter",
-               "--tier": "this repository's tests/conftest.py"}  # the ORT GenAI builder's are single-letter
+               "--tier": "this repository's tests/conftest.py", "--python": "tools/optimum_intel_fixture.py"}  # the ORT GenAI builder's are single-letter
 
 
 def _parity_options() -> set[str]:

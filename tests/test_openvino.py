@@ -366,6 +366,7 @@ def test_a_faithful_ir_passes(irs, name, form):
     conv = cand["checkpoint"]
     assert conv["format"] == "openvino" and conv["findings"] == 0 and conv["layers"] == len(report.layers)
     assert conv["openvino"]["forms"] == {form: len(report.layers)}
+    assert conv["exporter"].startswith(f"OpenVINO's converter (OpenVINO {ov.get_version().split('-')[0]}"), conv
     assert report.passed, _fails(report)
 
 

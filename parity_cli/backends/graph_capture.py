@@ -86,6 +86,8 @@ def feeds(inputs, tokens: list[int], model=None) -> dict:
             out[name] = np.arange(n, dtype=dtype)[None]
         elif "token_type_ids" in low:
             out[name] = np.zeros((1, n), dtype=dtype)
+        elif low == "beam_idx":  # optimum-intel's stateful export: the cache is the model's own state,
+            out[name] = np.zeros(1, dtype=dtype)  # empty in a fresh request; the one row continues beam 0
         elif "past" in low or "cache" in low:  # an empty cache: batch 1, no positions yet
             dims = []
             for k, d in enumerate(shape):

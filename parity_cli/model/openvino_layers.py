@@ -10,7 +10,7 @@ from parity_cli.errors import InputError
 from parity_cli.model.layers import NormLayer
 from parity_cli.model.pairing import BY_VALUE, graph_layer
 from parity_cli.sources.onnx_graph import _match_by_gain, _match_by_name, distinct_norms, reduced_words
-from parity_cli.sources.openvino_ir import find_norms, folded_batch_norms, read_model
+from parity_cli.sources.openvino_ir import find_norms, folded_batch_norms, producer, read_model
 from parity_cli.sources.tensors import Eps
 
 OUTSIDE_WORDS = ("the IR's {form} has eps_mode=outside_sqrt: it computes (x - mean) / (sqrt(var) + eps), "
@@ -91,6 +91,8 @@ def candidate_layers(path, reference: list) -> tuple[list, dict]:
             "dtype": dtypes[0][0] if dtypes else None,
             "weights": Path(path).with_suffix(".bin").name,
             "eps_stored_as": dict(stored) if stored else None}
+    if (by := producer(model)):
+        info["producer"] = by
     if unread:
         info["unread"] = unread
     if folded:

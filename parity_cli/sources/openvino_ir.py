@@ -161,6 +161,29 @@ def read_model(path):
     return model, ops
 
 
+def producer(model) -> str | None:
+    """The exporter the IR's own rt_info names: optimum-intel (its `optimum` section, with the
+    transformers it exported from) or OpenVINO's converter (the framework it converted from). Text
+    from the file: each value cut to 40 characters."""
+    def get(*keys):
+        try:
+            return str(model.get_rt_info(list(keys)).astype(str))[:40] if model.has_rt_info(list(keys)) else None
+        except Exception:
+            return None
+
+    runtime = get("Runtime_version")
+    runtime = f"OpenVINO {runtime.split('-')[0]}" if runtime else None
+    intel = get("optimum", "optimum_intel_version")
+    if intel:
+        transformers = get("optimum", "transformers_version")
+        parts = [f"transformers {transformers}" if transformers else None, runtime]
+        return f"optimum-intel {intel} ({', '.join(p for p in parts if p)})" if any(parts) else f"optimum-intel {intel}"
+    framework = get("conversion_parameters", "framework")
+    if runtime or framework:
+        return f"OpenVINO's converter ({', '.join(p for p in (runtime, f'from {framework}' if framework else None) if p)})"
+    return None
+
+
 # --- the graph ------------------------------------------------------------------------------------
 
 
