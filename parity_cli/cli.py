@@ -1053,12 +1053,24 @@ def _signal_exit(word: str, code: int, hard: bool) -> int:
     if not hard:
         return code
     _end_leftovers()
+    _remove_multiprocessing_dir()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
     os._exit(code)
+
+
+def _remove_multiprocessing_dir() -> None:
+    """multiprocessing's temporary directory (/tmp/pymp-*: the fork server's socket), which its own
+    exit handler removes and the hard exit skips: one was left behind by every interrupted run."""
+    process = sys.modules.get("multiprocessing.process")
+    tempdir = getattr(process.current_process(), "_config", {}).get("tempdir") if process else None
+    if tempdir:
+        import shutil
+
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

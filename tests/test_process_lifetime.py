@@ -96,8 +96,9 @@ def test_kill_9_of_parity_leaves_no_process_behind(ckpt, tmp_path):
             ctypes.CDLL(None).sleep(600)
             return x
     """)
+    # TMPDIR: multiprocessing's directory (the fork server's socket) outlives a kill -9; not in /tmp
     proc = _parity("check", ckpt("llama", layers=2), "--candidate", f"{plugin}:norm", "--jobs", "2",
-                   "--timeout", "600", "-q")
+                   "--timeout", "600", "-q", env={**os.environ, "TMPDIR": str(tmp_path)})
     me = psutil.Process(proc.pid)
     family = []
     try:
@@ -154,16 +155,20 @@ def test_a_candidate_s_processes_in_a_new_session_die_with_parity(ckpt, tmp_path
 
 
 @pytest.mark.skipif(not LINUX, reason="process groups and /proc")
-def test_ctrl_c_while_the_fork_server_imports_torch_is_one_line(ckpt):
+def test_ctrl_c_while_the_fork_server_imports_torch_is_one_line(ckpt, tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) in the first seconds of --jobs 2, while the
     fork server is still importing torch: exit 130, "parity: interrupted" and nothing else (the
     fork server printed a 13-63-line KeyboardInterrupt traceback after parity had exited; torch's
-    import swallowed the parent's Ctrl-C, which then ran on and passed), and no process left."""
+    import swallowed the parent's Ctrl-C, which then ran on and passed), no process left, and no
+    multiprocessing directory (pymp-*, the fork server's socket) left in TMPDIR."""
     from conftest import plugin
 
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     # the candidate holds the run (issue 49: a run that ended before the signal exited 0 under load)
     proc = _parity("check", ckpt("llama", layers=2), "--jobs", "2", "--candidate", plugin("held"), "-q",
-                   start_new_session=True, env={**os.environ, "PARITY_TEST_RELEASE": "/nonexistent/never"})
+                   start_new_session=True, env={**os.environ, "PARITY_TEST_RELEASE": "/nonexistent/never",
+                                                "TMPDIR": str(tmp)})
     me = psutil.Process(proc.pid)
     family = []
     try:
@@ -180,6 +185,7 @@ def test_ctrl_c_while_the_fork_server_imports_torch_is_one_line(ckpt):
         while _alive(family) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(family)
+        assert list(tmp.iterdir()) == []
     finally:
         proc.kill()
         _reap(family)
