@@ -70,3 +70,21 @@ def test_an_eps_planted_in_optimum_intels_ir_is_named_as_a_copy_and_inside_openv
         r, report = check_with_report(tmp_path, DATA / "llama" / "hf", *args)
         assert r.returncode == 1, r.stderr
         assert len(report["layers"]) == 5 and all("eps_mismatch" in codes for codes in finding_codes(report)), args
+
+
+@SLOW
+def test_a_lying_exporter_name_in_the_rt_info_is_cut_and_printed_as_text(tmp_path):
+    """rt_info is text from the file: an optimum_intel_version of 5,000 characters of terminal markup
+    is cut to its first 40 and printed as written, never interpreted; the norms still pass."""
+    ov = tmp_path / "ov"
+    shutil.copytree(DATA / "llama" / "ov", ov)
+    xml = ov / "openvino_model.xml"
+    lie = "[bold red]FAKE[/bold red]" + "x" * 5000
+    text = xml.read_text()
+    assert text.count('<optimum_intel_version value="2.2.0" />') == 1
+    xml.write_text(text.replace('<optimum_intel_version value="2.2.0" />', f'<optimum_intel_version value="{lie}" />'))
+    r, data = check_with_report(tmp_path, DATA / "llama" / "hf", "--candidate-checkpoint", xml)
+    assert r.returncode == 0 and all_pass(data), r.stderr
+    assert data["candidate"]["checkpoint"]["exporter"] == \
+        f"optimum-intel {lie[:40]} (transformers 5.5.4, OpenVINO 2026.4.1)"
+    assert f"optimum-intel {lie[:40]}" in r.stdout

@@ -71,28 +71,28 @@ BERT = [  # BertLoader: post-norm, the embeddings' LayerNorm, two a layer (BertM
     (r"encoder/layer_(\d+)/self_attention/layer_norm", r"encoder.layer.\1.attention.output.LayerNorm"),
     (r"encoder/layer_(\d+)/ffn/layer_norm", r"encoder.layer.\1.output.LayerNorm"),
 ]
-WHISPER = [  # WhisperLoader: pre-norm encoder and decoder, each with its final norm
-    (r"encoder/layer_(\d+)/self_attention/layer_norm", r"model.encoder.layers.\1.self_attn_layer_norm"),
-    (r"encoder/layer_(\d+)/ffn/layer_norm", r"model.encoder.layers.\1.final_layer_norm"),
-    (r"encoder/layer_norm", "model.encoder.layer_norm"),
-    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"model.decoder.layers.\1.self_attn_layer_norm"),
-    (r"decoder/layer_(\d+)/attention/layer_norm", r"model.decoder.layers.\1.encoder_attn_layer_norm"),
-    (r"decoder/layer_(\d+)/ffn/layer_norm", r"model.decoder.layers.\1.final_layer_norm"),
-    (r"decoder/layer_norm", "model.decoder.layer_norm"),
-]
+def _encoder_decoder(layer: str, self_attention: str, attention: str, ffn: tuple, final: str) -> list:
+    """WhisperLoader's, the BART family's and T5Loader's stacks: an encoder of self-attention and
+    feed-forward norms, a decoder with the cross-attention's between them, and each stack's final
+    norm; `layer` and `final` name them with the stack's name, `ffn` is (the encoder's, the decoder's)."""
+    out = []
+    for stack, parts in (("encoder", (("self_attention", self_attention), ("ffn", ffn[0]))),
+                         ("decoder", (("self_attention", self_attention), ("attention", attention), ("ffn", ffn[1])))):
+        out += [(rf"{stack}/layer_(\d+)/{part}/layer_norm", layer.format(stack=stack) + name) for part, name in parts]
+        out.append((f"{stack}/layer_norm", final.format(stack=stack)))
+    return out
+
+
+# WhisperLoader: pre-norm encoder and decoder
+WHISPER = _encoder_decoder(r"model.{stack}.layers.\1.", "self_attn_layer_norm", "encoder_attn_layer_norm",
+                           ("final_layer_norm", "final_layer_norm"), "model.{stack}.layer_norm")
 SEQ2SEQ = WHISPER + [  # BartLoader and its kin (Marian, mBART, M2M-100, Pegasus): an embeddings norm where set
     (r"encoder/layernorm_embedding", "model.encoder.layernorm_embedding"),
     (r"decoder/layernorm_embedding", "model.decoder.layernorm_embedding"),
 ]
-T5 = [  # T5Loader: RMSNorms (no beta), each sublayer's own norm, and each stack's final one
-    (r"encoder/layer_(\d+)/self_attention/layer_norm", r"encoder.block.\1.layer.0.layer_norm"),
-    (r"encoder/layer_(\d+)/ffn/layer_norm", r"encoder.block.\1.layer.1.layer_norm"),
-    (r"encoder/layer_norm", "encoder.final_layer_norm"),
-    (r"decoder/layer_(\d+)/self_attention/layer_norm", r"decoder.block.\1.layer.0.layer_norm"),
-    (r"decoder/layer_(\d+)/attention/layer_norm", r"decoder.block.\1.layer.1.layer_norm"),
-    (r"decoder/layer_(\d+)/ffn/layer_norm", r"decoder.block.\1.layer.2.layer_norm"),
-    (r"decoder/layer_norm", "decoder.final_layer_norm"),
-]
+# T5Loader: RMSNorms (no beta), each sublayer's own norm (numbered within its block)
+T5 = _encoder_decoder(r"{stack}.block.\1.layer.", "0.layer_norm", "1.layer_norm", ("1.layer_norm", "2.layer_norm"),
+                      "{stack}.final_layer_norm")
 # (the spec's name, the reference's model types) -> its names; the converter's loaders for these types
 # build these specs (ctranslate2/converters/transformers.py)
 LAYOUTS = [

@@ -171,17 +171,15 @@ def producer(model) -> str | None:
         except Exception:
             return None
 
-    runtime = get("Runtime_version")
-    runtime = f"OpenVINO {runtime.split('-')[0]}" if runtime else None
-    intel = get("optimum", "optimum_intel_version")
+    runtime, framework = get("Runtime_version"), get("conversion_parameters", "framework")
+    intel, transformers = get("optimum", "optimum_intel_version"), get("optimum", "transformers_version")
+    parts = [f"transformers {transformers}" if intel and transformers else None,
+             f"OpenVINO {runtime.split('-')[0]}" if runtime else None,
+             f"from {framework}" if framework and not intel else None]
+    said = ", ".join(p for p in parts if p)
     if intel:
-        transformers = get("optimum", "transformers_version")
-        parts = [f"transformers {transformers}" if transformers else None, runtime]
-        return f"optimum-intel {intel} ({', '.join(p for p in parts if p)})" if any(parts) else f"optimum-intel {intel}"
-    framework = get("conversion_parameters", "framework")
-    if runtime or framework:
-        return f"OpenVINO's converter ({', '.join(p for p in (runtime, f'from {framework}' if framework else None) if p)})"
-    return None
+        return f"optimum-intel {intel}" + (f" ({said})" if said else "")
+    return f"OpenVINO's converter ({said})" if said else None
 
 
 # --- the graph ------------------------------------------------------------------------------------

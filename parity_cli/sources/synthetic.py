@@ -373,13 +373,13 @@ def _opt_config(hidden: int, layers: int, eps: float) -> dict:
                 max_position_embeddings=64, word_embed_proj_dim=hidden, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-# model type -> (its config class, the model class written, its config's keyword arguments (hidden, layers, eps))
 def _falcon_config(h, n, e, extra) -> dict:
     # the word-level tokenizer's 43 words, which CTranslate2's converter takes as the vocabulary
     return dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=4, vocab_size=43, layer_norm_epsilon=e,
                 bos_token_id=1, eos_token_id=2, **extra)
 
 
+# model type -> (its config class, the model class written, its config's keyword arguments (hidden, layers, eps))
 RUNNABLE = {"llama": ("LlamaConfig", "LlamaForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", lambda h, n, e: _decoder_config(h, n, e, {})),
             "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
